@@ -1,0 +1,11 @@
+//! Types and code that more than one distmind service needs: the wire
+//! protocol and its framing, the cluster-key handshake, control messages,
+//! limits, checksums and the parsing of the `settings/` directory.
+#![forbid(unsafe_code)]
+
+pub mod checksum;
+pub mod handshake;
+pub mod limits;
+pub mod proto;
+pub mod settings;
+pub mod wire;

@@ -1,0 +1,31 @@
+//! The DistMind controller.
+//!
+//! This first part is the cluster's *metadata* endpoint (the first line of
+//! `settings/storage_list.txt`): the model catalog and the memory-server
+//! registry, served over the cluster protocol ([`distmind_common::proto`]),
+//! plus the pure sharding planner the deploy tool uses.
+//!
+//! Code map:
+//! * [`catalog`]: model name -> [`ModelEntry`](distmind_common::proto::ModelEntry), validated on put.
+//! * [`registry`]: memory servers, their boot ids and heartbeats; time is passed in.
+//! * [`state`]: catalog + registry, one request applied at a time (no IO).
+//! * [`placement`]: how a model's groups are sharded over memory servers (pure).
+//! * [`server`]: the tokio listener, connection handling and expiry task.
+//! * [`client`]: the blocking client used by the deploy tool, benches and tests.
+//!
+//! **Architecture invariant:** the controller knows nothing about CUDA, RDMA or
+//! parameter bytes; it holds locations and checksums only.
+//! **Architecture invariant:** [`state`], [`catalog`], [`registry`] and
+//! [`placement`] do no IO and never read the clock: the server passes `now` in.
+#![forbid(unsafe_code)]
+
+pub mod catalog;
+pub mod client;
+pub mod placement;
+pub mod registry;
+pub mod server;
+pub mod state;
+
+pub use client::{ClientError, ControllerClient};
+pub use placement::{plan, PlanError, PlanOptions, SlicePlan, Strategy};
+pub use server::{Controller, ControllerConfig, ControllerError};

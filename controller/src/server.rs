@@ -1,0 +1,315 @@
+//! The controller's listener: one task per connection, mini-redis style.
+//!
+//! A connection proves the cluster key, then sends JSON request frames and
+//! gets one reply frame each, in order. A frame that is intact but is not a
+//! request gets an `ErrorReply` and the connection goes on; a broken frame
+//! (bad header, too long, cut short) gets a best-effort error and the
+//! connection is closed. Nothing a client sends affects other clients.
+//!
+//! State lives in one [`ControllerState`] behind a `std` mutex held for one
+//! synchronous `apply` (never across an `.await`). Connections are capped by
+//! a semaphore; shutdown stops accepting, tells every connection to stop and
+//! waits for them.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use distmind_common::handshake::{self, ClusterKey};
+use distmind_common::limits::CONTROL_FRAME_BYTES_MAX;
+use distmind_common::proto::{ControllerReply, ControllerRequest, ErrorCode, ErrorReply};
+use distmind_common::wire::{self, FrameKind, Role, WireError};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, Semaphore};
+use tokio::task::JoinSet;
+
+use crate::registry::HEARTBEAT_INTERVAL_DEFAULT;
+use crate::state::ControllerState;
+
+/// Default cap on simultaneous connections.
+pub const MAX_CONNECTIONS_DEFAULT: usize = 1024;
+
+/// How long a best-effort error reply to a client whose framing broke may take.
+const FAREWELL_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// How long shutdown waits for connections to finish their current reply.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+#[derive(Debug, Clone)]
+pub struct ControllerConfig {
+    pub listen: SocketAddr,
+    pub key: ClusterKey,
+    /// How often memory servers heartbeat; 3 missed intervals = dead.
+    pub heartbeat_interval: Duration,
+    pub max_connections: usize,
+}
+
+impl ControllerConfig {
+    /// A config with the default heartbeat interval and connection cap.
+    pub fn new(listen: SocketAddr, key: ClusterKey) -> Self {
+        ControllerConfig {
+            listen,
+            key,
+            heartbeat_interval: HEARTBEAT_INTERVAL_DEFAULT,
+            max_connections: MAX_CONNECTIONS_DEFAULT,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ControllerError {
+    #[error("cannot listen on {addr}: {source} (is another controller running there?)")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid controller config: {0}")]
+    Config(String),
+    #[error("accepting connections on {addr} failed: {source}")]
+    Accept {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The state shared by every connection task.
+#[derive(Debug)]
+struct Shared {
+    state: Mutex<ControllerState>,
+    key: ClusterKey,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, ControllerState> {
+        // `apply` checks before it mutates, so the state behind a poisoned
+        // lock is still consistent; keep serving rather than cascade panics.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A bound controller, ready to [`serve`](Controller::serve).
+#[derive(Debug)]
+pub struct Controller {
+    listener: TcpListener,
+    local_addr: SocketAddr,
+    shared: Arc<Shared>,
+    heartbeat_interval: Duration,
+    max_connections: usize,
+}
+
+impl Controller {
+    pub async fn bind(config: ControllerConfig) -> Result<Controller, ControllerError> {
+        if config.heartbeat_interval.is_zero() {
+            return Err(ControllerError::Config(
+                "heartbeat_interval must be positive".into(),
+            ));
+        }
+        if config.max_connections == 0 {
+            return Err(ControllerError::Config(
+                "max_connections must be at least 1".into(),
+            ));
+        }
+        let listener =
+            TcpListener::bind(config.listen)
+                .await
+                .map_err(|source| ControllerError::Bind {
+                    addr: config.listen,
+                    source,
+                })?;
+        let local_addr = listener
+            .local_addr()
+            .map_err(|source| ControllerError::Bind {
+                addr: config.listen,
+                source,
+            })?;
+        Ok(Controller {
+            listener,
+            local_addr,
+            shared: Arc::new(Shared {
+                state: Mutex::new(ControllerState::new(config.heartbeat_interval)),
+                key: config.key,
+            }),
+            heartbeat_interval: config.heartbeat_interval,
+            max_connections: config.max_connections,
+        })
+    }
+
+    /// The address actually bound (useful with port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Serves until `shutdown` completes, then closes every connection.
+    pub async fn serve(self, shutdown: impl Future<Output = ()>) -> Result<(), ControllerError> {
+        log::info!("controller (metadata) listening on {}", self.local_addr);
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let mut tasks = JoinSet::new();
+        tasks.spawn(expire_loop(
+            self.shared.clone(),
+            self.heartbeat_interval,
+            stop_rx.clone(),
+        ));
+        let limit = Arc::new(Semaphore::new(self.max_connections));
+        let result = tokio::select! {
+            r = accept_loop(&self, &limit, &mut tasks, &stop_rx) => r,
+            _ = shutdown => Ok(()),
+        };
+        log::info!("controller on {} shutting down", self.local_addr);
+        drop(self.listener);
+        let _ = stop_tx.send(true);
+        let drain = async { while tasks.join_next().await.is_some() {} };
+        if tokio::time::timeout(SHUTDOWN_GRACE, drain).await.is_err() {
+            log::warn!("connections did not finish within {SHUTDOWN_GRACE:?}; aborting them");
+            tasks.abort_all();
+        }
+        result
+    }
+}
+
+async fn accept_loop(
+    c: &Controller,
+    limit: &Arc<Semaphore>,
+    tasks: &mut JoinSet<()>,
+    stop: &watch::Receiver<bool>,
+) -> Result<(), ControllerError> {
+    loop {
+        // Reap finished connection tasks so the set stays small.
+        while tasks.try_join_next().is_some() {}
+        let permit = match limit.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                log::warn!(
+                    "{} connections open (the limit): new connections wait",
+                    c.max_connections
+                );
+                limit
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .expect("the semaphore is never closed")
+            }
+        };
+        let (stream, peer) = match c.listener.accept().await {
+            Ok(v) => v,
+            Err(e) if is_transient(&e) => {
+                log::warn!("accept on {} failed: {e}; retrying", c.local_addr);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+            Err(source) => {
+                return Err(ControllerError::Accept {
+                    addr: c.local_addr,
+                    source,
+                })
+            }
+        };
+        let shared = c.shared.clone();
+        let mut stop = stop.clone();
+        tasks.spawn(async move {
+            tokio::select! {
+                _ = handle_connection(stream, peer, &shared) => {}
+                _ = stop.wait_for(|s| *s) => log::debug!("closing connection from {peer}: shutting down"),
+            }
+            drop(permit);
+        });
+    }
+}
+
+/// Errors that say something about one connection attempt, not the listener.
+fn is_transient(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(
+        e.kind(),
+        ConnectionAborted | ConnectionReset | Interrupted | WouldBlock | TimedOut
+    ) || e.raw_os_error().is_some_and(|c| c == 23 || c == 24) // ENFILE, EMFILE
+}
+
+async fn expire_loop(shared: Arc<Shared>, interval: Duration, mut stop: watch::Receiver<bool>) {
+    // Sweep twice per interval so a death is noticed within half an interval.
+    let mut tick = tokio::time::interval(interval / 2);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => { shared.lock().expire(Instant::now()); }
+            _ = stop.wait_for(|s| *s) => return,
+        }
+    }
+}
+
+async fn handle_connection(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
+    let _ = stream.set_nodelay(true);
+    match handshake::server(&mut stream, &shared.key).await {
+        Ok(Role::Control) => {}
+        Ok(role) => {
+            log::warn!("refused {peer}: asked for a {role:?} connection, the controller serves control only");
+            return;
+        }
+        Err(e) => {
+            log::warn!("refused connection from {peer}: {e}");
+            return;
+        }
+    }
+    log::debug!("control connection from {peer}");
+    loop {
+        let req = match wire::read_frame(&mut stream, CONTROL_FRAME_BYTES_MAX).await {
+            Ok(None) => return,
+            Ok(Some((FrameKind::Message, payload))) => {
+                match wire::decode_message::<ControllerRequest>(&payload) {
+                    Ok(req) => Ok(req),
+                    Err(e) => Err(format!("not a controller request: {e}")),
+                }
+            }
+            Ok(Some((kind, payload))) => Err(format!(
+                "the controller takes JSON message frames only, got a {kind:?} frame of {} bytes",
+                payload.len()
+            )),
+            Err(e @ (WireError::TooLarge { .. } | WireError::Malformed(_))) => {
+                log::warn!("closing connection from {peer}: {e}");
+                let farewell = ControllerReply::Error(ErrorReply::new(
+                    ErrorCode::BadRequest,
+                    format!("{e}; closing"),
+                ));
+                let _ = tokio::time::timeout(
+                    FAREWELL_TIMEOUT,
+                    wire::send_message(&mut stream, &farewell),
+                )
+                .await;
+                return;
+            }
+            Err(e) => {
+                log::warn!("closing connection from {peer}: {e}");
+                return;
+            }
+        };
+        let reply = match req {
+            Ok(req) => {
+                let outcome = shared.lock().apply(req, Instant::now());
+                outcome.into_reply()
+            }
+            Err(message) => {
+                log::warn!("bad request from {peer}: {message}");
+                ControllerReply::Error(ErrorReply::new(ErrorCode::BadRequest, message))
+            }
+        };
+        let mut payload = wire::encode_message(&reply);
+        if payload.len() > CONTROL_FRAME_BYTES_MAX as usize {
+            let message = format!(
+                "the reply is {} bytes, more than a frame's {CONTROL_FRAME_BYTES_MAX} bytes",
+                payload.len()
+            );
+            log::error!("cannot answer {peer}: {message}");
+            payload = wire::encode_message(&ControllerReply::Error(ErrorReply::new(
+                ErrorCode::Internal,
+                message,
+            )));
+        }
+        if let Err(e) = wire::write_frame(&mut stream, FrameKind::Message, &[&payload]).await {
+            log::warn!("closing connection from {peer}: cannot send reply: {e}");
+            return;
+        }
+    }
+}

@@ -1,0 +1,308 @@
+//! Everything the controller knows, and how one request changes it.
+//!
+//! [`ControllerState::apply`] is synchronous, does no IO and takes the time as
+//! an argument: the server calls it under a lock held for exactly one request,
+//! and tests call it directly. Replies that carry a model hold an `Arc` so the
+//! (possibly large) entry is cloned and serialised after the lock is released.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use distmind_common::proto::{ControllerReply, ControllerRequest, ErrorReply, ModelEntry};
+
+use crate::catalog::Catalog;
+use crate::registry::{Registration, Registry};
+
+/// A reply whose model entries are still shared with the catalog.
+#[derive(Debug)]
+pub enum Outcome {
+    Reply(ControllerReply),
+    Put { replaced: Option<Arc<ModelEntry>> },
+    Model(Arc<ModelEntry>),
+    Removed(Arc<ModelEntry>),
+}
+
+impl Outcome {
+    /// The wire reply (clones shared entries; call it outside the lock).
+    pub fn into_reply(self) -> ControllerReply {
+        let own = |e: Arc<ModelEntry>| Box::new(Arc::unwrap_or_clone(e));
+        match self {
+            Outcome::Reply(r) => r,
+            Outcome::Put { replaced } => ControllerReply::Put {
+                replaced: replaced.map(own),
+            },
+            Outcome::Model(e) => ControllerReply::Model { entry: own(e) },
+            Outcome::Removed(e) => ControllerReply::Removed { entry: own(e) },
+        }
+    }
+}
+
+impl From<ErrorReply> for Outcome {
+    fn from(e: ErrorReply) -> Self {
+        Outcome::Reply(ControllerReply::Error(e))
+    }
+}
+
+#[derive(Debug)]
+pub struct ControllerState {
+    catalog: Catalog,
+    registry: Registry,
+}
+
+impl ControllerState {
+    pub fn new(heartbeat_interval: Duration) -> Self {
+        ControllerState {
+            catalog: Catalog::new(),
+            registry: Registry::new(heartbeat_interval),
+        }
+    }
+
+    pub fn catalog(&self) -> &Catalog {
+        &self.catalog
+    }
+
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// Serves one request at time `now`.
+    pub fn apply(&mut self, req: ControllerRequest, now: Instant) -> Outcome {
+        match req {
+            ControllerRequest::RegisterMemserver {
+                addr,
+                capacity_bytes,
+                boot_id,
+            } => match self.register(&addr, capacity_bytes, boot_id, now) {
+                Ok(id) => Outcome::Reply(ControllerReply::Registered {
+                    memserver: id,
+                    heartbeat_interval_ms: self.registry.heartbeat_interval().as_millis() as u64,
+                }),
+                Err(e) => e.into(),
+            },
+            ControllerRequest::Heartbeat {
+                memserver,
+                boot_id,
+                used_bytes,
+            } => match self.registry.heartbeat(memserver, boot_id, used_bytes, now) {
+                Ok(came_back) => {
+                    if came_back {
+                        log::warn!(
+                            "memory server {memserver} ({}) is alive again",
+                            self.registry.addr(memserver).unwrap_or("?")
+                        );
+                    }
+                    Outcome::Reply(ControllerReply::HeartbeatOk)
+                }
+                Err(e) => e.into(),
+            },
+            ControllerRequest::ListMemservers => Outcome::Reply(ControllerReply::Memservers {
+                memservers: self.registry.list(now),
+            }),
+            ControllerRequest::PutModel { entry } => {
+                let name = entry.name.clone();
+                let registry = &self.registry;
+                match self.catalog.put(*entry, |id| registry.addr(id)) {
+                    Ok(replaced) => {
+                        log::info!(
+                            "model '{name}' {} ({} models in the catalog)",
+                            if replaced.is_some() {
+                                "replaced"
+                            } else {
+                                "added"
+                            },
+                            self.catalog.len()
+                        );
+                        Outcome::Put { replaced }
+                    }
+                    Err(e) => {
+                        log::warn!("refused model '{name}': {}", e.message);
+                        e.into()
+                    }
+                }
+            }
+            ControllerRequest::GetModel { name } => match self.catalog.get(&name) {
+                Ok(e) => Outcome::Model(e),
+                Err(e) => e.into(),
+            },
+            ControllerRequest::RemoveModel { name } => match self.catalog.remove(&name) {
+                Ok(e) => {
+                    log::info!(
+                        "model '{name}' removed ({} models in the catalog)",
+                        self.catalog.len()
+                    );
+                    Outcome::Removed(e)
+                }
+                Err(e) => e.into(),
+            },
+            ControllerRequest::ListModels => Outcome::Reply(ControllerReply::Models {
+                models: self.catalog.list(),
+            }),
+        }
+    }
+
+    fn register(
+        &mut self,
+        addr: &str,
+        capacity_bytes: u64,
+        boot_id: u64,
+        now: Instant,
+    ) -> Result<u32, ErrorReply> {
+        let reg = self.registry.register(addr, capacity_bytes, boot_id, now)?;
+        match reg {
+            Registration::New { id } => {
+                log::info!("memory server {id} registered at {addr} with {capacity_bytes} bytes")
+            }
+            Registration::Again { id } => {
+                log::info!("memory server {id} ({addr}) registered again")
+            }
+            Registration::Restarted { id, old_boot_id } => {
+                let dropped = self.catalog.drop_replicas_on(id);
+                let models: Vec<&str> = dropped.iter().map(|d| d.model.as_str()).collect();
+                log::warn!(
+                    "memory server {id} ({addr}) restarted (boot id {old_boot_id:#x} -> {boot_id:#x}) and lost its \
+                     arena; dropped its replicas from {} models: {models:?}",
+                    dropped.len()
+                );
+                for d in dropped.iter().filter(|d| d.unreadable_slices > 0) {
+                    log::error!(
+                        "model '{}' is unreadable until it is deployed again: {} of its slices had their only copy \
+                         on memory server {id} ({addr})",
+                        d.model,
+                        d.unreadable_slices
+                    );
+                }
+            }
+        }
+        Ok(reg.id())
+    }
+
+    /// Marks silent memory servers dead (logged); returns their ids.
+    pub fn expire(&mut self, now: Instant) -> Vec<u32> {
+        let died = self.registry.expire(now);
+        for (id, addr) in &died {
+            log::warn!(
+                "memory server {id} ({addr}) is dead: no heartbeat for more than {:?}",
+                self.registry.dead_after()
+            );
+        }
+        died.into_iter().map(|(id, _)| id).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::catalog::tests::entry;
+    use distmind_common::proto::ErrorCode;
+
+    fn reply(s: &mut ControllerState, req: ControllerRequest, now: Instant) -> ControllerReply {
+        s.apply(req, now).into_reply()
+    }
+
+    fn register(s: &mut ControllerState, port: u32, boot_id: u64, now: Instant) -> u32 {
+        let req = ControllerRequest::RegisterMemserver {
+            addr: format!("127.0.0.1:{}", 7000 + port),
+            capacity_bytes: 1 << 20,
+            boot_id,
+        };
+        match reply(s, req, now) {
+            ControllerReply::Registered {
+                memserver,
+                heartbeat_interval_ms,
+            } => {
+                assert_eq!(heartbeat_interval_ms, 100);
+                memserver
+            }
+            r => panic!("{r:?}"),
+        }
+    }
+
+    #[test]
+    fn restart_with_a_new_boot_id_drops_replicas_from_the_catalog() {
+        let t0 = Instant::now();
+        let mut s = ControllerState::new(Duration::from_millis(100));
+        for i in 0..3 {
+            assert_eq!(register(&mut s, i, 1, t0), i);
+        }
+        let put = ControllerRequest::PutModel {
+            entry: Box::new(entry("m", 2)),
+        };
+        assert_eq!(
+            reply(&mut s, put, t0),
+            ControllerReply::Put { replaced: None }
+        );
+        // Same boot id: nothing lost.
+        register(&mut s, 2, 1, t0);
+        assert_eq!(
+            s.catalog().get("m").unwrap().groups[0].slices[0]
+                .replicas
+                .len(),
+            2
+        );
+        // New boot id on server 2 (the replica of every slice).
+        register(&mut s, 2, 2, t0);
+        let m = s.catalog().get("m").unwrap();
+        for slice in m.groups.iter().flat_map(|g| &g.slices) {
+            assert_eq!(slice.replicas.len(), 1);
+            assert_ne!(slice.replicas[0].memserver, 2);
+        }
+        // Server 0 restarts too: the slices that lived only there are now unreadable.
+        register(&mut s, 0, 5, t0);
+        let m = s.catalog().get("m").unwrap();
+        assert!(m.groups[0].slices[0].replicas.is_empty());
+        assert_eq!(m.groups[0].slices[1].replicas.len(), 1);
+    }
+
+    #[test]
+    fn put_needs_registered_memservers_and_get_reports_unknown_models() {
+        let t0 = Instant::now();
+        let mut s = ControllerState::new(Duration::from_millis(100));
+        register(&mut s, 0, 1, t0);
+        let put = ControllerRequest::PutModel {
+            entry: Box::new(entry("m", 1)),
+        };
+        match reply(&mut s, put, t0) {
+            ControllerReply::Error(e) => {
+                assert_eq!(e.code, ErrorCode::BadRequest);
+                assert!(
+                    e.message.contains("memory server 2 is not registered"),
+                    "{e}"
+                );
+            }
+            r => panic!("{r:?}"),
+        }
+        match reply(&mut s, ControllerRequest::GetModel { name: "m".into() }, t0) {
+            ControllerReply::Error(e) => assert_eq!(e.code, ErrorCode::UnknownModel),
+            r => panic!("{r:?}"),
+        }
+    }
+
+    #[test]
+    fn expiry_and_return_through_requests() {
+        let t0 = Instant::now();
+        let mut s = ControllerState::new(Duration::from_millis(100));
+        let id = register(&mut s, 0, 1, t0);
+        assert!(s.expire(t0 + Duration::from_millis(250)).is_empty());
+        assert_eq!(s.expire(t0 + Duration::from_millis(301)), vec![id]);
+        let hb = ControllerRequest::Heartbeat {
+            memserver: id,
+            boot_id: 1,
+            used_bytes: 9,
+        };
+        assert_eq!(
+            reply(&mut s, hb, t0 + Duration::from_millis(400)),
+            ControllerReply::HeartbeatOk
+        );
+        match reply(
+            &mut s,
+            ControllerRequest::ListMemservers,
+            t0 + Duration::from_millis(400),
+        ) {
+            ControllerReply::Memservers { memservers } => {
+                assert!(memservers[0].alive);
+                assert_eq!(memservers[0].used_bytes, 9);
+            }
+            r => panic!("{r:?}"),
+        }
+    }
+}

@@ -1,0 +1,210 @@
+//! One control connection: JSON [`MemserverRequest`]s, each answered by one
+//! [`MemserverReply`], and write-chunk frames (`u64 LE offset` + bytes), which
+//! get no reply: the first chunk rejected since the last `Commit` is reported
+//! by the next `Commit`, which then does not commit.
+//!
+//! Bad input gets an `ErrorReply`; where the framing itself is lost (bad
+//! header, frame over the bound) the connection is closed after it.
+
+use std::net::SocketAddr;
+
+use distmind_common::checksum;
+use distmind_common::limits::{CONTROL_FRAME_BYTES_MAX, NAME_BYTES_MAX};
+use distmind_common::proto::{ErrorCode, ErrorReply, MemserverReply, MemserverRequest};
+use distmind_common::wire::{self, FrameKind, WireError};
+use log::{debug, info, warn};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+
+use crate::server::Shared;
+
+/// Write chunks rejected since the last commit.
+#[derive(Default)]
+struct Rejected {
+    first: Option<ErrorReply>,
+    count: u64,
+}
+
+pub(crate) async fn serve(
+    shared: &Shared,
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    stop: &mut watch::Receiver<bool>,
+) {
+    debug!("control connection from {peer}");
+    let mut rejected = Rejected::default();
+    loop {
+        let frame = tokio::select! {
+            biased;
+            _ = stop.wait_for(|&s| s) => return,
+            f = wire::read_frame(&mut stream, CONTROL_FRAME_BYTES_MAX) => f,
+        };
+        let reply = match frame {
+            Ok(None) => return,
+            Ok(Some((FrameKind::WriteChunk, payload))) => {
+                write_chunk(shared, peer, &payload, &mut rejected);
+                continue;
+            }
+            Ok(Some((FrameKind::Message, payload))) => {
+                match wire::decode_message::<MemserverRequest>(&payload) {
+                    Ok(req) => handle(shared, peer, req, &mut rejected).await,
+                    Err(e) => {
+                        warn!("control request from {peer} is not a memory server request: {e}");
+                        error(
+                            ErrorCode::BadRequest,
+                            format!("not a memory server request: {e}"),
+                        )
+                    }
+                }
+            }
+            Err(WireError::Truncated) => {
+                warn!("control connection from {peer} ended in the middle of a frame");
+                return;
+            }
+            Err(WireError::Io(e)) => {
+                debug!("control connection from {peer}: {e}");
+                return;
+            }
+            Err(e) => {
+                // The framing is lost: say why, then close.
+                warn!("bad frame from {peer} (closing the connection): {e}");
+                let reply = error(ErrorCode::BadRequest, format!("bad frame: {e}"));
+                if wire::send_message(&mut stream, &reply).await.is_ok() {
+                    crate::server::close_after_error(&mut stream).await;
+                }
+                return;
+            }
+        };
+        if let Err(e) = wire::send_message(&mut stream, &reply).await {
+            debug!("control connection from {peer} closed before its reply: {e}");
+            return;
+        }
+    }
+}
+
+fn error(code: ErrorCode, message: impl Into<String>) -> MemserverReply {
+    MemserverReply::Error(ErrorReply::new(code, message))
+}
+
+fn write_chunk(shared: &Shared, peer: SocketAddr, payload: &[u8], rejected: &mut Rejected) {
+    let result = match payload.split_first_chunk::<8>() {
+        None => Err(ErrorReply::new(
+            ErrorCode::BadRequest,
+            format!(
+                "write chunk of {} bytes has no 8-byte offset",
+                payload.len()
+            ),
+        )),
+        Some((offset, data)) => {
+            let offset = u64::from_le_bytes(*offset);
+            shared.arena.write(offset, data).map_err(|e| {
+                let mut r = e.to_reply();
+                r.message = format!("write of {} bytes at {offset} rejected: {}", data.len(), e);
+                r
+            })
+        }
+    };
+    if let Err(e) = result {
+        if rejected.first.is_none() {
+            warn!(
+                "write chunk from {peer} rejected (reported at its commit): {}",
+                e.message
+            );
+            rejected.first = Some(e);
+        }
+        rejected.count += 1;
+    }
+}
+
+async fn handle(
+    shared: &Shared,
+    peer: SocketAddr,
+    req: MemserverRequest,
+    rejected: &mut Rejected,
+) -> MemserverReply {
+    match req {
+        MemserverRequest::Alloc { bytes, owner } => {
+            if owner.len() > NAME_BYTES_MAX {
+                return error(
+                    ErrorCode::BadRequest,
+                    format!(
+                        "owner name of {} bytes exceeds {NAME_BYTES_MAX}",
+                        owner.len()
+                    ),
+                );
+            }
+            match shared.arena.alloc(bytes, &owner) {
+                Ok(offset) => {
+                    debug!("{peer}: allocated {bytes} bytes at {offset} for {owner:?}");
+                    MemserverReply::Allocated { offset }
+                }
+                Err(e) => {
+                    warn!("{peer}: alloc of {bytes} bytes for {owner:?} failed: {e}");
+                    MemserverReply::Error(e.to_reply())
+                }
+            }
+        }
+        MemserverRequest::Commit { offset, checksum } => {
+            if let Some(mut first) = rejected.first.take() {
+                let n = std::mem::take(&mut rejected.count);
+                first.message = format!(
+                    "extent at {offset} not committed: {n} write chunk(s) were rejected since \
+                     the last commit; the first: {}",
+                    first.message
+                );
+                return MemserverReply::Error(first);
+            }
+            commit(shared, peer, offset, &checksum).await
+        }
+        MemserverRequest::Free { offset } => match shared.arena.free(offset) {
+            Ok(outcome) => {
+                debug!("{peer}: freed extent at {offset} ({outcome:?})");
+                MemserverReply::Freed { offset }
+            }
+            Err(e) => {
+                warn!("{peer}: free of {offset} failed: {e}");
+                MemserverReply::Error(e.to_reply())
+            }
+        },
+        MemserverRequest::Stats => MemserverReply::Stats(shared.stats()),
+    }
+}
+
+async fn commit(shared: &Shared, peer: SocketAddr, offset: u64, want_hex: &str) -> MemserverReply {
+    let Some(want) = checksum::from_hex(want_hex) else {
+        return error(
+            ErrorCode::BadRequest,
+            format!("checksum {want_hex:?} is not 16 hex digits (xxh3-64)"),
+        );
+    };
+    let lease = match shared.arena.begin_commit(offset) {
+        Ok(lease) => lease,
+        Err(e) => {
+            warn!("{peer}: commit of {offset} refused: {e}");
+            return MemserverReply::Error(e.to_reply());
+        }
+    };
+    // Hashing a large extent takes milliseconds: keep it off the async workers.
+    let (lease, got) = tokio::task::spawn_blocking(move || {
+        let got = checksum::checksum(lease.bytes());
+        (lease, got)
+    })
+    .await
+    .expect("checksum task panicked");
+    if got != want {
+        let len = lease.bytes().len();
+        drop(lease);
+        warn!("{peer}: commit of {offset} ({len} bytes): checksum mismatch");
+        return error(
+            ErrorCode::ChecksumMismatch,
+            format!(
+                "extent at {offset} ({len} bytes): checksum of the bytes written is {}, the \
+                 commit says {want_hex}; the extent stays writable (rewrite it or free it)",
+                checksum::to_hex(got)
+            ),
+        );
+    }
+    lease.commit();
+    info!("{peer}: committed extent at {offset}");
+    MemserverReply::Committed { offset }
+}

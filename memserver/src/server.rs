@@ -1,0 +1,361 @@
+//! The memory server's listener, mini-redis style: [`Memserver::bind`]
+//! allocates the arena and binds the port once; [`Memserver::serve`] accepts
+//! connections until its shutdown future resolves. Each connection is its own
+//! task (handshake, then `control` or `data` by role), bounded by a semaphore.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use distmind_common::handshake::{self, ClusterKey};
+use distmind_common::limits::READ_CHUNK_BYTES_MAX;
+use distmind_common::proto::MemserverStats;
+use distmind_common::wire::Role;
+use distmind_transport::MemoryError;
+use log::{error, info, warn};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+
+use crate::arena::Arena;
+
+/// How long in-flight requests get to finish once shutdown starts.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+/// Default bound on open connections.
+pub const CONNECTIONS_MAX_DEFAULT: usize = 256;
+/// Default bound on bytes of read replies being sent at once.
+pub const READ_BYTES_IN_FLIGHT_MAX_DEFAULT: u64 = 256 << 20;
+
+const _: () = assert!(READ_BYTES_IN_FLIGHT_MAX_DEFAULT >= READ_CHUNK_BYTES_MAX);
+const _: () = assert!(READ_CHUNK_BYTES_MAX <= u32::MAX as u64);
+
+#[derive(Debug, Clone)]
+pub struct MemserverConfig {
+    pub listen: SocketAddr,
+    pub capacity_bytes: u64,
+    pub key: ClusterKey,
+    /// `host:port` of the controller's metadata port; `None`: do not register.
+    pub controller: Option<String>,
+    /// Address to register with the controller; default: the bound address.
+    pub advertise: Option<String>,
+    pub max_connections: usize,
+    /// At least [`READ_CHUNK_BYTES_MAX`], so that any one read can proceed.
+    pub read_bytes_in_flight_max: u64,
+    pub huge_pages: bool,
+}
+
+impl MemserverConfig {
+    /// A configuration with the documented defaults.
+    pub fn new(listen: SocketAddr, capacity_bytes: u64, key: ClusterKey) -> Self {
+        MemserverConfig {
+            listen,
+            capacity_bytes,
+            key,
+            controller: None,
+            advertise: None,
+            max_connections: CONNECTIONS_MAX_DEFAULT,
+            read_bytes_in_flight_max: READ_BYTES_IN_FLIGHT_MAX_DEFAULT,
+            huge_pages: true,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MemserverError {
+    #[error("invalid memory server configuration: {0}")]
+    Config(String),
+    #[error("cannot allocate the {capacity_bytes}-byte arena: {source} (lower --capacity?)")]
+    Arena {
+        capacity_bytes: u64,
+        #[source]
+        source: MemoryError,
+    },
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// State every connection task shares.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub arena: Arc<Arena>,
+    pub key: ClusterKey,
+    pub capacity_bytes: u64,
+    /// Permits are bytes of read replies being written.
+    pub read_bytes: Semaphore,
+    pub connections: AtomicU64,
+    pub bytes_served: AtomicU64,
+    pub reads_served: AtomicU64,
+    pub handshakes_refused: AtomicU64,
+    pub connections_refused: AtomicU64,
+}
+
+impl Shared {
+    pub fn stats(&self) -> MemserverStats {
+        let t = self.arena.stats();
+        MemserverStats {
+            capacity_bytes: self.capacity_bytes,
+            used_bytes: t.alloc.used_bytes,
+            largest_free_bytes: t.alloc.largest_free_bytes,
+            extents: t.alloc.extents,
+            connections: self.connections.load(Ordering::Relaxed),
+            bytes_served: self.bytes_served.load(Ordering::Relaxed),
+            reads_served: self.reads_served.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Read-only view of a running server's counters (for tests and metrics).
+#[derive(Debug, Clone)]
+pub struct StatsHandle(Arc<Shared>);
+
+impl StatsHandle {
+    pub fn snapshot(&self) -> MemserverStats {
+        self.0.stats()
+    }
+    /// Connections whose handshake failed (wrong key, garbage, timeout).
+    pub fn handshakes_refused(&self) -> u64 {
+        self.0.handshakes_refused.load(Ordering::Relaxed)
+    }
+    /// Connections closed at once because the connection bound was reached.
+    pub fn connections_refused(&self) -> u64 {
+        self.0.connections_refused.load(Ordering::Relaxed)
+    }
+}
+
+pub struct Memserver {
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    config: MemserverConfig,
+    boot_id: u64,
+}
+
+impl Memserver {
+    /// Allocates and faults in the arena (once, here), then binds the port.
+    pub async fn bind(config: MemserverConfig) -> Result<Memserver, MemserverError> {
+        if config.max_connections == 0 {
+            return Err(MemserverError::Config(
+                "max_connections must be at least 1".into(),
+            ));
+        }
+        if config.read_bytes_in_flight_max < READ_CHUNK_BYTES_MAX {
+            return Err(MemserverError::Config(format!(
+                "read_bytes_in_flight_max is {} bytes; it must be at least the largest read, {}",
+                config.read_bytes_in_flight_max, READ_CHUNK_BYTES_MAX
+            )));
+        }
+        let in_flight = usize::try_from(config.read_bytes_in_flight_max)
+            .ok()
+            .filter(|&n| n <= Semaphore::MAX_PERMITS)
+            .ok_or_else(|| {
+                MemserverError::Config("read_bytes_in_flight_max is too large".into())
+            })?;
+        let listener =
+            TcpListener::bind(config.listen)
+                .await
+                .map_err(|source| MemserverError::Bind {
+                    addr: config.listen,
+                    source,
+                })?;
+        let (capacity_bytes, huge) = (config.capacity_bytes, config.huge_pages);
+        let started = Instant::now();
+        // Faulting in gigabytes takes seconds: keep it off the async workers.
+        let arena = tokio::task::spawn_blocking(move || Arena::new(capacity_bytes, huge))
+            .await
+            .expect("arena allocation panicked")
+            .map_err(|source| MemserverError::Arena {
+                capacity_bytes,
+                source,
+            })?;
+        info!(
+            "memory server arena: {} bytes allocated and faulted in in {:.3} s (huge pages: {})",
+            capacity_bytes,
+            started.elapsed().as_secs_f64(),
+            arena.huge_pages()
+        );
+        let shared = Arc::new(Shared {
+            arena: Arc::new(arena),
+            key: config.key.clone(),
+            capacity_bytes,
+            read_bytes: Semaphore::new(in_flight),
+            connections: AtomicU64::new(0),
+            bytes_served: AtomicU64::new(0),
+            reads_served: AtomicU64::new(0),
+            handshakes_refused: AtomicU64::new(0),
+            connections_refused: AtomicU64::new(0),
+        });
+        Ok(Memserver {
+            listener,
+            shared,
+            config,
+            boot_id: rand::random(),
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener
+            .local_addr()
+            .expect("a bound listener has an address")
+    }
+
+    pub fn stats_handle(&self) -> StatsHandle {
+        StatsHandle(Arc::clone(&self.shared))
+    }
+
+    /// Changes on every process start; sent to the controller.
+    pub fn boot_id(&self) -> u64 {
+        self.boot_id
+    }
+
+    /// Serves until `shutdown` resolves, then stops accepting, gives
+    /// in-flight requests [`SHUTDOWN_GRACE`] to finish, and returns.
+    pub async fn serve(self, shutdown: impl Future<Output = ()>) -> Result<(), MemserverError> {
+        let local = self.local_addr();
+        info!("memory server listening on {local}");
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let limit = Arc::new(Semaphore::new(self.config.max_connections));
+        let mut tasks = JoinSet::new();
+        if let Some(controller) = self.config.controller.clone() {
+            let advertise = self
+                .config
+                .advertise
+                .clone()
+                .unwrap_or_else(|| local.to_string());
+            tasks.spawn(crate::register::run(
+                Arc::clone(&self.shared),
+                controller,
+                advertise,
+                self.boot_id,
+                stop_rx.clone(),
+            ));
+        }
+        let mut refusing = false;
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => break,
+                Some(done) = tasks.join_next(), if !tasks.is_empty() => report_join(done),
+                accepted = self.listener.accept() => match accepted {
+                    Ok((stream, peer)) => match Arc::clone(&limit).try_acquire_owned() {
+                        Ok(permit) => {
+                            refusing = false;
+                            let shared = Arc::clone(&self.shared);
+                            let stop = stop_rx.clone();
+                            tasks.spawn(handle_connection(shared, stream, peer, stop, permit));
+                        }
+                        Err(_) => {
+                            self.shared.connections_refused.fetch_add(1, Ordering::Relaxed);
+                            // Once per episode of being full, not once per connection.
+                            if !refusing {
+                                warn!(
+                                    "refusing connection from {peer}: {} connections open (the bound); \
+                                     closing new connections until one ends",
+                                    self.config.max_connections
+                                );
+                                refusing = true;
+                            }
+                            drop(stream);
+                        }
+                    },
+                    Err(e) => {
+                        // Typically EMFILE: back off instead of spinning.
+                        warn!("accept on {local} failed: {e}; retrying in 100 ms");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                },
+            }
+        }
+        drop(self.listener);
+        info!(
+            "memory server {local} shutting down: {} tasks to finish",
+            tasks.len()
+        );
+        let _ = stop_tx.send(true);
+        let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
+            while let Some(done) = tasks.join_next().await {
+                report_join(done);
+            }
+        })
+        .await;
+        if drained.is_err() {
+            warn!(
+                "{} connections still busy after {SHUTDOWN_GRACE:?}; closing them",
+                tasks.len()
+            );
+            tasks.shutdown().await;
+        }
+        info!("memory server {local} stopped");
+        Ok(())
+    }
+}
+
+fn report_join(done: Result<(), tokio::task::JoinError>) {
+    if let Err(e) = done {
+        if e.is_panic() {
+            error!("a memory server connection task panicked: {e}");
+        }
+    }
+}
+
+/// Decrements the open-connection count when a connection ends.
+struct OpenConnection<'a>(&'a AtomicU64);
+
+impl Drop for OpenConnection<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+async fn handle_connection(
+    shared: Arc<Shared>,
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    mut stop: watch::Receiver<bool>,
+    _permit: OwnedSemaphorePermit,
+) {
+    shared.connections.fetch_add(1, Ordering::Relaxed);
+    let _open = OpenConnection(&shared.connections);
+    let _ = stream.set_nodelay(true);
+    let role = match handshake::server(&mut stream, &shared.key).await {
+        Ok(role) => role,
+        Err(e) => {
+            shared.handshakes_refused.fetch_add(1, Ordering::Relaxed);
+            warn!("refused connection from {peer}: {e}");
+            return;
+        }
+    };
+    match role {
+        Role::Control => crate::control::serve(&shared, stream, peer, &mut stop).await,
+        Role::Data => crate::data::serve(&shared, stream, peer, &mut stop).await,
+    }
+}
+
+/// Bytes of unread input a closing connection discards, at most.
+const LINGER_DRAIN_BYTES_MAX: usize = 1 << 20;
+const LINGER_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// Closes a connection whose last reply is an error, so that the peer reads
+/// that reply: closing with unread input would send a reset, which can
+/// discard the reply before the peer reads it. Sends FIN, then discards
+/// input (bounded in bytes and time) until the peer closes too.
+pub(crate) async fn close_after_error(stream: &mut TcpStream) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let _ = stream.shutdown().await;
+    let drain = async {
+        let mut buf = [0u8; 4096];
+        let mut left = LINGER_DRAIN_BYTES_MAX;
+        while left > 0 {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => left = left.saturating_sub(n),
+            }
+        }
+    };
+    let _ = tokio::time::timeout(LINGER_TIMEOUT, drain).await;
+}

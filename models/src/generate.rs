@@ -1,0 +1,106 @@
+//! `distmind model gen`: packages with seeded, deterministic random weights.
+
+use std::path::PathBuf;
+
+use distmind_common::checksum::checksum;
+use distmind_common::limits::GROUP_BYTES_DEFAULT;
+
+use crate::config::{Family, Scale};
+use crate::graph::{Init, ParamDecl};
+use crate::package::{write_package, PackageSpec};
+use crate::Result;
+
+/// What `generate` writes.
+#[derive(Debug, Clone)]
+pub struct GenOptions {
+    pub family: Family,
+    /// Number of variants (each with different weights: seed + i).
+    pub variants: usize,
+    pub out_dir: PathBuf,
+    pub scale: Scale,
+    pub seed: u64,
+    pub group_bytes: u64,
+}
+
+impl GenOptions {
+    /// One full-scale variant, seed 0, the default group size.
+    pub fn new(family: Family, out_dir: impl Into<PathBuf>) -> Self {
+        GenOptions {
+            family,
+            variants: 1,
+            out_dir: out_dir.into(),
+            scale: Scale::Full,
+            seed: 0,
+            group_bytes: GROUP_BYTES_DEFAULT,
+        }
+    }
+}
+
+/// The original's model names: `resnet152-alter-1-00000000` at full scale,
+/// `resnet152-tiny-00000000` at tiny scale.
+pub fn variant_name(family: Family, scale: Scale, i: usize) -> String {
+    match scale {
+        Scale::Full => format!("{family}-alter-1-{i:08}"),
+        Scale::Tiny => format!("{family}-tiny-{i:08}"),
+    }
+}
+
+/// Writes `opts.variants` packages under `opts.out_dir`; returns their directories.
+pub fn generate(opts: &GenOptions) -> Result<Vec<PathBuf>> {
+    let config = opts.family.config(opts.scale);
+    let arch = config.build();
+    let mut dirs = Vec::with_capacity(opts.variants);
+    for i in 0..opts.variants {
+        let seed = opts.seed.wrapping_add(i as u64);
+        let data: Vec<Vec<u8>> = arch.params.iter().map(|p| random_param(p, seed)).collect();
+        let spec = PackageSpec {
+            name: variant_name(opts.family, opts.scale, i),
+            config: config.clone(),
+            scale: opts.scale,
+            seed: Some(seed),
+            group_bytes: opts.group_bytes,
+        };
+        write_package(&opts.out_dir, &spec, &arch, &data)?;
+        dirs.push(opts.out_dir.join(&spec.name));
+    }
+    Ok(dirs)
+}
+
+/// SplitMix64: tiny, fast and good enough for weights.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    fn unit(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 * (1.0 / (1u64 << 24) as f32)
+    }
+}
+
+/// The little-endian f32 bytes of one param. A param's values depend only on
+/// the seed and its name.
+pub(crate) fn random_param(p: &ParamDecl, seed: u64) -> Vec<u8> {
+    let mut rng = SplitMix64(seed ^ checksum(p.name.as_bytes()));
+    let (lo, hi) = match p.init {
+        Init::FanIn(fan_in) => {
+            let b = 1.0 / (fan_in.max(1) as f32).sqrt();
+            (-b, b)
+        }
+        Init::Uniform(lo, hi) => (lo, hi),
+        Init::AroundOne => (0.9, 1.1),
+    };
+    let n = p.numel();
+    let mut out = Vec::with_capacity(n * 4);
+    for _ in 0..n {
+        let v = lo + (hi - lo) * rng.unit();
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out
+}

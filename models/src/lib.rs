@@ -1,0 +1,38 @@
+//! The DistMind model zoo: the five families of the evaluation as layer
+//! graphs with their frameworks' exact parameter names and shapes, the
+//! package format (`manifest.json` + a standard `weights.safetensors`) and
+//! the packed layout memory servers store and GPU servers read group by group.
+//!
+//! - [`config`]: [`Family`], [`Scale`] and the hyper-parameters every
+//!   architecture is built from.
+//! - [`graph`]: layers and ops (semantics in `OPS.md`); [`shape`]: shape rules.
+//! - [`layout`]: params in layer order, 512-byte aligned, grouped at layer boundaries.
+//! - [`package`]: [`Package::open`], [`Package::group_bytes`], [`Package::verify`].
+//! - [`generate()`]: seeded packages; [`inspect()`]: a readable table.
+//!
+//! **Architecture invariant:** nothing here executes a graph or does IO
+//! beyond the package directory; executors live in `runtime`.
+#![forbid(unsafe_code)]
+
+pub mod config;
+mod error;
+mod families;
+pub mod generate;
+pub mod graph;
+pub mod inspect;
+pub mod layout;
+pub mod package;
+pub mod shape;
+
+pub use config::{
+    BertConfig, DensenetConfig, Family, Gpt2Config, InceptionConfig, ModelConfig, ResnetConfig,
+    Scale,
+};
+pub use error::{ModelError, Result};
+pub use generate::{generate, variant_name, GenOptions};
+pub use graph::{Architecture, Dtype, Layer, Op, OutputSpec, TensorSpec};
+pub use inspect::inspect;
+pub use package::{write_package, GroupEntry, Manifest, Package, PackageSpec, ParamEntry};
+
+#[cfg(test)]
+mod tests;

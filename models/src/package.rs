@@ -1,0 +1,594 @@
+//! The package on disk: `DIR/<name>/manifest.json` + `DIR/<name>/weights.safetensors`.
+//!
+//! `weights.safetensors` is a standard safetensors file (f32, the framework's
+//! names), loadable by any reader. The manifest adds the layer graph and the
+//! packed layout (see [`crate::layout`]) with a checksum per group.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{BufWriter, Read, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use distmind_common::checksum::{checksum, to_hex, Checksummer};
+use distmind_common::limits::PARAM_ALIGN_BYTES;
+use serde::{Deserialize, Serialize};
+
+use crate::config::{Family, ModelConfig, Scale};
+use crate::graph::{Architecture, Dtype, Layer, OutputSpec, TensorSpec};
+use crate::layout::{self, align_up, Layout};
+use crate::{shape, ModelError, Result};
+
+/// Version of the manifest format written by this crate.
+pub const FORMAT_VERSION: u32 = 1;
+pub const MANIFEST_FILE: &str = "manifest.json";
+pub const WEIGHTS_FILE: &str = "weights.safetensors";
+/// Largest safetensors header accepted (bounded before allocation).
+const SAFETENSORS_HEADER_BYTES_MAX: u64 = 100 << 20;
+
+/// One parameter: where it lies in the packed layout.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParamEntry {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub dtype: Dtype,
+    /// Id of the layer that uses it.
+    pub layer: usize,
+    pub group: usize,
+    /// Byte offset within the group (a multiple of `alignment`).
+    pub offset: u64,
+    /// Unpadded size in bytes.
+    pub nbytes: u64,
+    /// False for BatchNorm running statistics.
+    pub learnable: bool,
+}
+
+/// One group of the packed layout.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupEntry {
+    pub index: usize,
+    /// Byte offset of the group in the whole packed model.
+    pub offset: u64,
+    /// Padded length (a multiple of `alignment`).
+    pub bytes: u64,
+    pub first_layer: usize,
+    pub last_layer: usize,
+    /// `to_hex(checksum(padded group bytes))` (xxh3-64).
+    pub checksum: String,
+}
+
+/// Everything about a package except the weights themselves.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format_version: u32,
+    pub name: String,
+    pub family: Family,
+    pub scale: Scale,
+    /// Seed the weights were drawn from; `None` for imported checkpoints.
+    pub seed: Option<u64>,
+    pub config: ModelConfig,
+    pub inputs: Vec<TensorSpec>,
+    pub outputs: Vec<OutputSpec>,
+    pub group_bytes: u64,
+    pub alignment: u64,
+    pub learnable_param_count: u64,
+    /// Sum of the group lengths: the bytes a memory server stores.
+    pub stored_bytes: u64,
+    pub layers: Vec<Layer>,
+    /// In layer order (the packed order).
+    pub params: Vec<ParamEntry>,
+    pub groups: Vec<GroupEntry>,
+}
+
+impl Manifest {
+    /// The params of group `g`, in packed order.
+    pub fn group_params(&self, g: usize) -> impl Iterator<Item = &ParamEntry> {
+        self.params.iter().filter(move |p| p.group == g)
+    }
+}
+
+/// What names a package being written.
+#[derive(Debug, Clone)]
+pub struct PackageSpec {
+    pub name: String,
+    pub config: ModelConfig,
+    pub scale: Scale,
+    pub seed: Option<u64>,
+    pub group_bytes: u64,
+}
+
+/// Borrowed f32 bytes as a safetensors view.
+struct F32View<'a> {
+    shape: &'a [usize],
+    data: &'a [u8],
+}
+
+impl safetensors::View for F32View<'_> {
+    fn dtype(&self) -> safetensors::Dtype {
+        safetensors::Dtype::F32
+    }
+    fn shape(&self) -> &[usize] {
+        self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+fn layout_of(
+    layers: &[Layer],
+    names: &HashMap<&str, (usize, u64)>,
+    group_bytes: u64,
+) -> Result<Layout, String> {
+    layout::plan(
+        layers,
+        names.len(),
+        |n| names.get(n).copied(),
+        group_bytes,
+        PARAM_ALIGN_BYTES,
+    )
+}
+
+/// Writes `dir/<name>/` from an architecture's params and their bytes
+/// (`data[i]`: little-endian f32 of `arch.params[i]`). Returns the manifest.
+pub fn write_package(
+    out_dir: &Path,
+    spec: &PackageSpec,
+    arch: &Architecture,
+    data: &[Vec<u8>],
+) -> Result<Manifest> {
+    if spec.group_bytes == 0 {
+        return Err(ModelError::InvalidOption(
+            "group_bytes must be at least 1".into(),
+        ));
+    }
+    assert_eq!(arch.params.len(), data.len(), "one byte buffer per param");
+    let dir = out_dir.join(&spec.name);
+    std::fs::create_dir_all(&dir)
+        .map_err(ModelError::io(&dir, "cannot create package directory"))?;
+    let mut names = HashMap::new();
+    for (i, (p, d)) in arch.params.iter().zip(data).enumerate() {
+        let nbytes = (p.numel() * 4) as u64;
+        assert_eq!(
+            d.len() as u64,
+            nbytes,
+            "param {} has {} bytes, expected {nbytes}",
+            p.name,
+            d.len()
+        );
+        if names.insert(p.name.as_str(), (i, nbytes)).is_some() {
+            panic!("architecture declares param {} twice", p.name);
+        }
+    }
+    let mut layout =
+        layout_of(&arch.layers, &names, spec.group_bytes).map_err(|what| ModelError::Graph {
+            model: spec.name.clone(),
+            layer: 0,
+            name: String::new(),
+            what,
+        })?;
+    // Checksums of the padded groups, streamed in layer order.
+    let zeros = vec![0u8; PARAM_ALIGN_BYTES as usize];
+    let mut sums: Vec<Checksummer> = vec![Checksummer::new(); layout.groups.len()];
+    let mut order: Vec<usize> = (0..arch.params.len()).collect();
+    order.sort_by_key(|&i| (layout.placements[i].group, layout.placements[i].offset));
+    for &i in &order {
+        let d = &data[i];
+        let g = layout.placements[i].group;
+        sums[g].update(d);
+        let pad = align_up(d.len() as u64, PARAM_ALIGN_BYTES) as usize - d.len();
+        sums[g].update(&zeros[..pad]);
+    }
+    let views = arch.params.iter().zip(data).map(|(p, d)| {
+        (
+            p.name.clone(),
+            F32View {
+                shape: &p.shape,
+                data: d,
+            },
+        )
+    });
+    let weights = dir.join(WEIGHTS_FILE);
+    safetensors::serialize_to_file(views, None, &weights).map_err(|e| ModelError::BadWeights {
+        path: weights.clone(),
+        what: format!("cannot write: {e}"),
+    })?;
+    let mut layers = arch.layers.clone();
+    for (l, g) in layers.iter_mut().zip(&layout.layer_groups) {
+        l.group = *g;
+    }
+    let owner: HashMap<&str, usize> = arch
+        .layers
+        .iter()
+        .flat_map(|l| l.params.iter().map(move |p| (p.as_str(), l.id)))
+        .collect();
+    let params = order
+        .iter()
+        .map(|&i| {
+            let p = &arch.params[i];
+            let pl = layout.placements[i];
+            ParamEntry {
+                name: p.name.clone(),
+                shape: p.shape.clone(),
+                dtype: Dtype::F32,
+                layer: owner[p.name.as_str()],
+                group: pl.group,
+                offset: pl.offset,
+                nbytes: data[i].len() as u64,
+                learnable: p.learnable,
+            }
+        })
+        .collect::<Vec<_>>();
+    let manifest = Manifest {
+        format_version: FORMAT_VERSION,
+        name: spec.name.clone(),
+        family: spec.config.family(),
+        scale: spec.scale,
+        seed: spec.seed,
+        config: spec.config.clone(),
+        inputs: arch.inputs.clone(),
+        outputs: arch.outputs.clone(),
+        group_bytes: spec.group_bytes,
+        alignment: PARAM_ALIGN_BYTES,
+        learnable_param_count: arch.learnable_param_count(),
+        stored_bytes: layout.stored_bytes(),
+        layers,
+        params,
+        groups: std::mem::take(&mut layout.groups)
+            .into_iter()
+            .zip(&sums)
+            .enumerate()
+            .map(|(index, (g, s))| GroupEntry {
+                index,
+                offset: g.offset,
+                bytes: g.bytes,
+                first_layer: g.first_layer,
+                last_layer: g.last_layer,
+                checksum: to_hex(s.finish()),
+            })
+            .collect(),
+    };
+    let path = dir.join(MANIFEST_FILE);
+    let file = File::create(&path).map_err(ModelError::io(&path, "cannot create manifest"))?;
+    let mut w = BufWriter::new(file);
+    serde_json::to_writer_pretty(&mut w, &manifest).map_err(|source| {
+        ModelError::ManifestParse {
+            path: path.clone(),
+            source,
+        }
+    })?;
+    w.write_all(b"\n")
+        .and_then(|_| w.flush())
+        .map_err(ModelError::io(&path, "cannot write manifest"))?;
+    Ok(manifest)
+}
+
+/// An opened, validated package.
+#[derive(Debug)]
+pub struct Package {
+    pub dir: PathBuf,
+    pub manifest: Manifest,
+    weights_path: PathBuf,
+    weights: File,
+    /// Per manifest param: absolute byte offset of its data in the weights file.
+    file_offsets: Vec<u64>,
+    /// Per group: range of manifest params it holds.
+    group_ranges: Vec<std::ops::Range<usize>>,
+}
+
+#[derive(Deserialize)]
+struct SafetensorsEntry {
+    dtype: String,
+    shape: Vec<usize>,
+    data_offsets: [u64; 2],
+}
+
+impl Package {
+    /// Opens `dir` (holding `manifest.json` and `weights.safetensors`) and
+    /// checks that the manifest, the graph, the layout and the weights file
+    /// agree. Group checksums are checked by [`Package::verify`].
+    pub fn open(dir: impl AsRef<Path>) -> Result<Package> {
+        let dir = dir.as_ref().to_path_buf();
+        let mpath = dir.join(MANIFEST_FILE);
+        let text = std::fs::read(&mpath).map_err(ModelError::io(&mpath, "cannot read manifest"))?;
+        let manifest: Manifest =
+            serde_json::from_slice(&text).map_err(|source| ModelError::ManifestParse {
+                path: mpath.clone(),
+                source,
+            })?;
+        let bad = |what: String| ModelError::BadManifest {
+            path: mpath.clone(),
+            what,
+        };
+        let group_ranges = check_manifest(&manifest).map_err(bad)?;
+        let weights_path = dir.join(WEIGHTS_FILE);
+        let (weights, file_offsets) = check_weights(&weights_path, &manifest)?;
+        Ok(Package {
+            dir,
+            manifest,
+            weights_path,
+            weights,
+            file_offsets,
+            group_ranges,
+        })
+    }
+
+    pub fn group_count(&self) -> usize {
+        self.manifest.groups.len()
+    }
+
+    /// The packed, zero-padded bytes of group `g`.
+    pub fn group_bytes(&self, g: usize) -> Result<Vec<u8>> {
+        let entry = self.manifest.groups.get(g).ok_or(ModelError::NoSuchGroup {
+            group: g,
+            groups: self.manifest.groups.len(),
+        })?;
+        let mut buf = vec![0u8; entry.bytes as usize];
+        for i in self.group_ranges[g].clone() {
+            let p = &self.manifest.params[i];
+            let dst = &mut buf[p.offset as usize..(p.offset + p.nbytes) as usize];
+            self.weights
+                .read_exact_at(dst, self.file_offsets[i])
+                .map_err(ModelError::io(
+                    &self.weights_path,
+                    "cannot read parameter bytes",
+                ))?;
+        }
+        Ok(buf)
+    }
+
+    /// All groups, packed.
+    pub fn packed(&self) -> Result<Vec<Vec<u8>>> {
+        (0..self.group_count())
+            .map(|g| self.group_bytes(g))
+            .collect()
+    }
+
+    /// Little-endian f32 bytes of one param, by name.
+    pub fn param_bytes(&self, name: &str) -> Result<Vec<u8>> {
+        let i = self
+            .manifest
+            .params
+            .iter()
+            .position(|p| p.name == name)
+            .ok_or_else(|| ModelError::BadManifest {
+                path: self.dir.join(MANIFEST_FILE),
+                what: format!("no param named {name}"),
+            })?;
+        let mut buf = vec![0u8; self.manifest.params[i].nbytes as usize];
+        self.weights
+            .read_exact_at(&mut buf, self.file_offsets[i])
+            .map_err(ModelError::io(
+                &self.weights_path,
+                "cannot read parameter bytes",
+            ))?;
+        Ok(buf)
+    }
+
+    /// Recomputes every group's checksum and compares it with the manifest.
+    pub fn verify(&self) -> Result<()> {
+        for (g, entry) in self.manifest.groups.iter().enumerate() {
+            let actual = to_hex(checksum(&self.group_bytes(g)?));
+            if actual != entry.checksum {
+                return Err(ModelError::Checksum {
+                    path: self.weights_path.clone(),
+                    group: g,
+                    expected: entry.checksum.clone(),
+                    actual,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Checks the manifest against itself: graph shapes, params used once, the
+/// recorded layout equal to the recomputed one. Returns each group's param range.
+fn check_manifest(m: &Manifest) -> Result<Vec<std::ops::Range<usize>>, String> {
+    if m.format_version != FORMAT_VERSION {
+        return Err(format!(
+            "format_version {} (this build reads {FORMAT_VERSION})",
+            m.format_version
+        ));
+    }
+    if m.alignment != PARAM_ALIGN_BYTES {
+        return Err(format!(
+            "alignment {} (expected {PARAM_ALIGN_BYTES})",
+            m.alignment
+        ));
+    }
+    if m.group_bytes == 0 {
+        return Err("group_bytes is 0".into());
+    }
+    if m.config.family() != m.family {
+        return Err(format!(
+            "family {} but config of {}",
+            m.family,
+            m.config.family()
+        ));
+    }
+    let mut names: HashMap<&str, (usize, u64)> = HashMap::new();
+    for (i, p) in m.params.iter().enumerate() {
+        if p.dtype != Dtype::F32 {
+            return Err(format!(
+                "param {} has dtype {:?}, expected F32",
+                p.name, p.dtype
+            ));
+        }
+        let want = p.shape.iter().product::<usize>() as u64 * 4;
+        if p.nbytes != want {
+            return Err(format!(
+                "param {} has nbytes {} but shape {:?} needs {want}",
+                p.name, p.nbytes, p.shape
+            ));
+        }
+        if names.insert(&p.name, (i, p.nbytes)).is_some() {
+            return Err(format!("param {} listed twice", p.name));
+        }
+    }
+    let shapes = shape::infer(&m.layers, &m.inputs, |n| {
+        names.get(n).map(|&(i, _)| m.params[i].shape.as_slice())
+    })
+    .map_err(|(l, what)| format!("layer {l} ({}): {what}", m.layers[l].name))?;
+    for o in &m.outputs {
+        let s = shapes
+            .get(o.layer)
+            .ok_or_else(|| format!("output {} reads missing layer {}", o.name, o.layer))?;
+        if s.dims != o.shape || s.dtype != o.dtype {
+            return Err(format!(
+                "output {} declared {:?} but layer {} gives {:?}",
+                o.name, o.shape, o.layer, s.dims
+            ));
+        }
+    }
+    let layout = layout_of(&m.layers, &names, m.group_bytes)?;
+    for (l, g) in m.layers.iter().zip(&layout.layer_groups) {
+        if l.group != *g {
+            return Err(format!(
+                "layer {} ({}) in group {:?}, layout gives {:?}",
+                l.id, l.name, l.group, g
+            ));
+        }
+    }
+    for (i, (p, pl)) in m.params.iter().zip(&layout.placements).enumerate() {
+        if (p.group, p.offset) != (pl.group, pl.offset) {
+            return Err(format!(
+                "param {} at group {} offset {}, layout gives group {} offset {}",
+                p.name, p.group, p.offset, pl.group, pl.offset
+            ));
+        }
+        if i > 0 && (m.params[i - 1].group, m.params[i - 1].offset) > (p.group, p.offset) {
+            return Err(format!("param {} is out of layer order", p.name));
+        }
+        if !m.layers[p.layer].params.contains(&p.name) {
+            return Err(format!(
+                "param {} names layer {} which does not use it",
+                p.name, p.layer
+            ));
+        }
+    }
+    if m.groups.len() != layout.groups.len() {
+        return Err(format!(
+            "{} groups, layout gives {}",
+            m.groups.len(),
+            layout.groups.len()
+        ));
+    }
+    for (i, (g, plan)) in m.groups.iter().zip(&layout.groups).enumerate() {
+        let recorded = (g.index, g.offset, g.bytes, g.first_layer, g.last_layer);
+        let want = (
+            i,
+            plan.offset,
+            plan.bytes,
+            plan.first_layer,
+            plan.last_layer,
+        );
+        if recorded != want {
+            return Err(format!(
+                "group {i} is (index, offset, bytes, first_layer, last_layer) = {recorded:?}, layout gives {want:?}"
+            ));
+        }
+        if distmind_common::checksum::from_hex(&g.checksum).is_none() {
+            return Err(format!(
+                "group {i} checksum {:?} is not 16 hex digits",
+                g.checksum
+            ));
+        }
+    }
+    if m.stored_bytes != layout.stored_bytes() {
+        return Err(format!(
+            "stored_bytes {} but groups sum to {}",
+            m.stored_bytes,
+            layout.stored_bytes()
+        ));
+    }
+    let learnable: u64 = m
+        .params
+        .iter()
+        .filter(|p| p.learnable)
+        .map(|p| p.nbytes / 4)
+        .sum();
+    if m.learnable_param_count != learnable {
+        return Err(format!(
+            "learnable_param_count {} but params give {learnable}",
+            m.learnable_param_count
+        ));
+    }
+    let mut ranges = vec![0..0; m.groups.len()];
+    for (i, p) in m.params.iter().enumerate() {
+        let r = &mut ranges[p.group];
+        if r.start == r.end {
+            *r = i..i + 1;
+        } else {
+            r.end = i + 1;
+        }
+    }
+    Ok(ranges)
+}
+
+/// Reads the safetensors header and checks every param against it.
+/// Returns the open file and each param's absolute data offset.
+fn check_weights(path: &Path, m: &Manifest) -> Result<(File, Vec<u64>)> {
+    let bad = |what: String| ModelError::BadWeights {
+        path: path.to_path_buf(),
+        what,
+    };
+    let mut file = File::open(path).map_err(ModelError::io(path, "cannot open weights"))?;
+    let file_len = file
+        .metadata()
+        .map_err(ModelError::io(path, "cannot stat weights"))?
+        .len();
+    let mut n = [0u8; 8];
+    file.read_exact(&mut n)
+        .map_err(|_| bad("shorter than a safetensors header".into()))?;
+    let n = u64::from_le_bytes(n);
+    if n > SAFETENSORS_HEADER_BYTES_MAX || 8 + n > file_len {
+        return Err(bad(format!(
+            "header length {n} does not fit a {file_len}-byte file"
+        )));
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact(&mut header)
+        .map_err(ModelError::io(path, "cannot read header"))?;
+    let mut entries: HashMap<String, serde_json::Value> = serde_json::from_slice(&header)
+        .map_err(|e| bad(format!("header is not valid JSON: {e}")))?;
+    entries.remove("__metadata__");
+    let data_start = 8 + n;
+    let mut data_end = 0u64;
+    let mut offsets = Vec::with_capacity(m.params.len());
+    for p in &m.params {
+        let v = entries
+            .remove(&p.name)
+            .ok_or_else(|| bad(format!("tensor {} is missing", p.name)))?;
+        let e: SafetensorsEntry = serde_json::from_value(v)
+            .map_err(|err| bad(format!("tensor {}: bad header entry: {err}", p.name)))?;
+        if e.dtype != "F32" || e.shape != p.shape {
+            return Err(bad(format!(
+                "tensor {} is {} {:?}, expected F32 {:?}",
+                p.name, e.dtype, e.shape, p.shape
+            )));
+        }
+        let [s, t] = e.data_offsets;
+        if t < s || t - s != p.nbytes {
+            return Err(bad(format!(
+                "tensor {} spans {s}..{t}, expected {} bytes",
+                p.name, p.nbytes
+            )));
+        }
+        data_end = data_end.max(t);
+        offsets.push(data_start + s);
+    }
+    if let Some(extra) = entries.keys().next() {
+        return Err(bad(format!("tensor {extra} is not in the manifest")));
+    }
+    if data_start + data_end != file_len {
+        return Err(bad(format!(
+            "file is {file_len} bytes, header says {} (truncated or trailing bytes)",
+            data_start + data_end
+        )));
+    }
+    Ok((file, offsets))
+}

@@ -1,0 +1,415 @@
+//! Unit tests over all families: counts, graphs, layouts, packages.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use crate::config::{Family, Scale};
+use crate::graph::{Architecture, Dtype};
+use crate::layout::{align_up, plan};
+use crate::package::{Package, MANIFEST_FILE, WEIGHTS_FILE};
+use crate::{generate, inspect, shape, GenOptions, ModelError};
+
+const SCALES: [Scale; 2] = [Scale::Full, Scale::Tiny];
+
+fn tiny_opts(family: Family, dir: &Path) -> GenOptions {
+    GenOptions {
+        family,
+        variants: 1,
+        out_dir: dir.to_path_buf(),
+        scale: Scale::Tiny,
+        seed: 7,
+        group_bytes: 4096,
+    }
+}
+
+fn open_err(dir: &Path) -> ModelError {
+    match Package::open(dir) {
+        Ok(_) => panic!("{} opened despite the damage", dir.display()),
+        Err(e) => e,
+    }
+}
+
+fn stored_bytes(arch: &Architecture) -> u64 {
+    arch.params
+        .iter()
+        .map(|p| align_up(p.numel() as u64 * 4, 512))
+        .sum()
+}
+
+#[test]
+fn learnable_counts_match_the_frameworks() {
+    let want = [
+        (Family::Resnet152, 60_192_808),
+        (Family::InceptionV3, 23_834_568),
+        (Family::Densenet201, 20_013_928),
+        (Family::BertBase, 109_482_240),
+        (Family::Gpt2, 124_439_808),
+    ];
+    for (family, count) in want {
+        assert_eq!(family.learnable_params(Scale::Full), count, "{family}");
+    }
+}
+
+#[test]
+fn stored_sizes_are_near_the_originals() {
+    let want_mb = [
+        (Family::Resnet152, 241.4),
+        (Family::InceptionV3, 95.6),
+        (Family::Densenet201, 81.0),
+        (Family::BertBase, 437.9),
+        (Family::Gpt2, 497.8),
+    ];
+    for (family, mb) in want_mb {
+        let got = stored_bytes(&family.config(Scale::Full).build()) as f64 / 1e6;
+        eprintln!("{family}: {got:.1} MB stored");
+        assert!(
+            (got - mb).abs() / mb < 0.01,
+            "{family}: {got:.1} MB, original {mb} MB"
+        );
+    }
+}
+
+#[test]
+fn tiny_models_are_small() {
+    for family in Family::ALL {
+        let bytes = stored_bytes(&family.config(Scale::Tiny).build());
+        eprintln!("{family} tiny: {bytes} bytes");
+        assert!(bytes < 2_000_000, "{family} tiny is {bytes} bytes");
+    }
+}
+
+#[test]
+fn family_names_round_trip() {
+    for family in Family::ALL {
+        assert_eq!(family.to_string().parse::<Family>().unwrap(), family);
+    }
+    assert_eq!("tiny".parse::<Scale>().unwrap(), Scale::Tiny);
+    let err = "resnet50".parse::<Family>().unwrap_err().to_string();
+    assert!(
+        err.contains("resnet50") && err.contains("inception_v3"),
+        "{err}"
+    );
+}
+
+#[test]
+fn shapes_infer_for_every_family_and_scale() {
+    for family in Family::ALL {
+        for scale in SCALES {
+            let arch = family.config(scale).build();
+            let by_name: HashMap<&str, &[usize]> = arch
+                .params
+                .iter()
+                .map(|p| (p.name.as_str(), p.shape.as_slice()))
+                .collect();
+            assert_eq!(
+                by_name.len(),
+                arch.params.len(),
+                "{family} {scale}: duplicate param names"
+            );
+            let shapes = shape::infer(&arch.layers, &arch.inputs, |n| by_name.get(n).copied())
+                .unwrap_or_else(|(l, e)| {
+                    panic!("{family} {scale}: layer {l} ({}): {e}", arch.layers[l].name)
+                });
+            let n = arch.inputs[0].shape[0];
+            let last = shapes.last().unwrap();
+            match family {
+                Family::BertBase | Family::Gpt2 => {
+                    let l = arch.inputs[0].shape[1];
+                    assert_eq!(arch.inputs[0].dtype, Dtype::I64);
+                    let hidden = &arch.outputs[0];
+                    assert_eq!(hidden.name, "last_hidden_state");
+                    assert_eq!(shapes[hidden.layer].dims, vec![n, l, hidden.shape[2]]);
+                }
+                _ => assert_eq!(last.dims, vec![n, 1000], "{family} {scale}"),
+            }
+            for o in &arch.outputs {
+                assert_eq!(
+                    shapes[o.layer].dims, o.shape,
+                    "{family} {scale} output {}",
+                    o.name
+                );
+            }
+            assert_eq!(arch.outputs.last().unwrap().layer, arch.layers.len() - 1);
+            // Every param is used by exactly one layer; layer names are unique.
+            let mut uses: HashMap<&str, usize> = HashMap::new();
+            for l in &arch.layers {
+                for p in &l.params {
+                    *uses.entry(p.as_str()).or_default() += 1;
+                }
+            }
+            for p in &arch.params {
+                assert_eq!(
+                    uses.get(p.name.as_str()),
+                    Some(&1),
+                    "{family} {scale}: {}",
+                    p.name
+                );
+            }
+            assert_eq!(uses.len(), arch.params.len());
+            let mut names: Vec<&str> = arch.layers.iter().map(|l| l.name.as_str()).collect();
+            names.sort_unstable();
+            names.dedup();
+            assert_eq!(
+                names.len(),
+                arch.layers.len(),
+                "{family} {scale}: duplicate layer names"
+            );
+        }
+    }
+}
+
+#[test]
+fn cnn_input_specs() {
+    let spec = |f: Family, s: Scale| f.config(s).build().inputs[0].shape.clone();
+    assert_eq!(spec(Family::Resnet152, Scale::Full), vec![8, 3, 224, 224]);
+    assert_eq!(spec(Family::InceptionV3, Scale::Full), vec![8, 3, 299, 299]);
+    assert_eq!(spec(Family::Densenet201, Scale::Tiny), vec![1, 3, 32, 32]);
+    assert_eq!(spec(Family::InceptionV3, Scale::Tiny), vec![1, 3, 75, 75]);
+    assert_eq!(spec(Family::Gpt2, Scale::Full), vec![8, 512]);
+    assert_eq!(spec(Family::BertBase, Scale::Tiny), vec![1, 16]);
+}
+
+fn layout_for(arch: &Architecture, group_bytes: u64) -> crate::layout::Layout {
+    let index: HashMap<&str, (usize, u64)> = arch
+        .params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (p.name.as_str(), (i, p.numel() as u64 * 4)))
+        .collect();
+    plan(
+        &arch.layers,
+        arch.params.len(),
+        |n| index.get(n).copied(),
+        group_bytes,
+        512,
+    )
+    .unwrap()
+}
+
+#[test]
+fn groups_respect_the_size_rule_and_alignment() {
+    for family in Family::ALL {
+        let arch = family.config(Scale::Full).build();
+        for group_bytes in [1, 1 << 20, 32_768_000, u64::MAX / 4] {
+            let layout = layout_for(&arch, group_bytes);
+            let mut end = 0;
+            for (g, plan) in layout.groups.iter().enumerate() {
+                assert_eq!(plan.offset, end, "{family}: group {g} not contiguous");
+                end += plan.bytes;
+                assert_eq!(plan.bytes % 512, 0);
+                let one_layer = plan.first_layer == plan.last_layer;
+                assert!(
+                    plan.bytes <= group_bytes || one_layer,
+                    "{family}: group {g} too big"
+                );
+            }
+            for p in &layout.placements {
+                assert_eq!(p.offset % 512, 0);
+            }
+            let with_params = arch.layers.iter().filter(|l| !l.params.is_empty()).count();
+            if group_bytes == 1 {
+                assert_eq!(
+                    layout.groups.len(),
+                    with_params,
+                    "{family}: one group per layer"
+                );
+            }
+            if group_bytes == u64::MAX / 4 {
+                assert_eq!(layout.groups.len(), 1, "{family}: one group");
+            }
+            // Greedy: a group followed by another could not take its first layer.
+            for w in layout.groups.windows(2) {
+                let next_first: u64 = arch.layers[w[1].first_layer]
+                    .params
+                    .iter()
+                    .map(|n| {
+                        let p = arch.params.iter().find(|p| &p.name == n).unwrap();
+                        align_up(p.numel() as u64 * 4, 512)
+                    })
+                    .sum();
+                assert!(w[0].bytes + next_first > group_bytes);
+            }
+        }
+    }
+}
+
+#[test]
+fn every_tiny_family_round_trips() {
+    let dir = tempfile::tempdir().unwrap();
+    for family in Family::ALL {
+        let dirs = generate(&tiny_opts(family, dir.path())).unwrap();
+        assert_eq!(
+            dirs,
+            vec![dir.path().join(format!("{family}-tiny-00000000"))]
+        );
+        let pkg = Package::open(&dirs[0]).unwrap();
+        pkg.verify().unwrap();
+        let m = &pkg.manifest;
+        assert_eq!(m.family, family);
+        assert_eq!(
+            m.learnable_param_count,
+            family.learnable_params(Scale::Tiny)
+        );
+        assert!(
+            m.groups.len() > 1,
+            "{family}: 4096-byte groups should give several"
+        );
+        let packed = pkg.packed().unwrap();
+        assert_eq!(
+            packed.iter().map(|g| g.len() as u64).sum::<u64>(),
+            m.stored_bytes
+        );
+        // Packed bytes hold each param at its offset, matching the safetensors data.
+        for p in m.params.iter().take(5) {
+            let bytes = pkg.param_bytes(&p.name).unwrap();
+            let g = &packed[p.group];
+            assert_eq!(
+                &g[p.offset as usize..(p.offset + p.nbytes) as usize],
+                &bytes[..]
+            );
+        }
+        let text = inspect(&pkg);
+        assert!(text.contains(&m.layers[0].name) && text.contains(&m.groups[0].checksum));
+        // The weights file is standard safetensors.
+        let raw = std::fs::read(dirs[0].join(WEIGHTS_FILE)).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&raw).unwrap();
+        assert_eq!(st.len(), m.params.len());
+    }
+}
+
+#[test]
+fn group_size_extremes() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = tiny_opts(Family::Resnet152, dir.path());
+    opts.group_bytes = 1;
+    let pkg = Package::open(&generate(&opts).unwrap()[0]).unwrap();
+    let with_params = pkg
+        .manifest
+        .layers
+        .iter()
+        .filter(|l| !l.params.is_empty())
+        .count();
+    assert_eq!(pkg.group_count(), with_params);
+    opts.group_bytes = 1 << 40;
+    let pkg = Package::open(&generate(&opts).unwrap()[0]).unwrap();
+    assert_eq!(pkg.group_count(), 1);
+    pkg.verify().unwrap();
+}
+
+#[test]
+fn variants_differ_and_are_deterministic() {
+    let a = tempfile::tempdir().unwrap();
+    let b = tempfile::tempdir().unwrap();
+    let mut opts = tiny_opts(Family::Gpt2, a.path());
+    opts.variants = 2;
+    let da = generate(&opts).unwrap();
+    opts.out_dir = b.path().to_path_buf();
+    let db = generate(&opts).unwrap();
+    let sums = |d: &Path| -> Vec<String> {
+        let p = Package::open(d).unwrap();
+        p.manifest
+            .groups
+            .iter()
+            .map(|g| g.checksum.clone())
+            .collect()
+    };
+    assert_eq!(da[1].file_name().unwrap(), "gpt2-tiny-00000001");
+    assert_ne!(sums(&da[0]), sums(&da[1]));
+    assert_eq!(sums(&da[0]), sums(&db[0]));
+    let full = crate::variant_name(Family::Resnet152, Scale::Full, 3);
+    assert_eq!(full, "resnet152-alter-1-00000003");
+}
+
+#[test]
+fn corrupted_weights_are_detected() {
+    let dir = tempfile::tempdir().unwrap();
+    let pkg_dir = generate(&tiny_opts(Family::BertBase, dir.path()))
+        .unwrap()
+        .remove(0);
+    let weights = pkg_dir.join(WEIGHTS_FILE);
+    let mut raw = std::fs::read(&weights).unwrap();
+    let last = raw.len() - 3;
+    raw[last] ^= 0x40;
+    std::fs::write(&weights, &raw).unwrap();
+    let err = Package::open(&pkg_dir).unwrap().verify().unwrap_err();
+    assert!(matches!(err, ModelError::Checksum { .. }), "{err}");
+    assert!(err.to_string().contains("weights.safetensors"), "{err}");
+    // Truncated.
+    std::fs::write(&weights, &raw[..raw.len() - 100]).unwrap();
+    let err = open_err(&pkg_dir);
+    assert!(matches!(err, ModelError::BadWeights { .. }), "{err}");
+    assert!(err.to_string().contains("weights.safetensors"), "{err}");
+    // Missing.
+    std::fs::remove_file(&weights).unwrap();
+    let err = open_err(&pkg_dir);
+    assert!(err.to_string().contains("weights.safetensors"), "{err}");
+}
+
+#[test]
+fn corrupted_manifests_are_detected() {
+    let dir = tempfile::tempdir().unwrap();
+    let pkg_dir = generate(&tiny_opts(Family::Densenet201, dir.path()))
+        .unwrap()
+        .remove(0);
+    let path = pkg_dir.join(MANIFEST_FILE);
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(&path, &text[..text.len() / 2]).unwrap();
+    let err = open_err(&pkg_dir);
+    assert!(matches!(err, ModelError::ManifestParse { .. }), "{err}");
+    assert!(err.to_string().contains("manifest.json"), "{err}");
+    // Valid JSON, wrong layout.
+    let mut m: serde_json::Value = serde_json::from_str(&text).unwrap();
+    m["params"][2]["offset"] = serde_json::json!(0);
+    std::fs::write(&path, m.to_string()).unwrap();
+    let err = open_err(&pkg_dir);
+    assert!(matches!(err, ModelError::BadManifest { .. }), "{err}");
+    assert!(err.to_string().contains("manifest.json"), "{err}");
+    // Wrong shape in a layer attribute.
+    let mut m: serde_json::Value = serde_json::from_str(&text).unwrap();
+    m["layers"][0]["attrs"]["out_channels"] = serde_json::json!(9);
+    std::fs::write(&path, m.to_string()).unwrap();
+    let err = open_err(&pkg_dir).to_string();
+    assert!(err.contains("features.conv0"), "{err}");
+}
+
+#[test]
+fn manifest_layers_use_op_and_attrs_keys() {
+    let arch = Family::Gpt2.config(Scale::Tiny).build();
+    let v = serde_json::to_value(&arch.layers).unwrap();
+    let attn = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["op"] == "attention")
+        .unwrap();
+    assert_eq!(attn["attrs"]["causal"], true);
+    assert_eq!(attn["inputs"].as_array().unwrap().len(), 1);
+    let relu =
+        serde_json::to_value(&Family::Resnet152.config(Scale::Tiny).build().layers[2]).unwrap();
+    assert_eq!(relu["op"], "relu");
+    let back: crate::Layer = serde_json::from_value(relu).unwrap();
+    assert_eq!(back.op, crate::Op::Relu);
+}
+
+/// Full-scale packages: slow unoptimised, so release builds only
+/// (`cargo test --release -p distmind-models`).
+#[cfg(not(debug_assertions))]
+#[test]
+fn full_scale_packages_round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    for family in Family::ALL {
+        let mut opts = GenOptions::new(family, dir.path());
+        opts.seed = 1;
+        let t = std::time::Instant::now();
+        let d = generate(&opts).unwrap().remove(0);
+        let gen_s = t.elapsed().as_secs_f64();
+        let pkg = Package::open(&d).unwrap();
+        pkg.verify().unwrap();
+        eprintln!(
+            "{family}: {} bytes stored, {} groups, generated in {gen_s:.2}s",
+            pkg.manifest.stored_bytes,
+            pkg.group_count()
+        );
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}

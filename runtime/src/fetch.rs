@@ -1,0 +1,373 @@
+//! Cache-in of one model: every slice of every group is read at once (group 0
+//! first, bytes in flight bounded), each group is checksummed when its last
+//! slice lands, and a failed read is retried on the slice's next replica.
+//!
+//! The model lands in the packed layout: group g at `base + sum(bytes of
+//! groups < g)`, so parameter offsets from the manifest apply unchanged.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use distmind_common::checksum::{checksum, from_hex};
+use distmind_common::proto::ModelEntry;
+use distmind_transport::{
+    Completion, HostBuffer, PeerId, ReadOp, RegionId, Transport, TransportError,
+};
+
+/// Default bound of bytes posted and not yet completed by one fetch.
+pub const BYTES_IN_FLIGHT_DEFAULT: u64 = 256 << 20;
+/// How long a fetch waits for any completion before declaring the transport stuck.
+const POLL_STALL_LIMIT: Duration = Duration::from_secs(60);
+
+#[derive(Debug, Clone, Copy)]
+pub struct FetchOptions {
+    pub bytes_in_flight_max: u64,
+}
+
+impl Default for FetchOptions {
+    fn default() -> Self {
+        FetchOptions {
+            bytes_in_flight_max: BYTES_IN_FLIGHT_DEFAULT,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FetchError {
+    #[error("model {model} needs {need} bytes at offset {base} but the host buffer holds {have}")]
+    NoRoom {
+        model: String,
+        need: u64,
+        base: u64,
+        have: u64,
+    },
+    #[error("model {model}: catalog entry is inconsistent: {why}")]
+    BadEntry { model: String, why: String },
+    #[error("model {model} group {group} slice {slice}: every replica failed: {errors}")]
+    AllReplicasFailed {
+        model: String,
+        group: usize,
+        slice: usize,
+        errors: String,
+    },
+    #[error(
+        "model {model}: no read completed for {0:?}; the transport is stuck",
+        POLL_STALL_LIMIT
+    )]
+    Stalled { model: String },
+    #[error("transport: {0}")]
+    Transport(#[from] TransportError),
+}
+
+/// What a fetch did; `group_ready[g]` is when group g became visible.
+#[derive(Debug, Clone)]
+pub struct FetchReport {
+    pub bytes: u64,
+    pub elapsed: Duration,
+    pub group_ready: Vec<Duration>,
+    /// Reads that failed and were retried on another replica.
+    pub retries: u32,
+}
+
+impl FetchReport {
+    pub fn gbps(&self) -> f64 {
+        self.bytes as f64 / self.elapsed.as_secs_f64() / 1e9
+    }
+}
+
+/// Connections to memory servers, made on first use and reused.
+#[derive(Default)]
+pub struct Peers {
+    by_addr: HashMap<String, PeerId>,
+}
+
+impl Peers {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn get(&mut self, t: &dyn Transport, addr: &str) -> Result<PeerId, TransportError> {
+        if let Some(p) = self.by_addr.get(addr) {
+            return Ok(*p);
+        }
+        let p = t.connect(addr)?;
+        self.by_addr.insert(addr.to_string(), p);
+        Ok(p)
+    }
+
+    /// Forgets a peer after a failure so the next use reconnects.
+    pub fn forget(&mut self, t: &dyn Transport, addr: &str) {
+        if let Some(p) = self.by_addr.remove(addr) {
+            t.disconnect(p);
+        }
+    }
+}
+
+/// One slice read, with the replica currently tried.
+struct Item {
+    group: usize,
+    slice: usize,
+    replica: usize,
+    errors: Vec<String>,
+}
+
+/// Where a fetched model lands: `buf` (registered with the transport as
+/// `region`) from byte `base` on, in the packed layout.
+#[derive(Clone, Copy)]
+pub struct Destination<'a> {
+    pub region: RegionId,
+    pub buf: &'a HostBuffer,
+    pub base: u64,
+}
+
+/// Reads the whole model into `dest`. `on_group_ready(g)` runs as soon as group g is
+/// complete and verified, before later groups finish: the compute pipeline
+/// hangs off it.
+///
+/// This fetch must be the only user of `t`'s completions while it runs.
+pub fn fetch_model(
+    t: &dyn Transport,
+    peers: &mut Peers,
+    entry: &ModelEntry,
+    dest: Destination<'_>,
+    opts: FetchOptions,
+    on_group_ready: &mut dyn FnMut(usize),
+) -> Result<FetchReport, FetchError> {
+    let started = Instant::now();
+    let Destination { region, buf, base } = dest;
+    let model = entry.name.as_str();
+    let (group_base, total) = layout(entry)?;
+    if base + total > buf.len() as u64 {
+        return Err(FetchError::NoRoom {
+            model: model.into(),
+            need: total,
+            base,
+            have: buf.len() as u64,
+        });
+    }
+
+    let mut items: Vec<Item> = Vec::new();
+    let mut remaining: Vec<usize> = vec![0; entry.groups.len()];
+    for (g, group) in entry.groups.iter().enumerate() {
+        for s in 0..group.slices.len() {
+            items.push(Item {
+                group: g,
+                slice: s,
+                replica: 0,
+                errors: Vec::new(),
+            });
+            remaining[g] += 1;
+        }
+    }
+    // Group order: group 0's slices are posted first.
+    let mut queue: VecDeque<usize> = (0..items.len()).collect();
+    let mut in_flight_bytes = 0u64;
+    let mut in_flight_ops = 0usize;
+    let mut group_ready = vec![Duration::ZERO; entry.groups.len()];
+    let mut retries = 0u32;
+    let mut completions: Vec<Completion> = Vec::with_capacity(64);
+    let mut failure: Option<FetchError> = None;
+
+    for (g, &n) in remaining.iter().enumerate() {
+        if n == 0 {
+            return Err(FetchError::BadEntry {
+                model: model.into(),
+                why: format!("group {g} has no slices"),
+            });
+        }
+    }
+
+    loop {
+        // Post while under the in-flight bound (always at least one read).
+        while failure.is_none() {
+            let Some(&i) = queue.front() else { break };
+            let it = &items[i];
+            let slice = &entry.groups[it.group].slices[it.slice];
+            if in_flight_ops > 0 && in_flight_bytes + slice.len > opts.bytes_in_flight_max {
+                break;
+            }
+            let loc = &slice.replicas[it.replica];
+            let op = ReadOp {
+                wr_id: i as u64,
+                remote_offset: loc.offset,
+                len: slice.len,
+                local: region,
+                local_offset: base + group_base[it.group] + slice.group_offset,
+            };
+            let posted = peers.get(t, &loc.addr).and_then(|peer| {
+                // SAFETY: the destination range belongs to this fetch alone
+                // and nothing reads it until the op's completion is polled
+                // below (and, for the group, until all its slices completed).
+                #[allow(unsafe_code)]
+                unsafe {
+                    t.post_reads(peer, std::slice::from_ref(&op))
+                }
+            });
+            match posted {
+                Ok(()) => {
+                    queue.pop_front();
+                    in_flight_bytes += slice.len;
+                    in_flight_ops += 1;
+                }
+                Err(TransportError::QueueFull { .. }) if in_flight_ops > 0 => break,
+                Err(e) => {
+                    queue.pop_front();
+                    if let Some(err) = next_replica(entry, &mut items[i], &loc.addr, &e, peers, t) {
+                        failure = Some(err);
+                    } else {
+                        retries += 1;
+                        queue.push_front(i);
+                    }
+                }
+            }
+        }
+        if in_flight_ops == 0 && (queue.is_empty() || failure.is_some()) {
+            break;
+        }
+        completions.clear();
+        let n = t.poll(&mut completions, 64, POLL_STALL_LIMIT)?;
+        if n == 0 {
+            // Nothing completes: in-flight reads may still land in `buf`, so
+            // this is reported rather than retried.
+            return Err(FetchError::Stalled {
+                model: model.into(),
+            });
+        }
+        for c in completions.drain(..) {
+            let i = c.wr_id as usize;
+            let (g, s) = (items[i].group, items[i].slice);
+            let slice = &entry.groups[g].slices[s];
+            in_flight_bytes -= slice.len;
+            in_flight_ops -= 1;
+            let result = c.result.map_err(|e| e.to_string()).and_then(|()| {
+                let start = (base + group_base[g] + slice.group_offset) as usize;
+                // SAFETY: this slice's read has completed and no other read
+                // targets its range.
+                #[allow(unsafe_code)]
+                let bytes = unsafe { buf.slice(start..start + slice.len as usize) };
+                match from_hex(&slice.checksum) {
+                    Some(want) if want == checksum(bytes) => Ok(()),
+                    _ => Err(format!(
+                        "slice checksum mismatch (catalog says {})",
+                        slice.checksum
+                    )),
+                }
+            });
+            match result {
+                Ok(()) => {
+                    remaining[g] -= 1;
+                    if remaining[g] == 0 {
+                        if let Err(e) = verify_group(entry, g, buf, base + group_base[g]) {
+                            failure.get_or_insert(e);
+                        } else {
+                            group_ready[g] = started.elapsed();
+                            on_group_ready(g);
+                        }
+                    }
+                }
+                Err(why) => {
+                    let addr = slice.replicas[items[i].replica].addr.clone();
+                    match next_replica(entry, &mut items[i], &addr, &why, peers, t) {
+                        Some(e) => {
+                            failure.get_or_insert(e);
+                        }
+                        None => {
+                            retries += 1;
+                            queue.push_front(i);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    Ok(FetchReport {
+        bytes: total,
+        elapsed: started.elapsed(),
+        group_ready,
+        retries,
+    })
+}
+
+/// Moves an item to its next replica; returns the final error when none is left.
+fn next_replica(
+    entry: &ModelEntry,
+    it: &mut Item,
+    addr: &str,
+    err: &dyn std::fmt::Display,
+    peers: &mut Peers,
+    t: &dyn Transport,
+) -> Option<FetchError> {
+    log::warn!(
+        "{} group {} slice {}: read from {addr} failed: {err}",
+        entry.name,
+        it.group,
+        it.slice
+    );
+    it.errors.push(format!("{addr}: {err}"));
+    peers.forget(t, addr);
+    it.replica += 1;
+    if it.replica < entry.groups[it.group].slices[it.slice].replicas.len() {
+        None
+    } else {
+        Some(FetchError::AllReplicasFailed {
+            model: entry.name.clone(),
+            group: it.group,
+            slice: it.slice,
+            errors: it.errors.join("; "),
+        })
+    }
+}
+
+fn verify_group(entry: &ModelEntry, g: usize, buf: &HostBuffer, at: u64) -> Result<(), FetchError> {
+    let group = &entry.groups[g];
+    // SAFETY: every read into this group's range has completed.
+    #[allow(unsafe_code)]
+    let bytes = unsafe { buf.slice(at as usize..(at + group.bytes) as usize) };
+    match from_hex(&group.checksum) {
+        Some(want) if want == checksum(bytes) => Ok(()),
+        _ => Err(FetchError::BadEntry {
+            model: entry.name.clone(),
+            why: format!(
+                "group {g}: slices verified but the group checksum {} does not match",
+                group.checksum
+            ),
+        }),
+    }
+}
+
+/// Start of each group in the packed layout, and the total.
+fn layout(entry: &ModelEntry) -> Result<(Vec<u64>, u64), FetchError> {
+    let mut starts = Vec::with_capacity(entry.groups.len());
+    let mut at = 0u64;
+    for (g, group) in entry.groups.iter().enumerate() {
+        if group.index as usize != g {
+            return Err(FetchError::BadEntry {
+                model: entry.name.clone(),
+                why: format!("group {g} is labelled {}", group.index),
+            });
+        }
+        let mut covered = 0u64;
+        for s in &group.slices {
+            if s.group_offset != covered || s.replicas.is_empty() {
+                return Err(FetchError::BadEntry {
+                    model: entry.name.clone(),
+                    why: format!("group {g}: slices do not tile the group at offset {covered}"),
+                });
+            }
+            covered += s.len;
+        }
+        if covered != group.bytes {
+            return Err(FetchError::BadEntry {
+                model: entry.name.clone(),
+                why: format!("group {g}: slices cover {covered} of {} bytes", group.bytes),
+            });
+        }
+        starts.push(at);
+        at += group.bytes;
+    }
+    Ok((starts, at))
+}

@@ -1,0 +1,8 @@
+//! The GPU server side. This release holds the fetch path: reading every
+//! group of a model from the memory servers that hold its slices into host
+//! memory, group 0 first, with bounded bytes in flight, replica fallback, and
+//! a group made visible only once its checksum matched.
+#![deny(unsafe_code)]
+
+pub mod fetch;
+pub use fetch::{fetch_model, Destination, FetchError, FetchOptions, FetchReport, Peers};

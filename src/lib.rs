@@ -1,0 +1,8 @@
+//! The `distmind` binary's commands, as a library so that integration tests
+//! and benches call the same code the CLI runs.
+#![forbid(unsafe_code)]
+
+pub mod bench;
+pub mod deploy;
+pub mod logging;
+pub mod services;

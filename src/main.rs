@@ -1,0 +1,228 @@
+//! `distmind`: one binary, one subcommand per role. Thin: parse arguments,
+//! install logging, call the library.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use distmind::{bench, deploy, logging, services};
+
+#[derive(Parser)]
+#[command(
+    name = "distmind",
+    version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("DISTMIND_GIT_REV"), ")"),
+    about = "DistMind in Rust: memory servers hold model parameters; GPU servers pull them on demand",
+    long_about = "DistMind in Rust. Memory servers keep many models' parameters in DRAM; GPU servers pull a \
+model's parameter groups over RDMA, EFA or TCP when a request needs it and compute group by group while \
+the rest arrives; a controller keeps the catalog and places work.\n\n\
+Typical local session:\n  distmind model gen --family resnet152 --variants 2 --scale tiny --out models-out\n  \
+distmind controller --settings settings/ &\n  distmind memserver --settings settings/ --listen 127.0.0.1:7778 --capacity 1GiB &\n  \
+distmind deploy --settings settings/ models-out/*\n  distmind bench transfer"
+)]
+struct Cli {
+    /// Log level: off, error, warn, info, debug, trace (also DISTMIND_LOG).
+    #[arg(long, global = true, env = "DISTMIND_LOG", default_value = "info")]
+    log_level: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate or inspect model packages (manifest.json + weights.safetensors).
+    #[command(subcommand)]
+    Model(ModelCommand),
+    /// Run a memory server: one DRAM arena serving one-sided reads of parameter slices.
+    Memserver(MemserverCmd),
+    /// Run the controller (this release: the catalog and memory-server registry, i.e. the metadata endpoint).
+    Controller(ControllerCmd),
+    /// Shard model packages over the memory servers and register them in the catalog.
+    Deploy(DeployCmd),
+    /// Benchmarks that print a ratio against a baseline measured in the same run.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum ModelCommand {
+    /// Write packages of a model family with its exact parameter shapes and seeded random weights.
+    Gen(GenCmd),
+    /// Print a package's layer and group table.
+    Inspect {
+        /// The package directory (DIR/<name>).
+        package: PathBuf,
+    },
+}
+
+#[derive(Args)]
+struct GenCmd {
+    /// resnet152, inception_v3, densenet201, bert_base or gpt2.
+    #[arg(long)]
+    family: distmind_models::Family,
+    /// How many variants (different weights, same shapes) to write.
+    #[arg(long, default_value_t = 1)]
+    variants: usize,
+    /// Output directory; each variant goes to OUT/<name>/.
+    #[arg(long)]
+    out: PathBuf,
+    /// full: the evaluation's exact shapes; tiny: same structure, a few MB at most, for tests.
+    #[arg(long, default_value = "full")]
+    scale: distmind_models::Scale,
+    /// Seed of the random weights (variant i uses seed + i).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Largest parameter group in bytes (1 = one group per layer; a layer larger than this is a group of its own).
+    #[arg(long, default_value_t = distmind_common::limits::GROUP_BYTES_DEFAULT)]
+    group_bytes: u64,
+}
+
+#[derive(Args)]
+struct MemserverCmd {
+    /// Settings directory (cluster.key, storage_list.txt for the controller's address).
+    #[arg(long, default_value = "settings")]
+    settings: PathBuf,
+    /// Address to listen on for control and data connections.
+    #[arg(long, default_value = "127.0.0.1:7778")]
+    listen: SocketAddr,
+    /// Arena size, allocated and touched once at start (e.g. 4GiB, 512MiB).
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    capacity: u64,
+    /// Controller metadata address to register with (default: first line of storage_list.txt).
+    #[arg(long)]
+    controller: Option<String>,
+    /// Address to register with the controller, if not the listening one.
+    #[arg(long)]
+    advertise: Option<String>,
+    /// Most simultaneous connections; more are refused.
+    #[arg(long, default_value_t = 256)]
+    max_connections: usize,
+    /// Do not try explicit huge pages for the arena (by default they are tried, with a fallback to normal pages).
+    #[arg(long)]
+    no_huge_pages: bool,
+}
+
+#[derive(Args)]
+struct ControllerCmd {
+    #[arg(long, default_value = "settings")]
+    settings: PathBuf,
+    /// Listen address (default: the metadata endpoint, first line of storage_list.txt).
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+}
+
+#[derive(Args)]
+struct DeployCmd {
+    #[arg(long, default_value = "settings")]
+    settings: PathBuf,
+    /// hybrid (every group over all shards), per-app, horizontal or vertical (default: controller.json's strategy).
+    #[arg(long)]
+    strategy: Option<distmind_controller::placement::Strategy>,
+    /// Copies of every slice on distinct memory servers (default: controller.json's replication).
+    #[arg(long)]
+    replication: Option<usize>,
+    /// Memory servers per model; 0 = min(#memservers, 4) (default: controller.json's shard_width).
+    #[arg(long)]
+    shard_width: Option<usize>,
+    /// Controller metadata address (default: first line of storage_list.txt).
+    #[arg(long)]
+    controller: Option<String>,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+    /// Package directories (DIR/<name>) to deploy.
+    #[arg(required = true)]
+    packages: Vec<PathBuf>,
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// GB/s pulling a model from 1, 2 and 4 local memory servers into host memory, vs a plain socket copy loop.
+    Transfer(bench::transfer::TransferArgs),
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    distmind_memserver::parse_size(s).map_err(|e| e.to_string())
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let level = match logging::parse_level(&cli.log_level) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    };
+    if let Err(e) = logging::init(level) {
+        eprintln!("error: cannot start logging: {e:#}");
+        std::process::exit(1);
+    }
+    if let Err(e) = run(cli.command) {
+        // Printed, not logged: the reason must show even with logging off.
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Model(ModelCommand::Gen(g)) => {
+            let opts = distmind_models::GenOptions {
+                family: g.family,
+                variants: g.variants,
+                out_dir: g.out,
+                scale: g.scale,
+                seed: g.seed,
+                group_bytes: g.group_bytes,
+            };
+            for dir in distmind_models::generate(&opts)? {
+                println!("{}", dir.display());
+            }
+            Ok(())
+        }
+        Command::Model(ModelCommand::Inspect { package }) => {
+            let pkg = distmind_models::Package::open(&package)
+                .with_context(|| format!("cannot open package {}", package.display()))?;
+            print!("{}", distmind_models::inspect(&pkg));
+            Ok(())
+        }
+        Command::Memserver(m) => services::run_memserver(services::MemserverArgs {
+            settings: &m.settings,
+            listen: m.listen,
+            capacity_bytes: m.capacity,
+            controller: m.controller,
+            advertise: m.advertise,
+            max_connections: m.max_connections,
+            huge_pages: !m.no_huge_pages,
+        }),
+        Command::Controller(c) => services::run_controller(services::ControllerArgs {
+            settings: &c.settings,
+            listen: c.listen,
+        }),
+        Command::Deploy(d) => {
+            let settings = services::load_settings(&d.settings)?;
+            let target = deploy::Target {
+                controller: d
+                    .controller
+                    .unwrap_or_else(|| settings.metadata_endpoint().to_string()),
+                key: services::cluster_key(&settings),
+            };
+            let opts = deploy::Options::from_settings(
+                &settings,
+                d.strategy,
+                d.replication,
+                d.shard_width,
+                !d.quiet,
+            );
+            for dir in &d.packages {
+                let pkg = distmind_models::Package::open(dir)
+                    .with_context(|| format!("cannot open package {}", dir.display()))?;
+                let out = deploy::deploy_package(&target, &pkg, &opts)?;
+                println!("{}", out.summary());
+            }
+            Ok(())
+        }
+        Command::Bench(BenchCommand::Transfer(a)) => bench::transfer::run(&a),
+    }
+}

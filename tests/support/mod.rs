@@ -1,0 +1,158 @@
+//! Test harness: real `distmind` processes on 127.0.0.1 ephemeral ports.
+//! Every child is stopped by its pid when its guard drops, pass or fail.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use distmind_common::handshake::ClusterKey;
+use distmind_controller::ControllerClient;
+
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_distmind")
+}
+
+pub fn settings_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("settings")
+}
+
+pub fn cluster_key() -> ClusterKey {
+    let s =
+        distmind_common::settings::Settings::load(&settings_dir()).expect("shipped settings load");
+    ClusterKey::from_secret(s.cluster_key.as_bytes())
+}
+
+/// A running service; killed (SIGKILL by pid) and reaped on drop.
+pub struct Proc {
+    pub child: Child,
+    pub addr: String,
+}
+
+impl Proc {
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Starts `distmind <args>` and waits for its `... listening on ADDR` line.
+pub fn spawn_service(args: &[&str]) -> Proc {
+    let mut child = Command::new(bin())
+        .args(args)
+        .env("DISTMIND_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn distmind");
+    let stdout = child.stdout.take().unwrap();
+    let mut line = String::new();
+    let mut reader = BufReader::new(stdout);
+    reader
+        .read_line(&mut line)
+        .expect("read the readiness line");
+    let addr = match line.trim().rsplit_once(" listening on ") {
+        Some((_, a)) => a.to_string(),
+        None => {
+            let _ = child.kill();
+            panic!("distmind {args:?} did not report readiness; first line: {line:?}");
+        }
+    };
+    // Keep draining stdout so the child never blocks on a full pipe.
+    std::thread::spawn(move || for _ in reader.lines() {});
+    Proc { child, addr }
+}
+
+pub fn spawn_controller() -> Proc {
+    let s = settings_dir();
+    spawn_service(&[
+        "controller",
+        "--settings",
+        s.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+    ])
+}
+
+pub fn spawn_memserver(controller: &str, capacity: &str) -> Proc {
+    let s = settings_dir();
+    spawn_service(&[
+        "memserver",
+        "--settings",
+        s.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+        "--capacity",
+        capacity,
+        "--controller",
+        controller,
+    ])
+}
+
+/// Polls the controller until `n` memory servers are alive (no fixed sleeps).
+pub fn wait_alive(controller: &str, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut c = ControllerClient::connect(controller, &cluster_key(), Duration::from_secs(5))
+        .expect("controller reachable");
+    loop {
+        let alive = c
+            .list_memservers()
+            .expect("list")
+            .iter()
+            .filter(|m| m.alive)
+            .count();
+        if alive == n {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{alive} of {n} memory servers alive after 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Runs `distmind <args>` to completion: (success, stdout, stderr).
+pub fn run(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(bin())
+        .args(args)
+        .env("DISTMIND_LOG", "warn")
+        .output()
+        .expect("run distmind");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Generates tiny packages with the real CLI; returns their directories.
+pub fn gen_tiny(out: &Path, family: &str, variants: usize, group_bytes: u64) -> Vec<PathBuf> {
+    let (ok, stdout, stderr) = run(&[
+        "model",
+        "gen",
+        "--family",
+        family,
+        "--scale",
+        "tiny",
+        "--variants",
+        &variants.to_string(),
+        "--group-bytes",
+        &group_bytes.to_string(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "model gen failed: {stderr}");
+    stdout.lines().map(PathBuf::from).collect()
+}

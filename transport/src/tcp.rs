@@ -1,0 +1,441 @@
+//! The TCP transport: one-sided reads emulated over plain sockets.
+//!
+//! Per peer, `streams_per_peer` connections, each after the Data-role
+//! handshake. `post_reads` cuts ops into `chunk_bytes` chunks and pushes them
+//! on the peer's bounded work queue, which all its streams drain (so a slow
+//! stream takes fewer chunks). Per stream:
+//!
+//! * a writer thread pops a chunk, hands it to its reader through a bounded
+//!   channel (which caps the requests outstanding on the wire at
+//!   `inflight_per_stream`) and sends the 32-byte `ReadRequest`;
+//! * a reader thread takes chunks in the same order (the server answers in
+//!   order), checks each reply header against the request, and reads the
+//!   payload straight into the destination range of the registered buffer:
+//!   no intermediate buffer, no allocation per chunk.
+//!
+//! An op completes when its last chunk finished; a chunk error fails the op
+//! (the first error is reported). A peer that dies (EOF, reset, `io_timeout`,
+//! or a protocol error that leaves the stream out of step) is marked dead, all
+//! its sockets are shut down, and every in-flight and queued chunk of it fails
+//! with `PeerLost`; other peers are unaffected.
+
+use std::collections::HashMap;
+use std::net::{TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam::channel::{Sender, TrySendError};
+use distmind_common::handshake::{self, ClusterKey};
+use distmind_common::limits::READ_CHUNK_BYTES_MAX;
+use distmind_common::wire::Role;
+
+mod stream;
+
+use stream::{reader, writer, Chunk, Link, OpState, Shared};
+
+use crate::completion::{chunk_count, Chunks, CompletionQueue, Regions};
+use crate::token_bucket::TokenBucket;
+use crate::{
+    Completion, HostBuffer, PeerId, ReadOp, RegionId, Transport, TransportError, TransportStats,
+    INFLIGHT_CHUNKS_MAX, INFLIGHT_PER_STREAM_MAX, STREAMS_PER_PEER_MAX,
+};
+
+/// Default size of the pieces ops are cut into.
+pub const TCP_CHUNK_BYTES_DEFAULT: u64 = 4 << 20;
+
+#[derive(Debug, Clone)]
+pub struct TcpOptions {
+    pub key: ClusterKey,
+    /// Connections per memory server (1..=STREAMS_PER_PEER_MAX).
+    pub streams_per_peer: usize,
+    /// Largest request sent (1..=READ_CHUNK_BYTES_MAX).
+    pub chunk_bytes: u64,
+    /// Requests outstanding per connection (1..=INFLIGHT_PER_STREAM_MAX).
+    pub inflight_per_stream: usize,
+    /// Shared by all peers: models the GPU server's NIC. `None`: unlimited.
+    pub rate_limit_bytes_per_s: Option<u64>,
+    /// Bounds the TCP connect and the handshake.
+    pub connect_timeout: Duration,
+    /// A reply that makes no progress for this long means the peer is lost.
+    pub io_timeout: Duration,
+    /// `SO_RCVBUF`/`SO_SNDBUF`; `None` leaves Linux's autotuning on, which
+    /// grows buffers up to `net.ipv4.tcp_rmem` (larger than `rmem_max` allows
+    /// an explicit setting to reach).
+    pub socket_buffer_bytes: Option<usize>,
+}
+
+impl TcpOptions {
+    pub fn new(key: ClusterKey) -> Self {
+        TcpOptions {
+            key,
+            streams_per_peer: 4,
+            chunk_bytes: TCP_CHUNK_BYTES_DEFAULT,
+            inflight_per_stream: 4,
+            rate_limit_bytes_per_s: None,
+            connect_timeout: Duration::from_secs(5),
+            io_timeout: Duration::from_secs(30),
+            socket_buffer_bytes: None,
+        }
+    }
+
+    fn check(&self) -> Result<(), TransportError> {
+        let bad = |s: String| Err(TransportError::InvalidOption(s));
+        if !(1..=STREAMS_PER_PEER_MAX).contains(&self.streams_per_peer) {
+            return bad(format!(
+                "streams_per_peer = {} must be in 1..={STREAMS_PER_PEER_MAX}",
+                self.streams_per_peer
+            ));
+        }
+        if !(1..=READ_CHUNK_BYTES_MAX).contains(&self.chunk_bytes) {
+            return bad(format!(
+                "chunk_bytes = {} must be in 1..={READ_CHUNK_BYTES_MAX}",
+                self.chunk_bytes
+            ));
+        }
+        if !(1..=INFLIGHT_PER_STREAM_MAX).contains(&self.inflight_per_stream) {
+            return bad(format!(
+                "inflight_per_stream = {} must be in 1..={INFLIGHT_PER_STREAM_MAX}",
+                self.inflight_per_stream
+            ));
+        }
+        if self.rate_limit_bytes_per_s == Some(0) {
+            return bad("rate_limit_bytes_per_s = 0: use None for no limit".into());
+        }
+        if self.io_timeout.is_zero() || self.connect_timeout.is_zero() {
+            return bad("timeouts must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+struct Peer {
+    link: Arc<Link>,
+    tx: Sender<Chunk>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Peer {
+    fn shut(self) {
+        self.link.kill("disconnected by this client");
+        drop(self.tx);
+        for t in self.threads {
+            let _ = t.join();
+        }
+    }
+}
+
+pub struct TcpTransport {
+    opts: TcpOptions,
+    shared: Arc<Shared>,
+    regions: Regions,
+    peers: RwLock<HashMap<u32, Peer>>,
+    next_peer: AtomicU32,
+}
+
+impl TcpTransport {
+    pub fn new(opts: TcpOptions) -> Result<Self, TransportError> {
+        opts.check()?;
+        let shared = Arc::new(Shared {
+            cq: CompletionQueue::new(),
+            bucket: opts.rate_limit_bytes_per_s.map(TokenBucket::new),
+        });
+        Ok(TcpTransport {
+            opts,
+            shared,
+            regions: Regions::default(),
+            peers: RwLock::new(HashMap::new()),
+            next_peer: AtomicU32::new(1),
+        })
+    }
+
+    pub fn options(&self) -> &TcpOptions {
+        &self.opts
+    }
+
+    /// Bytes read, ops completed and failed, since creation.
+    pub fn stats(&self) -> TransportStats {
+        self.shared.cq.stats()
+    }
+
+    fn open_stream(&self, addr: &str) -> Result<TcpStream, TransportError> {
+        let conn_err = |source| TransportError::Connect {
+            addr: addr.to_owned(),
+            source,
+        };
+        let mut last = None;
+        for sa in addr.to_socket_addrs().map_err(conn_err)? {
+            match TcpStream::connect_timeout(&sa, self.opts.connect_timeout) {
+                Ok(s) => {
+                    let mut s = s;
+                    self.tune(&s).map_err(conn_err)?;
+                    s.set_read_timeout(Some(self.opts.connect_timeout))
+                        .map_err(conn_err)?;
+                    s.set_write_timeout(Some(self.opts.connect_timeout))
+                        .map_err(conn_err)?;
+                    handshake::client_sync(&mut s, &self.opts.key, Role::Data).map_err(
+                        |source| TransportError::Handshake {
+                            addr: addr.to_owned(),
+                            source,
+                        },
+                    )?;
+                    s.set_read_timeout(Some(self.opts.io_timeout))
+                        .map_err(conn_err)?;
+                    s.set_write_timeout(Some(self.opts.io_timeout))
+                        .map_err(conn_err)?;
+                    return Ok(s);
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        let e = last.unwrap_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::NotFound, "address resolved to nothing")
+        });
+        Err(conn_err(e))
+    }
+
+    fn tune(&self, s: &TcpStream) -> std::io::Result<()> {
+        s.set_nodelay(true)?;
+        if let Some(bytes) = self.opts.socket_buffer_bytes {
+            let v = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
+            for opt in [libc::SO_RCVBUF, libc::SO_SNDBUF] {
+                // SAFETY: a valid open socket fd, and a pointer to a c_int
+                // that lives across the call with its true size.
+                let rc = unsafe {
+                    libc::setsockopt(
+                        s.as_raw_fd(),
+                        libc::SOL_SOCKET,
+                        opt,
+                        (&v as *const libc::c_int).cast(),
+                        std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                    )
+                };
+                if rc != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Opens every stream of a peer and starts its threads.
+    fn open_peer(&self, id: u32, addr: &str) -> Result<Peer, TransportError> {
+        let n = self.opts.streams_per_peer;
+        let mut streams = Vec::with_capacity(n);
+        for _ in 0..n {
+            streams.push(self.open_stream(addr)?);
+        }
+        let conn_err = |source| TransportError::Connect {
+            addr: addr.to_owned(),
+            source,
+        };
+        let mut sockets = Vec::with_capacity(n);
+        for s in &streams {
+            sockets.push(s.try_clone().map_err(conn_err)?);
+        }
+        let link = Arc::new(Link {
+            addr: addr.to_owned(),
+            dead: AtomicBool::new(false),
+            reason: Mutex::new(String::new()),
+            sockets,
+        });
+        let (tx, rx) = crossbeam::channel::bounded::<Chunk>(INFLIGHT_CHUNKS_MAX);
+        let mut threads = Vec::with_capacity(2 * n);
+        for (i, s) in streams.into_iter().enumerate() {
+            let w = s.try_clone().map_err(conn_err)?;
+            let (itx, irx) = crossbeam::channel::bounded(self.opts.inflight_per_stream - 1);
+            let (l, sh, q) = (link.clone(), self.shared.clone(), rx.clone());
+            let spawn_err = |source| TransportError::Connect {
+                addr: addr.to_owned(),
+                source,
+            };
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("dm-tcp-w{id}.{i}"))
+                    .spawn(move || writer(&l, &sh, &q, &itx, w))
+                    .map_err(spawn_err)?,
+            );
+            let (l, sh) = (link.clone(), self.shared.clone());
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("dm-tcp-r{id}.{i}"))
+                    .spawn(move || reader(&l, &sh, &irx, s))
+                    .map_err(spawn_err)?,
+            );
+        }
+        Ok(Peer { link, tx, threads })
+    }
+}
+
+impl Transport for TcpTransport {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn register(&self, buf: Arc<HostBuffer>) -> Result<RegionId, TransportError> {
+        Ok(self.regions.register(buf))
+    }
+
+    fn deregister(&self, region: RegionId) -> Result<(), TransportError> {
+        self.regions.deregister(region)
+    }
+
+    fn connect(&self, peer_addr: &str) -> Result<PeerId, TransportError> {
+        let find = |peers: &HashMap<u32, Peer>| {
+            peers
+                .iter()
+                .find(|(_, p)| p.link.addr == peer_addr)
+                .map(|(id, _)| *id)
+        };
+        {
+            let peers = self.peers.read().unwrap();
+            if let Some(id) = find(&peers).filter(|id| !peers[id].link.is_dead()) {
+                return Ok(PeerId(id));
+            }
+        }
+        let id = self.next_peer.fetch_add(1, Ordering::Relaxed);
+        let fresh = self.open_peer(id, peer_addr)?;
+        let mut peers = self.peers.write().unwrap();
+        let old = match find(&peers) {
+            Some(old) if !peers[&old].link.is_dead() => {
+                drop(peers);
+                fresh.shut(); // Another caller connected first.
+                return Ok(PeerId(old));
+            }
+            Some(dead) => peers.remove(&dead),
+            None => None,
+        };
+        peers.insert(id, fresh);
+        drop(peers);
+        if let Some(p) = old {
+            p.shut();
+        }
+        log::info!(
+            "transport tcp: connected to memory server {peer_addr} over {} streams",
+            self.opts.streams_per_peer
+        );
+        Ok(PeerId(id))
+    }
+
+    fn disconnect(&self, peer: PeerId) {
+        let p = self.peers.write().unwrap().remove(&peer.0);
+        if let Some(p) = p {
+            p.shut();
+        }
+    }
+
+    unsafe fn post_reads(&self, peer: PeerId, ops: &[ReadOp]) -> Result<(), TransportError> {
+        let peers = self.peers.read().unwrap();
+        let p = peers
+            .get(&peer.0)
+            .ok_or(TransportError::UnknownPeer(peer))?;
+        if p.link.is_dead() {
+            return Err(p.link.lost());
+        }
+        let mut targets = Vec::with_capacity(ops.len());
+        self.regions
+            .validate(ops, self.opts.chunk_bytes, &self.shared.cq, &mut targets)?;
+        for (op, target) in ops.iter().zip(targets) {
+            let chunks = chunk_count(op.len, self.opts.chunk_bytes) as usize;
+            let state = Arc::new(OpState {
+                wr_id: op.wr_id,
+                chunks,
+                remaining: AtomicUsize::new(chunks),
+                failed: AtomicBool::new(false),
+                error: Mutex::new(None),
+                target,
+            });
+            for (off, len) in Chunks::new(op.len, self.opts.chunk_bytes) {
+                let c = Chunk {
+                    op: state.clone(),
+                    remote_offset: op.remote_offset + off,
+                    local_offset: op.local_offset + off,
+                    len,
+                };
+                match p.tx.try_send(c) {
+                    Ok(()) => {}
+                    Err(TrySendError::Full(_)) => {
+                        unreachable!("chunks in flight are bounded by INFLIGHT_CHUNKS_MAX")
+                    }
+                    // Every writer thread is gone (it panicked): fail here.
+                    Err(TrySendError::Disconnected(c)) => self.shared.finish(c, Err(p.link.lost())),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn poll(
+        &self,
+        out: &mut Vec<Completion>,
+        max: usize,
+        timeout: Duration,
+    ) -> Result<usize, TransportError> {
+        Ok(self.shared.cq.poll(out, max, timeout))
+    }
+
+    fn stats(&self) -> TransportStats {
+        self.shared.cq.stats()
+    }
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        let peers: Vec<Peer> = self
+            .peers
+            .get_mut()
+            .unwrap()
+            .drain()
+            .map(|(_, p)| p)
+            .collect();
+        for p in peers {
+            p.shut();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_are_checked() {
+        let key = ClusterKey::from_secret(b"k");
+        assert!(TcpTransport::new(TcpOptions::new(key.clone())).is_ok());
+        for f in [
+            (|o: &mut TcpOptions| o.streams_per_peer = 0) as fn(&mut TcpOptions),
+            |o| o.chunk_bytes = READ_CHUNK_BYTES_MAX + 1,
+            |o| o.chunk_bytes = 0,
+            |o| o.inflight_per_stream = 0,
+            |o| o.rate_limit_bytes_per_s = Some(0),
+            |o| o.io_timeout = Duration::ZERO,
+        ] {
+            let mut o = TcpOptions::new(key.clone());
+            f(&mut o);
+            assert!(matches!(
+                TcpTransport::new(o),
+                Err(TransportError::InvalidOption(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn unreachable_peer_is_a_connect_error_naming_it() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        drop(l);
+        let t = TcpTransport::new(TcpOptions::new(ClusterKey::from_secret(b"k"))).unwrap();
+        let e = t.connect(&addr).unwrap_err();
+        assert!(
+            matches!(&e, TransportError::Connect { addr: a, .. } if *a == addr),
+            "{e}"
+        );
+        assert!(e.to_string().contains(&addr));
+        assert!(matches!(
+            t.connect("no-such-host.invalid:1"),
+            Err(TransportError::Connect { .. })
+        ));
+    }
+}
