@@ -1,6 +1,13 @@
 //! Cache-in of one model: every slice of every group is read at once (group 0
-//! first, bytes in flight bounded), each group is checksummed when its last
-//! slice lands, and a failed read is retried on the slice's next replica.
+//! first, bytes in flight bounded), each slice is checksummed when it lands,
+//! and a failed or corrupted read is retried on the slice's next replica.
+//!
+//! A group becomes visible when its last slice has landed and verified. The
+//! slices tile the group and their checksums were taken from the same bytes
+//! as the group's at deploy, so every byte is verified exactly once: hashing
+//! the whole group again would double the CPU cost of the fetch (measured:
+//! it is the difference between 0.7 and 0.95 of a raw socket copy on a
+//! 2-core loopback, where copying already uses every core).
 //!
 //! The model lands in the packed layout: group g at `base + sum(bytes of
 //! groups < g)`, so parameter offsets from the manifest apply unchanged.
@@ -22,12 +29,17 @@ const POLL_STALL_LIMIT: Duration = Duration::from_secs(60);
 #[derive(Debug, Clone, Copy)]
 pub struct FetchOptions {
     pub bytes_in_flight_max: u64,
+    /// Checksum every slice (default). Off only where the link already
+    /// guarantees integrity end to end; the transfer bench turns it off to
+    /// measure the data path alone, next to the verified fetch.
+    pub verify: bool,
 }
 
 impl Default for FetchOptions {
     fn default() -> Self {
         FetchOptions {
             bytes_in_flight_max: BYTES_IN_FLIGHT_DEFAULT,
+            verify: true,
         }
     }
 }
@@ -241,6 +253,9 @@ pub fn fetch_model(
             in_flight_bytes -= slice.len;
             in_flight_ops -= 1;
             let result = c.result.map_err(|e| e.to_string()).and_then(|()| {
+                if !opts.verify {
+                    return Ok(());
+                }
                 let start = (base + group_base[g] + slice.group_offset) as usize;
                 // SAFETY: this slice's read has completed and no other read
                 // targets its range.
@@ -258,12 +273,8 @@ pub fn fetch_model(
                 Ok(()) => {
                     remaining[g] -= 1;
                     if remaining[g] == 0 {
-                        if let Err(e) = verify_group(entry, g, buf, base + group_base[g]) {
-                            failure.get_or_insert(e);
-                        } else {
-                            group_ready[g] = started.elapsed();
-                            on_group_ready(g);
-                        }
+                        group_ready[g] = started.elapsed();
+                        on_group_ready(g);
                     }
                 }
                 Err(why) => {
@@ -322,23 +333,6 @@ fn next_replica(
     }
 }
 
-fn verify_group(entry: &ModelEntry, g: usize, buf: &HostBuffer, at: u64) -> Result<(), FetchError> {
-    let group = &entry.groups[g];
-    // SAFETY: every read into this group's range has completed.
-    #[allow(unsafe_code)]
-    let bytes = unsafe { buf.slice(at as usize..(at + group.bytes) as usize) };
-    match from_hex(&group.checksum) {
-        Some(want) if want == checksum(bytes) => Ok(()),
-        _ => Err(FetchError::BadEntry {
-            model: entry.name.clone(),
-            why: format!(
-                "group {g}: slices verified but the group checksum {} does not match",
-                group.checksum
-            ),
-        }),
-    }
-}
-
 /// Start of each group in the packed layout, and the total.
 fn layout(entry: &ModelEntry) -> Result<(Vec<u64>, u64), FetchError> {
     let mut starts = Vec::with_capacity(entry.groups.len());
@@ -370,4 +364,190 @@ fn layout(entry: &ModelEntry) -> Result<(Vec<u64>, u64), FetchError> {
         at += group.bytes;
     }
     Ok((starts, at))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use distmind_common::checksum::to_hex;
+    use distmind_common::proto::{GroupLocation, Location, Slice};
+    use distmind_transport::mem::{MemFabric, MemTransport};
+
+    use super::*;
+
+    /// Two in-memory "memory servers", each holding a full copy of a model of
+    /// `groups` groups of `group_len` bytes, laid out back to back.
+    struct World {
+        fabric: MemFabric,
+        arenas: Vec<Arc<HostBuffer>>,
+        model: Vec<u8>,
+        entry: ModelEntry,
+    }
+
+    fn world(groups: usize, group_len: usize, slices_per_group: usize) -> World {
+        let model: Vec<u8> = (0..groups * group_len)
+            .map(|i| (i * 31 % 251) as u8)
+            .collect();
+        let fabric = MemFabric::new();
+        let mut arenas = Vec::new();
+        for name in ["ms0", "ms1"] {
+            let mut arena =
+                HostBuffer::new(model.len(), distmind_transport::HugePages::No).unwrap();
+            arena.as_mut_slice().copy_from_slice(&model);
+            let arena = Arc::new(arena);
+            fabric.add_peer(name, arena.clone());
+            arenas.push(arena);
+        }
+        let slice_len = group_len / slices_per_group;
+        let entry = ModelEntry {
+            name: "m".into(),
+            family: "test".into(),
+            total_bytes: model.len() as u64,
+            strategy: "hybrid".into(),
+            replication: 2,
+            groups: (0..groups)
+                .map(|g| GroupLocation {
+                    index: g as u32,
+                    bytes: group_len as u64,
+                    checksum: to_hex(checksum(&model[g * group_len..(g + 1) * group_len])),
+                    slices: (0..slices_per_group)
+                        .map(|s| {
+                            let at = g * group_len + s * slice_len;
+                            Slice {
+                                group_offset: (s * slice_len) as u64,
+                                len: slice_len as u64,
+                                checksum: to_hex(checksum(&model[at..at + slice_len])),
+                                replicas: ["ms0", "ms1"]
+                                    .iter()
+                                    .enumerate()
+                                    .map(|(i, a)| Location {
+                                        memserver: i as u32,
+                                        addr: a.to_string(),
+                                        offset: at as u64,
+                                    })
+                                    .collect(),
+                            }
+                        })
+                        .collect(),
+                })
+                .collect(),
+            manifest: serde_json::Value::Null,
+        };
+        World {
+            fabric,
+            arenas,
+            model,
+            entry,
+        }
+    }
+
+    fn fetch(
+        w: &World,
+        opts: FetchOptions,
+    ) -> (Result<FetchReport, FetchError>, Vec<usize>, Vec<u8>) {
+        let t = MemTransport::new(w.fabric.clone());
+        let buf =
+            Arc::new(HostBuffer::new(w.model.len(), distmind_transport::HugePages::No).unwrap());
+        let region = t.register(buf.clone()).unwrap();
+        let mut order = Vec::new();
+        let r = fetch_model(
+            &t,
+            &mut Peers::new(),
+            &w.entry,
+            Destination {
+                region,
+                buf: &buf,
+                base: 0,
+            },
+            opts,
+            &mut |g| order.push(g),
+        );
+        t.deregister(region).unwrap();
+        drop(t);
+        let mut buf = Arc::into_inner(buf).expect("the transport let go of the buffer");
+        (r, order, buf.as_mut_slice().to_vec())
+    }
+
+    #[test]
+    fn every_group_arrives_verified_and_in_order() {
+        let w = world(8, 4096, 2);
+        let (r, order, bytes) = fetch(&w, FetchOptions::default());
+        let r = r.unwrap();
+        assert_eq!(bytes, w.model);
+        assert_eq!(r.bytes, w.model.len() as u64);
+        assert_eq!(order.len(), 8, "each group announced once");
+        let mut sorted = order.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..8).collect::<Vec<_>>());
+        assert_eq!(r.retries, 0);
+    }
+
+    #[test]
+    fn a_one_read_window_still_finishes_in_group_order() {
+        let w = world(6, 2048, 1);
+        // Bytes in flight bounded to one slice: groups complete strictly in order.
+        let (r, order, bytes) = fetch(
+            &w,
+            FetchOptions {
+                bytes_in_flight_max: 1,
+                ..FetchOptions::default()
+            },
+        );
+        r.unwrap();
+        assert_eq!(order, (0..6).collect::<Vec<_>>());
+        assert_eq!(bytes, w.model);
+    }
+
+    #[test]
+    fn a_dead_primary_falls_back_to_the_replica() {
+        let w = world(4, 4096, 2);
+        w.fabric.fail_peer("ms0");
+        let (r, _, bytes) = fetch(&w, FetchOptions::default());
+        let r = r.unwrap();
+        assert_eq!(bytes, w.model);
+        assert!(r.retries >= 1);
+    }
+
+    #[test]
+    fn corrupted_bytes_are_never_exposed_and_the_replica_is_used() {
+        let w = world(4, 4096, 2);
+        // Corrupt one byte of group 2 on the primary.
+        // SAFETY: no read is in flight in this single-threaded setup.
+        #[allow(unsafe_code)]
+        #[allow(unsafe_code)]
+        unsafe {
+            w.arenas[0].slice_mut(2 * 4096 + 10..2 * 4096 + 11)[0] ^= 0xff
+        };
+        let (r, order, bytes) = fetch(&w, FetchOptions::default());
+        let r = r.unwrap();
+        assert_eq!(bytes, w.model, "the good copy replaced the corrupted slice");
+        assert!(r.retries >= 1);
+        assert_eq!(order.len(), 4);
+    }
+
+    #[test]
+    fn when_every_replica_fails_the_error_names_group_slice_and_servers() {
+        let w = world(3, 4096, 1);
+        w.fabric.fail_peer("ms0");
+        w.fabric.fail_peer("ms1");
+        let (r, order, _) = fetch(&w, FetchOptions::default());
+        let e = r.unwrap_err().to_string();
+        assert!(
+            e.contains("group 0") && e.contains("ms0") && e.contains("ms1"),
+            "{e}"
+        );
+        assert!(
+            order.is_empty(),
+            "no group is announced when its bytes never arrived"
+        );
+    }
+
+    #[test]
+    fn an_entry_whose_slices_do_not_tile_is_refused() {
+        let mut w = world(2, 4096, 2);
+        w.entry.groups[1].slices[1].group_offset += 512;
+        let (r, _, _) = fetch(&w, FetchOptions::default());
+        assert!(matches!(r, Err(FetchError::BadEntry { .. })), "{r:?}");
+    }
 }
