@@ -158,7 +158,7 @@ pub fn deploy(target: &Target, model: &Model<'_>, opts: &Options) -> anyhow::Res
     let mut controller =
         ControllerClient::connect(&target.controller, &target.key, CONNECT_TIMEOUT)
             .with_context(|| format!("cannot reach the controller at {}", target.controller))?;
-    let servers: Vec<MemserverInfo> = controller
+    let mut servers: Vec<MemserverInfo> = controller
         .list_memservers()?
         .into_iter()
         .filter(|s| s.alive)
@@ -166,6 +166,7 @@ pub fn deploy(target: &Target, model: &Model<'_>, opts: &Options) -> anyhow::Res
     if servers.is_empty() {
         bail!("no live memory server is registered with the controller at {}: start some with `distmind memserver`", target.controller);
     }
+    refresh_used_bytes(&target.key, &mut servers);
     let sizes: Vec<u64> = model.groups.iter().map(|g| g.len() as u64).collect();
     let plan = placement::plan(
         &sizes,
@@ -322,6 +323,22 @@ pub fn deploy(target: &Target, model: &Model<'_>, opts: &Options) -> anyhow::Res
         replaced: replaced.is_some(),
         elapsed: started.elapsed(),
     })
+}
+
+/// The controller learns used bytes from heartbeats, up to an interval late;
+/// ask each memory server itself so that back-to-back deploys plan on what
+/// is really free. A server that does not answer keeps the controller's view.
+fn refresh_used_bytes(key: &ClusterKey, servers: &mut [MemserverInfo]) {
+    for s in servers {
+        match MemserverClient::connect(&s.addr, key, CONNECT_TIMEOUT).and_then(|mut c| c.stats()) {
+            Ok(stats) => s.used_bytes = stats.used_bytes,
+            Err(e) => log::warn!(
+                "memory server {} at {}: no fresh stats ({e}); planning on the controller's view",
+                s.id,
+                s.addr
+            ),
+        }
+    }
 }
 
 /// Frees extents, best effort: a memory server that is gone has lost them anyway.

@@ -210,16 +210,7 @@ fn deploy_onto_a_full_memory_server_fails_clearly_and_leaks_nothing() {
     let controller = spawn_controller();
     let ms = spawn_memserver(&controller.addr, "1MiB");
     wait_alive(&controller.addr, 1);
-    let settings = settings_dir();
-    let (ok, _, stderr) = run(&[
-        "deploy",
-        "--quiet",
-        "--settings",
-        settings.to_str().unwrap(),
-        "--controller",
-        &controller.addr,
-        pkgs[0].to_str().unwrap(),
-    ]);
+    let (ok, _, stderr) = deploy(&controller.addr, &[], &pkgs);
     assert!(!ok, "a 1.5 MB model cannot fit a 1 MiB memory server");
     // The planner refuses before a byte is written, naming the server and the shortfall.
     assert!(

@@ -84,30 +84,20 @@ fn deploy_two_tiny_models_with_each_strategy_and_read_them_back() {
     }
 
     let controller = spawn_controller();
-    let _ms: Vec<Proc> = (0..3)
+    let ms: Vec<Proc> = (0..3)
         .map(|_| spawn_memserver(&controller.addr, "64MiB"))
         .collect();
     wait_alive(&controller.addr, 3);
-    let settings = settings_dir();
     let mut client =
         ControllerClient::connect(&controller.addr, &cluster_key(), Duration::from_secs(5))
             .unwrap();
 
     for strategy in ["hybrid", "per-app", "horizontal", "vertical"] {
-        let mut args = vec![
-            "deploy",
-            "--quiet",
-            "--settings",
-            settings.to_str().unwrap(),
-            "--controller",
+        let (ok, stdout, stderr) = deploy(
             &controller.addr,
-            "--strategy",
-            strategy,
-            "--shard-width",
-            "3",
-        ];
-        args.extend(pkgs.iter().map(|p| p.to_str().unwrap()));
-        let (ok, stdout, stderr) = run(&args);
+            &["--strategy", strategy, "--shard-width", "3"],
+            &pkgs,
+        );
         assert!(ok, "deploy --strategy {strategy} failed: {stderr}");
         assert_eq!(
             stdout
@@ -136,44 +126,25 @@ fn deploy_two_tiny_models_with_each_strategy_and_read_them_back() {
             }
             read_back_and_compare(&controller.addr, pkg);
         }
+        if strategy == "per-app" {
+            // Deploy plans on the servers' current free space, so the second
+            // model goes to another server than the first.
+            let mut home = |name: &str| {
+                client.get_model(name).unwrap().groups[0].slices[0].replicas[0].memserver
+            };
+            assert_ne!(
+                home(&packages[0].manifest.name),
+                home(&packages[1].manifest.name)
+            );
+        }
     }
 
     // Re-deploying replaces: the memory servers' used bytes do not grow.
-    let used = |c: &mut ControllerClient| -> u64 {
-        c.list_memservers()
-            .unwrap()
-            .iter()
-            .map(|m| m.used_bytes)
-            .sum()
-    };
-    let before = wait_stable_used(&mut client, used);
-    let (ok, _, stderr) = run(&[
-        "deploy",
-        "--quiet",
-        "--settings",
-        settings.to_str().unwrap(),
-        "--controller",
-        &controller.addr,
-        pkgs[0].to_str().unwrap(),
-    ]);
+    let used = || ms.iter().map(|m| used_bytes(&m.addr)).sum::<u64>();
+    let before = used();
+    let (ok, _, stderr) = deploy(&controller.addr, &[], &pkgs[..1]);
     assert!(ok, "{stderr}");
-    let after = wait_stable_used(&mut client, used);
-    assert_eq!(before, after, "re-deploy must free the replaced extents");
-}
-
-/// Used bytes reach the controller with heartbeats: wait until two
-/// consecutive readings agree.
-fn wait_stable_used(c: &mut ControllerClient, used: impl Fn(&mut ControllerClient) -> u64) -> u64 {
-    let mut last = used(c);
-    for _ in 0..100 {
-        std::thread::sleep(Duration::from_millis(1100));
-        let now = used(c);
-        if now == last {
-            return now;
-        }
-        last = now;
-    }
-    panic!("used bytes never settled");
+    assert_eq!(before, used(), "re-deploy must free the replaced extents");
 }
 
 #[test]
@@ -186,18 +157,7 @@ fn a_replica_serves_when_a_memory_server_dies() {
         .map(|_| spawn_memserver(&controller.addr, "32MiB"))
         .collect();
     wait_alive(&controller.addr, 2);
-    let settings = settings_dir();
-    let (ok, _, stderr) = run(&[
-        "deploy",
-        "--quiet",
-        "--settings",
-        settings.to_str().unwrap(),
-        "--controller",
-        &controller.addr,
-        "--replication",
-        "2",
-        pkgs[0].to_str().unwrap(),
-    ]);
+    let (ok, _, stderr) = deploy(&controller.addr, &["--replication", "2"], &pkgs);
     assert!(ok, "{stderr}");
     ms[0].kill();
     let report = read_back_and_compare(&controller.addr, &pkg);

@@ -70,7 +70,7 @@ impl FrameKind {
 pub enum WireError {
     #[error("connection closed by peer in the middle of a frame")]
     Truncated,
-    #[error("frame of {len} bytes exceeds the bound of {max} bytes")]
+    #[error("length of {len} bytes exceeds the bound of {max} bytes")]
     TooLarge { len: u64, max: u64 },
     #[error("malformed frame header: {0}")]
     Malformed(String),

@@ -156,3 +156,31 @@ pub fn gen_tiny(out: &Path, family: &str, variants: usize, group_bytes: u64) -> 
     assert!(ok, "model gen failed: {stderr}");
     stdout.lines().map(PathBuf::from).collect()
 }
+
+/// Runs `distmind deploy --quiet` against `controller` with extra flags.
+pub fn deploy(controller: &str, extra: &[&str], packages: &[PathBuf]) -> (bool, String, String) {
+    let settings = settings_dir();
+    let mut args = vec![
+        "deploy",
+        "--quiet",
+        "--settings",
+        settings.to_str().unwrap(),
+        "--controller",
+        controller,
+    ];
+    args.extend_from_slice(extra);
+    args.extend(packages.iter().map(|p| p.to_str().unwrap()));
+    run(&args)
+}
+
+/// Bytes in use on a memory server, asked of the server itself (exact, no
+/// heartbeat lag).
+pub fn used_bytes(memserver: &str) -> u64 {
+    let mut c = distmind_memserver::MemserverClient::connect(
+        memserver,
+        &cluster_key(),
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    c.stats().unwrap().used_bytes
+}
