@@ -42,6 +42,27 @@ enum Command {
     /// Benchmarks that print a ratio against a baseline measured in the same run.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Run one package on one .npy input in this process (a numerical check, no cluster).
+    Infer(InferCmd),
+}
+
+#[derive(Args)]
+struct InferCmd {
+    /// The package directory (DIR/<name>, the one holding manifest.json).
+    #[arg(long)]
+    model: PathBuf,
+    /// Input tensor (.npy: float32 images NCHW or int64 token ids [N, L]).
+    #[arg(long)]
+    input: PathBuf,
+    /// Where the model's last output goes (.npy); other outputs go next to it as <stem>.<name>.npy.
+    #[arg(long)]
+    output: PathBuf,
+    /// cpu (real numbers) or sim (times from a GPU profile, zero outputs).
+    #[arg(long, default_value = "cpu")]
+    executor: distmind_runtime::exec::ExecutorKind,
+    /// GPU profile for the sim executor.
+    #[arg(long, default_value = distmind_runtime::profile::SHIPPED_ESTIMATED_PATH)]
+    profile: PathBuf,
 }
 
 #[derive(Subcommand)]
@@ -139,6 +160,26 @@ struct DeployCmd {
 enum BenchCommand {
     /// GB/s pulling a model from 1, 2 and 4 local memory servers into host memory, vs a plain socket copy loop.
     Transfer(bench::transfer::TransferArgs),
+    /// First-request latency of a model on no device: pipelined vs load-then-run, per family.
+    Coldstart(bench::coldstart::ColdstartArgs),
+}
+
+/// Builds the executor named on the command line.
+fn executor(
+    kind: distmind_runtime::exec::ExecutorKind,
+    profile: &std::path::Path,
+) -> anyhow::Result<Box<dyn distmind_runtime::exec::Executor>> {
+    use distmind_runtime::exec::{cpu::CpuExecutor, sim::SimExecutor, ExecutorKind};
+    match kind {
+        ExecutorKind::Cpu => Ok(Box::new(CpuExecutor::new())),
+        ExecutorKind::Sim => {
+            let p = distmind_runtime::profile::Profile::load(profile)?;
+            Ok(Box::new(SimExecutor::new(p)))
+        }
+        ExecutorKind::Cuda => anyhow::bail!(
+            "the cuda executor is not built into this binary yet; use --executor cpu, or sim with a GPU profile"
+        ),
+    }
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -224,5 +265,24 @@ fn run(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Bench(BenchCommand::Transfer(a)) => bench::transfer::run(&a),
+        Command::Bench(BenchCommand::Coldstart(a)) => {
+            let exec = executor(a.executor, &a.profile)?;
+            bench::coldstart::run(&a, exec.as_ref())
+        }
+        Command::Infer(i) => {
+            let exec = executor(i.executor, &i.profile)?;
+            let report =
+                distmind_runtime::infer::infer_files(&i.model, &i.input, &i.output, exec.as_ref())?;
+            for o in &report.outputs {
+                println!("{} {:?} -> {}", o.name, o.shape, o.path.display());
+            }
+            println!(
+                "{} on {} in {:.3}s",
+                report.model,
+                exec.describe(),
+                report.elapsed.as_secs_f64()
+            );
+            Ok(())
+        }
     }
 }

@@ -4,5 +4,12 @@
 //! a group made visible only once its checksum matched.
 #![deny(unsafe_code)]
 
+pub mod cache;
+pub mod device;
+pub mod exec;
 pub mod fetch;
+pub mod infer;
+pub mod npy;
+pub mod pipeline;
+pub mod profile;
 pub use fetch::{fetch_model, Destination, FetchError, FetchOptions, FetchReport, Peers};

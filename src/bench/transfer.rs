@@ -56,6 +56,9 @@ pub struct TransferArgs {
     /// Where generated family packages go (default: a temporary directory).
     #[arg(long)]
     pub models_dir: Option<PathBuf>,
+    /// Bound on bytes a fetch has posted and not yet completed (MiB).
+    #[arg(long, default_value_t = distmind_runtime::fetch::BYTES_IN_FLIGHT_DEFAULT >> 20)]
+    pub in_flight_mib: u64,
     /// Write the rows as JSON here too.
     #[arg(long)]
     pub json: Option<PathBuf>,

@@ -1,0 +1,1070 @@
+//! The host block cache: where models land from the memory servers before
+//! they are copied to a device.
+//!
+//! One [`HostBuffer`] (default [`CACHE_BYTES_DEFAULT`]) is mapped, faulted in
+//! and registered with the transport ONCE, then cut into fixed blocks
+//! (default [`BLOCK_BYTES_DEFAULT`]). A cached model occupies a run of
+//! contiguous blocks, so its packed layout stays contiguous in host memory:
+//! group g is one slice, handed as is to `Arena::upload` (and, with CUDA, to
+//! one `cudaMemcpyAsync` from pinned memory).
+//!
+//! * [`HostCache::reserve`] finds a free run first-fit over a free-block
+//!   bitmap, evicting least-recently-used models that no reader holds until
+//!   one fits. A model larger than the cache, or a cache whose models are all
+//!   in use, is a clear error naming the sizes.
+//! * [`HostCache::fill`] fetches a reserved model into its run with
+//!   [`fetch_model`]; each group becomes visible ([`CachedModel::group`],
+//!   [`CachedModel::wait_group`]) only once all its slices arrived and
+//!   verified. A failed fetch fails every group still pending (waiters get
+//!   the reason at once) and drops the model from the cache, so the next
+//!   request fetches it again.
+//! * A [`CachedModel`] is a pin: while one lives, the model's blocks are
+//!   neither evicted nor reused. [`HostCache::remove`] (cache-out) frees the
+//!   blocks at once, or when the last pin is dropped.
+//!
+//! State of a cached model: `Reserved` -> `Filling` (groups arriving) ->
+//! `Complete` (evictable when unpinned), or `Failed` (gone from the lookup
+//! table; blocks freed with the last pin).
+//!
+//! Bounds: at most one model per block, so the tables are bounded by the
+//! block count; fetches into one cache are serialised (a fetch must be the
+//! only user of its transport's completions), each with the transport's
+//! bounded bytes in flight.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use distmind_common::proto::ModelEntry;
+use distmind_transport::{HostBuffer, HugePages, MemoryError, RegionId, Transport, TransportError};
+
+use crate::fetch::{fetch_model, Destination, FetchError, FetchOptions, FetchReport, Peers};
+
+/// Default size of the host cache.
+pub const CACHE_BYTES_DEFAULT: u64 = 4 << 30;
+/// Default block size (the original cut its cache into 4,096,000-byte blocks,
+/// [`BLOCK_BYTES_ORIGINAL`]; a power of two keeps blocks huge-page aligned).
+pub const BLOCK_BYTES_DEFAULT: u64 = 4 << 20;
+/// The original's block size, accepted as a setting.
+pub const BLOCK_BYTES_ORIGINAL: u64 = 4_096_000;
+/// Smallest block accepted: one page, so every block start is page aligned.
+pub const BLOCK_BYTES_MIN: u64 = 4096;
+
+/// Called once on the cache's buffer after it is mapped and before it is
+/// registered with the transport. This is where `cudaHostRegister` (pinning
+/// the cache for asynchronous H2D copies) goes when the `cuda` executor is
+/// present; nothing pins on CPU-only builds.
+pub type PinHook = Box<dyn Fn(&HostBuffer) -> Result<(), String> + Send + Sync>;
+
+pub struct CacheConfig {
+    pub capacity_bytes: u64,
+    pub block_bytes: u64,
+    pub huge_pages: HugePages,
+    pub pin: Option<PinHook>,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        CacheConfig {
+            capacity_bytes: CACHE_BYTES_DEFAULT,
+            block_bytes: BLOCK_BYTES_DEFAULT,
+            huge_pages: HugePages::Try,
+            pin: None,
+        }
+    }
+}
+
+impl CacheConfig {
+    /// `capacity_bytes` in blocks of `block_bytes`, normal pages, no pinning.
+    pub fn new(capacity_bytes: u64, block_bytes: u64) -> Self {
+        CacheConfig {
+            capacity_bytes,
+            block_bytes,
+            huge_pages: HugePages::No,
+            pin: None,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CacheError {
+    #[error("host cache: {0}")]
+    Config(String),
+    #[error("host cache: {0}")]
+    Memory(#[from] MemoryError),
+    #[error("host cache: pinning the cache buffer failed: {0}")]
+    Pin(String),
+    #[error("host cache: registering with the {transport} transport: {source}")]
+    Register {
+        transport: &'static str,
+        source: TransportError,
+    },
+    #[error("model {model} ({bytes} bytes, {blocks} blocks of {block_bytes}) is larger than the whole host cache ({capacity} bytes)")]
+    TooBig {
+        model: String,
+        bytes: u64,
+        blocks: u64,
+        block_bytes: u64,
+        capacity: u64,
+    },
+    #[error("model {model} needs {blocks} contiguous blocks ({bytes} bytes) but the host cache ({capacity} bytes, {used} used, {free_blocks} blocks free) holds only models in use: {in_use}")]
+    Full {
+        model: String,
+        bytes: u64,
+        blocks: u64,
+        capacity: u64,
+        used: u64,
+        free_blocks: u64,
+        in_use: String,
+    },
+    #[error("model {model} has no bytes: nothing to cache")]
+    Empty { model: String },
+    #[error("model {0} is already in the host cache")]
+    Exists(String),
+    #[error("model {model}: {why}")]
+    Layout { model: String, why: String },
+    #[error("model {model}: cannot fill: it is {state}, not freshly reserved")]
+    NotReserved { model: String, state: &'static str },
+    #[error("model {model}: fetch into the host cache failed: {source}")]
+    Fetch { model: String, source: FetchError },
+    #[error("model {model} group {group}: {why}")]
+    Group {
+        model: String,
+        group: usize,
+        why: String,
+    },
+}
+
+/// Counters and occupancy, for metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    pub capacity_bytes: u64,
+    /// Bytes of blocks held by models (including removed ones still pinned).
+    pub used_bytes: u64,
+    /// Models that lookups find.
+    pub models: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub evictions: u64,
+}
+
+/// Whether a lookup found the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lookup {
+    /// In the cache, complete or still filling (wait on its groups).
+    Hit,
+    /// Freshly reserved: the caller must [`HostCache::fill`] it.
+    Miss,
+}
+
+/// Where a cached model stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FillState {
+    Reserved,
+    Filling,
+    Complete,
+    Failed(String),
+}
+
+impl FillState {
+    fn name(&self) -> &'static str {
+        match self {
+            FillState::Reserved => "reserved",
+            FillState::Filling => "filling",
+            FillState::Complete => "complete",
+            FillState::Failed(_) => "failed",
+        }
+    }
+}
+
+struct Fill {
+    state: FillState,
+    /// When each group became visible; `None` while pending.
+    ready: Vec<Option<Instant>>,
+}
+
+/// One cached model's blocks, layout and fill state.
+struct Slot {
+    id: u64,
+    name: String,
+    /// Byte offset of the model's first block in the cache buffer.
+    base: u64,
+    first_block: usize,
+    blocks: usize,
+    /// Packed layout: start and length of each group, from the model's start.
+    groups: Vec<(u64, u64)>,
+    bytes: u64,
+    fill: Mutex<Fill>,
+    cv: Condvar,
+}
+
+impl Slot {
+    fn lock(&self) -> MutexGuard<'_, Fill> {
+        self.fill.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+struct Entry {
+    slot: Arc<Slot>,
+    pins: usize,
+    last_used: u64,
+    /// Removed from the lookup table; blocks are freed when `pins` reaches 0.
+    doomed: bool,
+}
+
+#[derive(Default)]
+struct Table {
+    /// `free[b]`: block b holds no model.
+    free: Vec<bool>,
+    entries: HashMap<u64, Entry>,
+    by_name: HashMap<String, u64>,
+    next_id: u64,
+    tick: u64,
+    hits: u64,
+    misses: u64,
+    evictions: u64,
+}
+
+impl Table {
+    fn touch(&mut self, id: u64) {
+        self.tick += 1;
+        let tick = self.tick;
+        if let Some(e) = self.entries.get_mut(&id) {
+            e.last_used = tick;
+        }
+    }
+
+    fn release_blocks(&mut self, id: u64) {
+        if let Some(e) = self.entries.remove(&id) {
+            for b in &mut self.free[e.slot.first_block..e.slot.first_block + e.slot.blocks] {
+                debug_assert!(!*b);
+                *b = true;
+            }
+            if self.by_name.get(&e.slot.name) == Some(&id) {
+                self.by_name.remove(&e.slot.name);
+            }
+        }
+    }
+
+    /// First-fit run of `n` free blocks.
+    fn find_run(&self, n: usize) -> Option<usize> {
+        let mut run = 0;
+        for (b, &free) in self.free.iter().enumerate() {
+            if free {
+                run += 1;
+                if run == n {
+                    return Some(b + 1 - n);
+                }
+            } else {
+                run = 0;
+            }
+        }
+        None
+    }
+
+    /// Takes the model out of the lookup table; frees its blocks now if no
+    /// one holds it. Returns whether the blocks were freed.
+    fn doom(&mut self, id: u64) -> bool {
+        let Some(e) = self.entries.get_mut(&id) else {
+            return false;
+        };
+        e.doomed = true;
+        let name = e.slot.name.clone();
+        let free_now = e.pins == 0;
+        if self.by_name.get(&name) == Some(&id) {
+            self.by_name.remove(&name);
+        }
+        if free_now {
+            self.release_blocks(id);
+        }
+        free_now
+    }
+}
+
+struct Inner {
+    buf: Arc<HostBuffer>,
+    block_bytes: u64,
+    blocks: usize,
+    transport: Arc<dyn Transport>,
+    region: RegionId,
+    /// Fetches are serialised: `fetch_model` must be its transport's only
+    /// completion consumer. The lock also holds the peer connections.
+    fetch: Mutex<Peers>,
+    table: Mutex<Table>,
+}
+
+impl Inner {
+    fn table(&self) -> MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn capacity(&self) -> u64 {
+        self.blocks as u64 * self.block_bytes
+    }
+}
+
+/// The host block cache of one GPU server worker. Cheap to share by reference
+/// between threads.
+pub struct HostCache {
+    inner: Arc<Inner>,
+}
+
+impl HostCache {
+    /// Maps, faults in, pins (when a hook is given) and registers the cache
+    /// buffer with `transport`.
+    pub fn new(config: CacheConfig, transport: Arc<dyn Transport>) -> Result<Self, CacheError> {
+        if config.block_bytes < BLOCK_BYTES_MIN
+            || !config.block_bytes.is_multiple_of(BLOCK_BYTES_MIN)
+        {
+            return Err(CacheError::Config(format!(
+                "block size {} is not a positive multiple of {BLOCK_BYTES_MIN}",
+                config.block_bytes
+            )));
+        }
+        let blocks = config.capacity_bytes / config.block_bytes;
+        if blocks == 0 {
+            return Err(CacheError::Config(format!(
+                "capacity {} is smaller than one block of {}",
+                config.capacity_bytes, config.block_bytes
+            )));
+        }
+        let len = usize::try_from(blocks * config.block_bytes).map_err(|_| {
+            CacheError::Config(format!(
+                "capacity {} does not fit this address space",
+                config.capacity_bytes
+            ))
+        })?;
+        let buf = Arc::new(HostBuffer::new(len, config.huge_pages)?);
+        if let Some(pin) = &config.pin {
+            pin(&buf).map_err(CacheError::Pin)?;
+        }
+        let region = transport
+            .register(buf.clone())
+            .map_err(|source| CacheError::Register {
+                transport: transport.name(),
+                source,
+            })?;
+        let table = Table {
+            free: vec![true; blocks as usize],
+            ..Table::default()
+        };
+        log::info!(
+            "host cache: {} bytes in {blocks} blocks of {} ({}), registered with {}",
+            len,
+            config.block_bytes,
+            if buf.huge_pages() {
+                "huge pages"
+            } else {
+                "normal pages"
+            },
+            transport.name()
+        );
+        Ok(HostCache {
+            inner: Arc::new(Inner {
+                buf,
+                block_bytes: config.block_bytes,
+                blocks: blocks as usize,
+                transport,
+                region,
+                fetch: Mutex::new(Peers::new()),
+                table: Mutex::new(table),
+            }),
+        })
+    }
+
+    pub fn capacity_bytes(&self) -> u64 {
+        self.inner.capacity()
+    }
+
+    pub fn block_bytes(&self) -> u64 {
+        self.inner.block_bytes
+    }
+
+    pub fn blocks(&self) -> usize {
+        self.inner.blocks
+    }
+
+    /// The cache buffer (for registering it elsewhere, e.g. with a GPU driver).
+    pub fn buffer(&self) -> &Arc<HostBuffer> {
+        &self.inner.buf
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        let t = self.inner.table();
+        let used_blocks = t.free.iter().filter(|f| !**f).count() as u64;
+        CacheStats {
+            capacity_bytes: self.inner.capacity(),
+            used_bytes: used_blocks * self.inner.block_bytes,
+            models: t.by_name.len() as u64,
+            hits: t.hits,
+            misses: t.misses,
+            evictions: t.evictions,
+        }
+    }
+
+    /// Whether `model` is in the cache (any state but failed), without
+    /// pinning it or counting a hit.
+    pub fn contains(&self, model: &str) -> bool {
+        self.inner.table().by_name.contains_key(model)
+    }
+
+    /// Pins `model` if it is cached (complete or still filling); counts a hit
+    /// or a miss.
+    pub fn get(&self, model: &str) -> Option<CachedModel> {
+        let mut t = self.inner.table();
+        self.get_locked(&mut t, model)
+    }
+
+    fn get_locked(&self, t: &mut Table, model: &str) -> Option<CachedModel> {
+        let Some(&id) = t.by_name.get(model) else {
+            t.misses += 1;
+            return None;
+        };
+        t.hits += 1;
+        t.touch(id);
+        let e = t.entries.get_mut(&id).expect("by_name points at an entry");
+        e.pins += 1;
+        Some(CachedModel {
+            slot: e.slot.clone(),
+            cache: self.inner.clone(),
+        })
+    }
+
+    /// Reserves a contiguous run of blocks for `model`, whose packed groups
+    /// have the lengths `group_bytes` (in order), evicting LRU models not in
+    /// use until a run fits. The model is `Reserved`: fill it with
+    /// [`HostCache::fill`]. Fails if the name is cached already.
+    pub fn reserve(&self, model: &str, group_bytes: &[u64]) -> Result<CachedModel, CacheError> {
+        let mut t = self.inner.table();
+        if t.by_name.contains_key(model) {
+            return Err(CacheError::Exists(model.into()));
+        }
+        self.reserve_locked(&mut t, model, group_bytes)
+    }
+
+    /// The model if cached ([`Lookup::Hit`]), otherwise a fresh reservation
+    /// ([`Lookup::Miss`]) that the caller must fill; atomic, so two requests
+    /// for the same model never both fetch it.
+    pub fn lookup_or_reserve(
+        &self,
+        model: &str,
+        group_bytes: &[u64],
+    ) -> Result<(CachedModel, Lookup), CacheError> {
+        let mut t = self.inner.table();
+        if let Some(id) = t.by_name.get(model) {
+            let slot = &t.entries[id].slot;
+            if slot.groups.len() != group_bytes.len()
+                || slot.groups.iter().zip(group_bytes).any(|(g, b)| g.1 != *b)
+            {
+                return Err(CacheError::Layout {
+                    model: model.into(),
+                    why: "the cached copy has another group layout than the request's; remove it first".into(),
+                });
+            }
+        }
+        // No handle may be dropped while `t` is held: dropping one locks the table.
+        if let Some(m) = self.get_locked(&mut t, model) {
+            return Ok((m, Lookup::Hit));
+        }
+        Ok((
+            self.reserve_locked(&mut t, model, group_bytes)?,
+            Lookup::Miss,
+        ))
+    }
+
+    fn reserve_locked(
+        &self,
+        t: &mut Table,
+        model: &str,
+        group_bytes: &[u64],
+    ) -> Result<CachedModel, CacheError> {
+        let inner = &self.inner;
+        let mut groups = Vec::with_capacity(group_bytes.len());
+        let mut bytes = 0u64;
+        for (g, &len) in group_bytes.iter().enumerate() {
+            if len == 0 {
+                return Err(CacheError::Layout {
+                    model: model.into(),
+                    why: format!("group {g} is empty"),
+                });
+            }
+            groups.push((bytes, len));
+            bytes += len;
+        }
+        if bytes == 0 {
+            return Err(CacheError::Empty {
+                model: model.into(),
+            });
+        }
+        let n = bytes.div_ceil(inner.block_bytes);
+        if n > inner.blocks as u64 {
+            return Err(CacheError::TooBig {
+                model: model.into(),
+                bytes,
+                blocks: n,
+                block_bytes: inner.block_bytes,
+                capacity: inner.capacity(),
+            });
+        }
+        let n = n as usize;
+        let first = loop {
+            if let Some(b) = t.find_run(n) {
+                break b;
+            }
+            // Evict the least recently used model no one holds.
+            let victim = t
+                .entries
+                .iter()
+                .filter(|(_, e)| e.pins == 0 && !e.doomed)
+                .min_by_key(|(_, e)| e.last_used)
+                .map(|(id, _)| *id);
+            let Some(victim) = victim else {
+                let mut in_use: Vec<String> = t
+                    .entries
+                    .values()
+                    .map(|e| format!("{} ({} bytes)", e.slot.name, e.slot.bytes))
+                    .collect();
+                in_use.sort();
+                let used_blocks = t.free.iter().filter(|f| !**f).count() as u64;
+                return Err(CacheError::Full {
+                    model: model.into(),
+                    bytes,
+                    blocks: n as u64,
+                    capacity: inner.capacity(),
+                    used: used_blocks * inner.block_bytes,
+                    free_blocks: inner.blocks as u64 - used_blocks,
+                    in_use: in_use.join(", "),
+                });
+            };
+            log::debug!(
+                "host cache: evicting {} to make room for {model}",
+                t.entries[&victim].slot.name
+            );
+            t.doom(victim);
+            t.evictions += 1;
+        };
+        for b in &mut t.free[first..first + n] {
+            *b = false;
+        }
+        t.next_id += 1;
+        t.tick += 1;
+        let id = t.next_id;
+        let slot = Arc::new(Slot {
+            id,
+            name: model.into(),
+            base: first as u64 * inner.block_bytes,
+            first_block: first,
+            blocks: n,
+            bytes,
+            fill: Mutex::new(Fill {
+                state: FillState::Reserved,
+                ready: vec![None; groups.len()],
+            }),
+            groups,
+            cv: Condvar::new(),
+        });
+        t.entries.insert(
+            id,
+            Entry {
+                slot: slot.clone(),
+                pins: 1,
+                last_used: t.tick,
+                doomed: false,
+            },
+        );
+        t.by_name.insert(model.into(), id);
+        Ok(CachedModel {
+            slot,
+            cache: inner.clone(),
+        })
+    }
+
+    /// Fetches a freshly reserved model into its blocks. Each group is made
+    /// visible (and waiters woken) as soon as it verified, then
+    /// `on_group_ready(g)` runs. On failure every pending group fails with
+    /// the reason and the model leaves the cache.
+    ///
+    /// Fetches into one cache run one at a time.
+    pub fn fill(
+        &self,
+        model: &CachedModel,
+        entry: &ModelEntry,
+        opts: FetchOptions,
+        on_group_ready: &mut dyn FnMut(usize),
+    ) -> Result<FetchReport, CacheError> {
+        let slot = &model.slot;
+        if !Arc::ptr_eq(&model.cache, &self.inner) {
+            return Err(CacheError::Config(format!(
+                "model {} belongs to another host cache",
+                slot.name
+            )));
+        }
+        {
+            let mut f = slot.lock();
+            if f.state != FillState::Reserved {
+                return Err(CacheError::NotReserved {
+                    model: slot.name.clone(),
+                    state: f.state.name(),
+                });
+            }
+            if entry.name != slot.name
+                || entry.groups.len() != slot.groups.len()
+                || entry
+                    .groups
+                    .iter()
+                    .zip(&slot.groups)
+                    .any(|(g, s)| g.bytes != s.1)
+            {
+                let why = format!(
+                    "catalog entry {} ({} groups) does not match the reservation ({} groups)",
+                    entry.name,
+                    entry.groups.len(),
+                    slot.groups.len()
+                );
+                f.state = FillState::Failed(why.clone());
+                drop(f);
+                self.inner.table().doom(slot.id);
+                return Err(CacheError::Layout {
+                    model: slot.name.clone(),
+                    why,
+                });
+            }
+            f.state = FillState::Filling;
+        }
+        let result = {
+            let mut peers = self.inner.fetch.lock().unwrap_or_else(|p| p.into_inner());
+            fetch_model(
+                &*self.inner.transport,
+                &mut peers,
+                entry,
+                Destination {
+                    region: self.inner.region,
+                    buf: &self.inner.buf,
+                    base: slot.base,
+                },
+                opts,
+                &mut |g| {
+                    {
+                        let mut f = slot.lock();
+                        f.ready[g] = Some(Instant::now());
+                    }
+                    slot.cv.notify_all();
+                    on_group_ready(g);
+                },
+            )
+        };
+        match result {
+            Ok(report) => {
+                slot.lock().state = FillState::Complete;
+                slot.cv.notify_all();
+                Ok(report)
+            }
+            Err(source) => {
+                let why = source.to_string();
+                slot.lock().state = FillState::Failed(why);
+                slot.cv.notify_all();
+                self.inner.table().doom(slot.id);
+                Err(CacheError::Fetch {
+                    model: slot.name.clone(),
+                    source,
+                })
+            }
+        }
+    }
+
+    /// Cache-out: the model leaves the lookup table now; its blocks are freed
+    /// now if no one holds it, else when the last [`CachedModel`] is dropped.
+    /// Returns `None` if it was not cached, `Some(true)` if freed now.
+    pub fn remove(&self, model: &str) -> Option<bool> {
+        let mut t = self.inner.table();
+        let id = *t.by_name.get(model)?;
+        Some(t.doom(id))
+    }
+}
+
+impl Drop for HostCache {
+    fn drop(&mut self) {
+        if let Err(e) = self.inner.transport.deregister(self.inner.region) {
+            log::warn!("host cache: deregistering its buffer: {e}");
+        }
+    }
+}
+
+/// A pinned cached model: its blocks stay put while this handle lives.
+/// Clones pin again.
+pub struct CachedModel {
+    slot: Arc<Slot>,
+    cache: Arc<Inner>,
+}
+
+impl CachedModel {
+    pub fn name(&self) -> &str {
+        &self.slot.name
+    }
+
+    /// Packed bytes of the model.
+    pub fn bytes(&self) -> u64 {
+        self.slot.bytes
+    }
+
+    pub fn groups(&self) -> usize {
+        self.slot.groups.len()
+    }
+
+    /// Offset of the model's first block in the cache buffer.
+    pub fn base(&self) -> u64 {
+        self.slot.base
+    }
+
+    /// Blocks held (`first`, `count`).
+    pub fn blocks(&self) -> (usize, usize) {
+        (self.slot.first_block, self.slot.blocks)
+    }
+
+    pub fn state(&self) -> FillState {
+        self.slot.lock().state.clone()
+    }
+
+    pub fn is_complete(&self) -> bool {
+        self.slot.lock().state == FillState::Complete
+    }
+
+    /// When group `g` became visible, if it has.
+    pub fn ready_at(&self, g: usize) -> Option<Instant> {
+        self.slot.lock().ready.get(g).copied().flatten()
+    }
+
+    /// Group `g`'s bytes, only once all its slices arrived and verified.
+    pub fn group(&self, g: usize) -> Option<&[u8]> {
+        let (start, len) = *self.slot.groups.get(g)?;
+        self.slot.lock().ready[g]?;
+        let start = (self.slot.base + start) as usize;
+        // SAFETY: the group is ready, so every read into its range completed
+        // and no one writes it again while a pin (this handle) keeps the
+        // model's blocks from being reused.
+        #[allow(unsafe_code)]
+        let bytes = unsafe { self.cache.buf.slice(start..start + len as usize) };
+        Some(bytes)
+    }
+
+    /// Blocks until group `g` is visible; fails at once if the fill failed,
+    /// and after `timeout` otherwise.
+    pub fn wait_group(&self, g: usize, timeout: Duration) -> Result<&[u8], CacheError> {
+        let err = |why: String| CacheError::Group {
+            model: self.slot.name.clone(),
+            group: g,
+            why,
+        };
+        if g >= self.slot.groups.len() {
+            return Err(err(format!(
+                "the model has {} groups",
+                self.slot.groups.len()
+            )));
+        }
+        let deadline = Instant::now() + timeout;
+        let mut f = self.slot.lock();
+        loop {
+            if f.ready[g].is_some() {
+                break;
+            }
+            match &f.state {
+                FillState::Failed(why) => return Err(err(format!("fetch failed: {why}"))),
+                FillState::Complete => return Err(err("fill completed without this group".into())),
+                FillState::Reserved | FillState::Filling => {}
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(err(format!(
+                    "not in host memory after {timeout:?} (model is {})",
+                    f.state.name()
+                )));
+            }
+            f = self
+                .slot
+                .cv
+                .wait_timeout(f, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        drop(f);
+        Ok(self.group(g).expect("the group is ready"))
+    }
+}
+
+impl Clone for CachedModel {
+    fn clone(&self) -> Self {
+        let mut t = self.cache.table();
+        if let Some(e) = t.entries.get_mut(&self.slot.id) {
+            e.pins += 1;
+        }
+        drop(t);
+        CachedModel {
+            slot: self.slot.clone(),
+            cache: self.cache.clone(),
+        }
+    }
+}
+
+impl Drop for CachedModel {
+    fn drop(&mut self) {
+        let mut t = self.cache.table();
+        let id = self.slot.id;
+        let Some(e) = t.entries.get_mut(&id) else {
+            return;
+        };
+        e.pins -= 1;
+        let release = e.pins == 0 && e.doomed;
+        if release {
+            t.release_blocks(id);
+        } else {
+            t.touch(id);
+        }
+    }
+}
+
+impl std::fmt::Debug for CachedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CachedModel")
+            .field("name", &self.slot.name)
+            .field("bytes", &self.slot.bytes)
+            .field("blocks", &(self.slot.first_block, self.slot.blocks))
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use distmind_common::checksum::{checksum, to_hex};
+    use distmind_common::proto::{GroupLocation, Location, Slice};
+    use distmind_transport::{MemFabric, MemTransport};
+
+    use super::*;
+
+    const BLOCK: u64 = 4096;
+
+    fn cache(blocks: u64) -> (HostCache, MemFabric) {
+        let fabric = MemFabric::new();
+        let t: Arc<dyn Transport> = Arc::new(MemTransport::new(fabric.clone()));
+        (
+            HostCache::new(CacheConfig::new(blocks * BLOCK, BLOCK), t).unwrap(),
+            fabric,
+        )
+    }
+
+    /// A model of `groups` groups of `len` bytes on peer "ms0" (and "ms1").
+    fn model(fabric: &MemFabric, name: &str, groups: usize, len: usize) -> (ModelEntry, Vec<u8>) {
+        let bytes: Vec<u8> = (0..groups * len).map(|i| (i * 7 % 253) as u8).collect();
+        for peer in ["ms0", "ms1"] {
+            let mut b = HostBuffer::new(bytes.len(), HugePages::No).unwrap();
+            b.as_mut_slice().copy_from_slice(&bytes);
+            fabric.add_peer(peer, Arc::new(b));
+        }
+        let entry = ModelEntry {
+            name: name.into(),
+            family: "test".into(),
+            total_bytes: bytes.len() as u64,
+            strategy: "hybrid".into(),
+            replication: 2,
+            groups: (0..groups)
+                .map(|g| {
+                    let range = g * len..(g + 1) * len;
+                    GroupLocation {
+                        index: g as u32,
+                        bytes: len as u64,
+                        checksum: to_hex(checksum(&bytes[range.clone()])),
+                        slices: vec![Slice {
+                            group_offset: 0,
+                            len: len as u64,
+                            checksum: to_hex(checksum(&bytes[range])),
+                            replicas: ["ms0", "ms1"]
+                                .iter()
+                                .enumerate()
+                                .map(|(i, a)| Location {
+                                    memserver: i as u32,
+                                    addr: a.to_string(),
+                                    offset: (g * len) as u64,
+                                })
+                                .collect(),
+                        }],
+                    }
+                })
+                .collect(),
+            manifest: serde_json::Value::Null,
+        };
+        (entry, bytes)
+    }
+
+    #[test]
+    fn cache_reserve_is_first_fit_and_contiguous() {
+        let (c, _) = cache(8);
+        let a = c.reserve("a", &[BLOCK, 100]).unwrap();
+        let b = c.reserve("b", &[3 * BLOCK]).unwrap();
+        assert_eq!(a.blocks(), (0, 2));
+        assert_eq!(b.blocks(), (2, 3));
+        assert_eq!(b.base(), 2 * BLOCK);
+        assert!(matches!(c.reserve("a", &[1]), Err(CacheError::Exists(_))));
+        let s = c.stats();
+        assert_eq!(
+            (s.capacity_bytes, s.used_bytes, s.models),
+            (8 * BLOCK, 5 * BLOCK, 2)
+        );
+        drop(a);
+        // Still cached (complete or not) until evicted or removed.
+        assert_eq!(c.stats().used_bytes, 5 * BLOCK);
+        assert_eq!(c.remove("a"), Some(true));
+        assert_eq!(c.remove("a"), None);
+        // The hole left by "a" is reused first.
+        let d = c.reserve("d", &[10]).unwrap();
+        assert_eq!(d.blocks(), (0, 1));
+    }
+
+    #[test]
+    fn cache_evicts_lru_models_not_in_use() {
+        let (c, _) = cache(4);
+        drop(c.reserve("a", &[BLOCK]).unwrap());
+        drop(c.reserve("b", &[BLOCK]).unwrap());
+        drop(c.reserve("c", &[2 * BLOCK]).unwrap());
+        // Touch "a": "b" becomes the least recently used.
+        drop(c.get("a").unwrap());
+        let d = c.reserve("d", &[BLOCK]).unwrap();
+        assert_eq!(d.blocks(), (1, 1), "b's block");
+        assert!(!c.contains("b") && c.contains("a") && c.contains("c"));
+        assert_eq!(c.stats().evictions, 1);
+        // Touch "c": "a" is the LRU now. "e" needs 2 contiguous blocks; "a"'s
+        // block 0 is not enough next to "d" (pinned), so "c" goes as well.
+        drop(c.get("c").unwrap());
+        let e = c.reserve("e", &[2 * BLOCK]).unwrap();
+        assert_eq!(e.blocks(), (2, 2));
+        assert!(c.contains("d") && c.contains("e") && !c.contains("a") && !c.contains("c"));
+        assert_eq!(c.stats().evictions, 3);
+    }
+
+    #[test]
+    fn cache_never_evicts_models_in_use_and_names_sizes() {
+        let (c, _) = cache(4);
+        let _a = c.reserve("a", &[2 * BLOCK]).unwrap();
+        let b = c.reserve("b", &[BLOCK]).unwrap();
+        let e = c.reserve("c", &[3 * BLOCK]).unwrap_err().to_string();
+        assert!(
+            e.contains("c needs 3 contiguous blocks") && e.contains("a (8192 bytes)"),
+            "{e}"
+        );
+        // A second pin keeps "b" after the first one is gone.
+        let b2 = b.clone();
+        drop(b);
+        assert!(c.reserve("c", &[2 * BLOCK]).is_err());
+        drop(b2);
+        let c3 = c.reserve("c", &[2 * BLOCK]).unwrap();
+        assert_eq!(c3.blocks(), (2, 2));
+        let e = c.reserve("huge", &[5 * BLOCK]).unwrap_err().to_string();
+        assert!(
+            e.contains("larger than the whole host cache (16384 bytes)"),
+            "{e}"
+        );
+        assert!(matches!(c.reserve("z", &[]), Err(CacheError::Empty { .. })));
+    }
+
+    #[test]
+    fn cache_remove_while_pinned_frees_on_last_drop() {
+        let (c, _) = cache(2);
+        let a = c.reserve("a", &[2 * BLOCK]).unwrap();
+        assert_eq!(c.remove("a"), Some(false));
+        assert!(!c.contains("a") && c.get("a").is_none());
+        assert_eq!(c.stats().used_bytes, 2 * BLOCK, "still pinned");
+        assert!(c.reserve("b", &[BLOCK]).is_err());
+        drop(a);
+        assert_eq!(c.stats().used_bytes, 0);
+        c.reserve("b", &[BLOCK]).unwrap();
+        let s = c.stats();
+        assert_eq!((s.hits, s.misses), (0, 1), "reserve alone counts nothing");
+    }
+
+    #[test]
+    fn cache_fill_makes_groups_visible_only_when_verified() {
+        let (c, fabric) = cache(16);
+        let (entry, bytes) = model(&fabric, "m", 3, 5000);
+        let (m, hit) = c.lookup_or_reserve("m", &[5000; 3]).unwrap();
+        assert_eq!(hit, Lookup::Miss);
+        assert!(m.group(0).is_none(), "nothing visible before the fill");
+        assert!(m
+            .wait_group(0, Duration::from_millis(10))
+            .unwrap_err()
+            .to_string()
+            .contains("not in host memory"));
+        let mut seen = Vec::new();
+        let mut visible_at_callback = Vec::new();
+        let report = c
+            .fill(&m, &entry, FetchOptions::default(), &mut |g| {
+                seen.push(g);
+                visible_at_callback.push(m.group(g).is_some());
+            })
+            .unwrap();
+        assert_eq!(report.bytes, 15000);
+        assert_eq!(seen.len(), 3);
+        assert!(visible_at_callback.iter().all(|v| *v));
+        assert!(m.is_complete());
+        for g in 0..3 {
+            assert_eq!(m.group(g).unwrap(), &bytes[g * 5000..(g + 1) * 5000]);
+        }
+        assert!(matches!(
+            c.fill(&m, &entry, FetchOptions::default(), &mut |_| {}),
+            Err(CacheError::NotReserved { .. })
+        ));
+        let (again, hit) = c.lookup_or_reserve("m", &[5000; 3]).unwrap();
+        assert_eq!(hit, Lookup::Hit);
+        assert_eq!(
+            again.wait_group(2, Duration::ZERO).unwrap(),
+            &bytes[10000..]
+        );
+        assert!(
+            c.lookup_or_reserve("m", &[15000]).is_err(),
+            "another layout"
+        );
+    }
+
+    #[test]
+    fn cache_failed_fill_wakes_waiters_and_leaves_the_cache() {
+        let (c, fabric) = cache(16);
+        let (entry, _) = model(&fabric, "m", 2, 5000);
+        fabric.fail_peer("ms0");
+        fabric.fail_peer("ms1");
+        let m = c.reserve("m", &[5000; 2]).unwrap();
+        let waiter = m.clone();
+        let e = std::thread::scope(|s| {
+            let h = s.spawn(move || waiter.wait_group(1, Duration::from_secs(30)).map(|_| ()));
+            std::thread::sleep(Duration::from_millis(20));
+            let e = c
+                .fill(&m, &entry, FetchOptions::default(), &mut |_| {})
+                .unwrap_err();
+            assert!(e.to_string().contains("every replica failed"), "{e}");
+            h.join().unwrap().unwrap_err()
+        });
+        assert!(
+            e.to_string().contains("group 1") && e.to_string().contains("fetch failed"),
+            "{e}"
+        );
+        assert!(matches!(m.state(), FillState::Failed(_)));
+        assert!(!c.contains("m"), "a failed model is not found again");
+        drop(m);
+        assert_eq!(c.stats().used_bytes, 0);
+        fabric.heal_peer("ms0");
+        let (m, hit) = c.lookup_or_reserve("m", &[5000; 2]).unwrap();
+        assert_eq!(hit, Lookup::Miss);
+        c.fill(&m, &entry, FetchOptions::default(), &mut |_| {})
+            .unwrap();
+    }
+
+    #[test]
+    fn cache_rejects_bad_configs() {
+        let t: Arc<dyn Transport> = Arc::new(MemTransport::new(MemFabric::new()));
+        assert!(HostCache::new(CacheConfig::new(100, 4096), t.clone()).is_err());
+        assert!(HostCache::new(CacheConfig::new(1 << 20, 1000), t.clone()).is_err());
+        let c = HostCache::new(
+            CacheConfig::new(10 * BLOCK_BYTES_ORIGINAL, BLOCK_BYTES_ORIGINAL),
+            t,
+        )
+        .unwrap();
+        assert_eq!(c.blocks(), 10);
+    }
+}

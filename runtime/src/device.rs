@@ -1,0 +1,458 @@
+//! Device residency: which models have a parameter arena (and a compiled
+//! program) on one device, with LRU eviction of arenas when the device's
+//! budget for parameters is full. Several models may be resident at once
+//! (beyond the original's one).
+//!
+//! A [`Resident`] handle pins a model: while one lives, its arena is neither
+//! evicted nor freed. A resident model carries its [`GroupGates`]: a request
+//! that finds a model still being uploaded by another request simply waits
+//! on the same gates.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::exec::{Arena, ExecError, Program};
+use crate::pipeline::GroupGates;
+
+/// Default number of models resident on one device at once (the `mps`
+/// baseline of the evaluation keeps up to 12 per GPU).
+pub const RESIDENT_MODELS_MAX_DEFAULT: usize = 12;
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DeviceError {
+    #[error("model {model} needs a {bytes}-byte arena, more than the device's whole parameter budget of {capacity} bytes")]
+    TooBig {
+        model: String,
+        bytes: u64,
+        capacity: u64,
+    },
+    #[error("model {model} needs a {bytes}-byte arena but the device ({capacity} bytes, {used} used, at most {max_models} models) holds only models in use: {in_use}")]
+    Full {
+        model: String,
+        bytes: u64,
+        capacity: u64,
+        used: u64,
+        max_models: usize,
+        in_use: String,
+    },
+    #[error("making model {model} resident: {source}")]
+    Exec {
+        model: String,
+        source: Box<ExecError>,
+    },
+}
+
+/// A model's arena, program and upload gates on one device.
+pub struct ResidentModel {
+    name: String,
+    bytes: u64,
+    arena: Arc<dyn Arena>,
+    program: Mutex<Box<dyn Program>>,
+    gates: GroupGates,
+}
+
+impl ResidentModel {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    pub fn arena(&self) -> &Arc<dyn Arena> {
+        &self.arena
+    }
+
+    /// The compiled program; one request runs it at a time.
+    pub fn program(&self) -> MutexGuard<'_, Box<dyn Program>> {
+        self.program.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Per-group upload state: all open once the model is fully uploaded.
+    pub fn gates(&self) -> &GroupGates {
+        &self.gates
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ResidencyStats {
+    pub capacity_bytes: u64,
+    /// Bytes of arenas alive (including evicted ones still in use).
+    pub used_bytes: u64,
+    pub models: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub evictions: u64,
+}
+
+struct Entry {
+    model: Arc<ResidentModel>,
+    pins: usize,
+    last_used: u64,
+    doomed: bool,
+}
+
+#[derive(Default)]
+struct Table {
+    entries: HashMap<u64, Entry>,
+    by_name: HashMap<String, u64>,
+    used_bytes: u64,
+    next_id: u64,
+    tick: u64,
+    hits: u64,
+    misses: u64,
+    evictions: u64,
+}
+
+impl Table {
+    fn doom(&mut self, id: u64) -> bool {
+        let Some(e) = self.entries.get_mut(&id) else {
+            return false;
+        };
+        e.doomed = true;
+        let name = e.model.name.clone();
+        let free_now = e.pins == 0;
+        if self.by_name.get(&name) == Some(&id) {
+            self.by_name.remove(&name);
+        }
+        if free_now {
+            self.release(id);
+        }
+        free_now
+    }
+
+    fn release(&mut self, id: u64) {
+        if let Some(e) = self.entries.remove(&id) {
+            self.used_bytes -= e.model.bytes;
+        }
+    }
+}
+
+struct Inner {
+    capacity_bytes: u64,
+    max_models: usize,
+    table: Mutex<Table>,
+}
+
+impl Inner {
+    fn table(&self) -> MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The resident models of one device.
+pub struct Residency {
+    inner: Arc<Inner>,
+}
+
+impl Residency {
+    /// `capacity_bytes`: device memory for parameter arenas; at most
+    /// `max_models` resident at once (at least 1).
+    pub fn new(capacity_bytes: u64, max_models: usize) -> Self {
+        Residency {
+            inner: Arc::new(Inner {
+                capacity_bytes,
+                max_models: max_models.max(1),
+                table: Mutex::new(Table::default()),
+            }),
+        }
+    }
+
+    pub fn capacity_bytes(&self) -> u64 {
+        self.inner.capacity_bytes
+    }
+
+    pub fn contains(&self, model: &str) -> bool {
+        self.inner.table().by_name.contains_key(model)
+    }
+
+    /// Whether `model` is resident with every group uploaded.
+    pub fn is_ready(&self, model: &str) -> bool {
+        let t = self.inner.table();
+        t.by_name
+            .get(model)
+            .is_some_and(|id| t.entries[id].model.gates.all_open())
+    }
+
+    pub fn stats(&self) -> ResidencyStats {
+        let t = self.inner.table();
+        ResidencyStats {
+            capacity_bytes: self.inner.capacity_bytes,
+            used_bytes: t.used_bytes,
+            models: t.by_name.len() as u64,
+            hits: t.hits,
+            misses: t.misses,
+            evictions: t.evictions,
+        }
+    }
+
+    /// Pins `model` if resident (possibly still uploading); counts a hit or miss.
+    pub fn get(&self, model: &str) -> Option<Resident> {
+        let mut t = self.inner.table();
+        self.get_locked(&mut t, model)
+    }
+
+    fn get_locked(&self, t: &mut Table, model: &str) -> Option<Resident> {
+        let Some(&id) = t.by_name.get(model) else {
+            t.misses += 1;
+            return None;
+        };
+        t.hits += 1;
+        t.tick += 1;
+        let tick = t.tick;
+        let e = t.entries.get_mut(&id).expect("by_name points at an entry");
+        e.pins += 1;
+        e.last_used = tick;
+        Some(Resident {
+            model: e.model.clone(),
+            id,
+            inner: self.inner.clone(),
+        })
+    }
+
+    /// The resident model (`true`: found), or a new one (`false`) whose arena
+    /// and program `make` builds after LRU models not in use were evicted to
+    /// make room; its gates are all pending: the caller uploads its groups.
+    pub fn get_or_admit(
+        &self,
+        model: &str,
+        bytes: u64,
+        groups: usize,
+        make: impl FnOnce() -> Result<(Arc<dyn Arena>, Box<dyn Program>), ExecError>,
+    ) -> Result<(Resident, bool), DeviceError> {
+        let mut t = self.inner.table();
+        if let Some(r) = self.get_locked(&mut t, model) {
+            return Ok((r, true));
+        }
+        let capacity = self.inner.capacity_bytes;
+        let max_models = self.inner.max_models;
+        if bytes > capacity {
+            return Err(DeviceError::TooBig {
+                model: model.into(),
+                bytes,
+                capacity,
+            });
+        }
+        while t.used_bytes + bytes > capacity || t.by_name.len() >= max_models {
+            let victim = t
+                .entries
+                .iter()
+                .filter(|(_, e)| e.pins == 0 && !e.doomed)
+                .min_by_key(|(_, e)| e.last_used)
+                .map(|(id, _)| *id);
+            let Some(victim) = victim else {
+                let mut in_use: Vec<String> = t
+                    .entries
+                    .values()
+                    .map(|e| format!("{} ({} bytes)", e.model.name, e.model.bytes))
+                    .collect();
+                in_use.sort();
+                return Err(DeviceError::Full {
+                    model: model.into(),
+                    bytes,
+                    capacity,
+                    used: t.used_bytes,
+                    max_models,
+                    in_use: in_use.join(", "),
+                });
+            };
+            log::debug!(
+                "device: evicting {} to make room for {model}",
+                t.entries[&victim].model.name
+            );
+            t.doom(victim);
+            t.evictions += 1;
+        }
+        // Built under the lock: evicted arenas are gone (no pins) and a
+        // second request for the same model finds this one.
+        let (arena, program) = make().map_err(|source| DeviceError::Exec {
+            model: model.into(),
+            source: Box::new(source),
+        })?;
+        t.next_id += 1;
+        t.tick += 1;
+        let id = t.next_id;
+        let resident = Arc::new(ResidentModel {
+            name: model.into(),
+            bytes,
+            arena,
+            program: Mutex::new(program),
+            gates: GroupGates::new(groups),
+        });
+        t.used_bytes += bytes;
+        let last_used = t.tick;
+        t.entries.insert(
+            id,
+            Entry {
+                model: resident.clone(),
+                pins: 1,
+                last_used,
+                doomed: false,
+            },
+        );
+        t.by_name.insert(model.into(), id);
+        Ok((
+            Resident {
+                model: resident,
+                id,
+                inner: self.inner.clone(),
+            },
+            false,
+        ))
+    }
+
+    /// Drops this resident copy (e.g. after a failed upload) so the next
+    /// request loads the model again; the arena is freed with the last pin.
+    pub fn discard(&self, r: &Resident) {
+        self.inner.table().doom(r.id);
+    }
+
+    /// Evicts `model`: `None` if not resident, `Some(true)` if its arena was
+    /// freed now, `Some(false)` if when the requests using it finish.
+    pub fn evict(&self, model: &str) -> Option<bool> {
+        let mut t = self.inner.table();
+        let id = *t.by_name.get(model)?;
+        Some(t.doom(id))
+    }
+}
+
+/// A pinned resident model.
+pub struct Resident {
+    model: Arc<ResidentModel>,
+    id: u64,
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Resident {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Resident")
+            .field("name", &self.model.name)
+            .field("bytes", &self.model.bytes)
+            .field("uploaded", &self.model.gates.all_open())
+            .finish()
+    }
+}
+
+impl std::ops::Deref for Resident {
+    type Target = ResidentModel;
+    fn deref(&self) -> &ResidentModel {
+        &self.model
+    }
+}
+
+/// Another pin on the same resident model.
+impl Clone for Resident {
+    fn clone(&self) -> Self {
+        let mut t = self.inner.table();
+        let e = t
+            .entries
+            .get_mut(&self.id)
+            .expect("a pinned resident model stays in the table");
+        e.pins += 1;
+        Resident {
+            model: self.model.clone(),
+            id: self.id,
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl Drop for Resident {
+    fn drop(&mut self) {
+        let mut t = self.inner.table();
+        t.tick += 1;
+        let tick = t.tick;
+        let Some(e) = t.entries.get_mut(&self.id) else {
+            return;
+        };
+        e.pins -= 1;
+        e.last_used = tick;
+        if e.pins == 0 && e.doomed {
+            t.release(self.id);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::exec::{HostTensor, Trace};
+
+    struct NoArena(u64);
+    impl Arena for NoArena {
+        fn len(&self) -> u64 {
+            self.0
+        }
+        fn upload(&self, _: usize, _: u64, _: &[u8]) -> Result<(), ExecError> {
+            Ok(())
+        }
+    }
+    struct NoProgram;
+    impl Program for NoProgram {
+        fn run(
+            &mut self,
+            _: &[HostTensor],
+            _: &mut dyn FnMut(usize) -> Result<(), ExecError>,
+            _: &mut Trace,
+        ) -> Result<Vec<HostTensor>, ExecError> {
+            Ok(Vec::new())
+        }
+    }
+
+    fn admit(r: &Residency, name: &str, bytes: u64) -> Result<(Resident, bool), DeviceError> {
+        r.get_or_admit(name, bytes, 1, || {
+            Ok((
+                Arc::new(NoArena(bytes)) as Arc<dyn Arena>,
+                Box::new(NoProgram) as Box<dyn Program>,
+            ))
+        })
+    }
+
+    #[test]
+    fn pipeline_residency_evicts_lru_arenas_not_in_use() {
+        let r = Residency::new(100, 3);
+        drop(admit(&r, "a", 40).unwrap());
+        drop(admit(&r, "b", 40).unwrap());
+        drop(r.get("a").unwrap());
+        let (c, found) = admit(&r, "c", 40).unwrap();
+        assert!(!found);
+        assert!(
+            r.contains("a") && !r.contains("b"),
+            "b was least recently used"
+        );
+        let e = admit(&r, "d", 70).unwrap_err().to_string();
+        // "a" is evicted, but "c" is pinned: 40 + 70 > 100.
+        assert!(e.contains("c (40 bytes)"), "{e}");
+        drop(c);
+        let (_d, _) = admit(&r, "d", 70).unwrap();
+        let s = r.stats();
+        assert_eq!((s.used_bytes, s.models, s.evictions), (70, 1, 3));
+        assert!(admit(&r, "e", 101)
+            .unwrap_err()
+            .to_string()
+            .contains("whole parameter budget"));
+        let (d2, found) = admit(&r, "d", 70).unwrap();
+        assert!(found);
+        assert_eq!(r.evict("d"), Some(false), "pinned twice");
+        drop(d2);
+        assert_eq!(r.stats().used_bytes, 70);
+    }
+
+    #[test]
+    fn pipeline_residency_bounds_model_count_and_discards() {
+        let r = Residency::new(1000, 2);
+        drop(admit(&r, "a", 1).unwrap());
+        drop(admit(&r, "b", 1).unwrap());
+        drop(admit(&r, "c", 1).unwrap());
+        assert_eq!(r.stats().models, 2);
+        assert!(!r.contains("a"));
+        let (c, _) = admit(&r, "c", 1).unwrap();
+        r.discard(&c);
+        assert!(!r.contains("c"));
+        assert_eq!(r.stats().used_bytes, 2);
+        drop(c);
+        assert_eq!(r.stats().used_bytes, 1);
+    }
+}

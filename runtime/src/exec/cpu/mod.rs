@@ -1,0 +1,512 @@
+//! The `cpu` executor: candle on the CPU, real numbers.
+//!
+//! * [`CpuArena`]: one [`HostBuffer`] in the manifest's packed layout;
+//!   `upload` is a memcpy into it.
+//! * [`CpuProgram`]: interprets `manifest.layers` in order. Each layer's
+//!   params are turned into candle tensors (or per-channel tables) the first
+//!   time a run reaches the layer, after `gate(group)` returned, and are kept
+//!   for later runs: params never change once uploaded, and a program lives
+//!   as long as its arena.
+//! * Activations are dropped right after their last reader ran (last uses are
+//!   computed once when the program is built), so a full-scale model at
+//!   batch 8 holds only the live tensors.
+//!
+//! Op semantics are `models/OPS.md`'s (torchvision / Hugging Face in eval
+//! mode); the kernels live in [`ops`] and [`attention`].
+//!
+//! **Architecture invariant:** the arena is read only in `CpuArena::read_f32`,
+//! and only for a range inside a group whose gate returned in this run.
+
+mod attention;
+mod ops;
+mod params;
+#[cfg(test)]
+mod tests;
+
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
+use distmind_models::{Dtype, Layer, Manifest};
+use distmind_transport::memory::{HostBuffer, HugePages};
+
+use super::{
+    Arena, ExecError, Executor, ExecutorKind, HostTensor, Program, TensorData, Trace, TraceEvent,
+};
+use params::{param_count, Prepared};
+
+/// The candle CPU backend behind [`Executor`].
+///
+/// It remembers (weakly) the arenas it allocated so that [`Executor::program`],
+/// which receives an `Arc<dyn Arena>`, can find the host buffer behind it
+/// without downcasting.
+#[derive(Debug, Default)]
+pub struct CpuExecutor {
+    arenas: Mutex<Vec<Weak<CpuArena>>>,
+    pool: Arc<Mutex<ArenaPool>>,
+}
+
+/// Most bytes of freed arena memory kept for reuse.
+pub const ARENA_POOL_BYTES_MAX: u64 = 8 << 30;
+
+/// Memory of dropped arenas, kept for the next ones: faulting in fresh pages
+/// costs about ten times a copy on the machines we run on, and would sit on
+/// the critical path of every cold start (a caching allocator, as GPU
+/// frameworks keep one). Bounded by [`ARENA_POOL_BYTES_MAX`].
+#[derive(Debug, Default)]
+struct ArenaPool {
+    free: Vec<HostBuffer>,
+    bytes: u64,
+}
+
+impl ArenaPool {
+    /// The smallest pooled buffer that holds `bytes` without wasting more
+    /// than half of itself.
+    fn take(&mut self, bytes: u64) -> Option<HostBuffer> {
+        let fits = |b: &HostBuffer| {
+            let len = b.len() as u64;
+            len >= bytes && len <= bytes.saturating_mul(2)
+        };
+        let i = (0..self.free.len())
+            .filter(|&i| fits(&self.free[i]))
+            .min_by_key(|&i| self.free[i].len())?;
+        let buf = self.free.swap_remove(i);
+        self.bytes -= buf.len() as u64;
+        Some(buf)
+    }
+
+    fn give(&mut self, buf: HostBuffer) {
+        if self.bytes + buf.len() as u64 <= ARENA_POOL_BYTES_MAX {
+            self.bytes += buf.len() as u64;
+            self.free.push(buf);
+        }
+    }
+}
+
+impl CpuExecutor {
+    pub fn new() -> Self {
+        CpuExecutor::default()
+    }
+
+    /// The arena this executor allocated that `arena` points to.
+    fn find_arena(&self, arena: &Arc<dyn Arena>) -> Option<Arc<CpuArena>> {
+        let want = Arc::as_ptr(arena) as *const ();
+        let arenas = self.arenas.lock().unwrap_or_else(|e| e.into_inner());
+        arenas
+            .iter()
+            .filter_map(Weak::upgrade)
+            .find(|a| Arc::as_ptr(a) as *const () == want)
+    }
+}
+
+impl Executor for CpuExecutor {
+    fn kind(&self) -> ExecutorKind {
+        ExecutorKind::Cpu
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "cpu (candle, {} threads)",
+            candle_core::utils::get_num_threads()
+        )
+    }
+
+    fn alloc_arena(&self, bytes: u64) -> Result<Arc<dyn Arena>, ExecError> {
+        let pooled = self
+            .pool
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take(bytes);
+        let mut arena = match pooled {
+            Some(buf) => CpuArena {
+                buf: Some(buf),
+                len: bytes,
+                pool: None,
+            },
+            None => CpuArena::new(bytes)?,
+        };
+        arena.pool = Some(self.pool.clone());
+        let arena = Arc::new(arena);
+        let mut arenas = self.arenas.lock().unwrap_or_else(|e| e.into_inner());
+        arenas.retain(|a| a.strong_count() > 0);
+        arenas.push(Arc::downgrade(&arena));
+        Ok(arena)
+    }
+
+    fn program(
+        &self,
+        manifest: &Manifest,
+        arena: Arc<dyn Arena>,
+    ) -> Result<Box<dyn Program>, ExecError> {
+        let cpu_arena = self.find_arena(&arena).ok_or_else(|| ExecError::Model {
+            model: manifest.name.clone(),
+            why: "the arena was not allocated by this cpu executor".into(),
+        })?;
+        Ok(Box::new(CpuProgram::new(manifest, cpu_arena)?))
+    }
+}
+
+/// One model's parameters in host memory, in the packed layout.
+#[derive(Debug)]
+pub struct CpuArena {
+    /// `Some` until dropped; may be longer than `len` when it came from the pool.
+    buf: Option<HostBuffer>,
+    len: u64,
+    /// Where the buffer goes back on drop (arenas from an executor).
+    pool: Option<Arc<Mutex<ArenaPool>>>,
+}
+
+impl Drop for CpuArena {
+    fn drop(&mut self) {
+        if let (Some(buf), Some(pool)) = (self.buf.take(), &self.pool) {
+            pool.lock().unwrap_or_else(|e| e.into_inner()).give(buf);
+        }
+    }
+}
+
+impl CpuArena {
+    pub fn new(bytes: u64) -> Result<Self, ExecError> {
+        let alloc_err = |why: String| ExecError::Alloc { bytes, why };
+        let len = usize::try_from(bytes)
+            .map_err(|_| alloc_err("larger than the address space".into()))?;
+        let buf = HostBuffer::new(len, HugePages::No).map_err(|e| alloc_err(e.to_string()))?;
+        Ok(CpuArena {
+            buf: Some(buf),
+            len: bytes,
+            pool: None,
+        })
+    }
+
+    fn buf(&self) -> &HostBuffer {
+        self.buf
+            .as_ref()
+            .expect("an arena has its buffer until it is dropped")
+    }
+
+    fn check_range(&self, offset: u64, len: u64) -> Result<std::ops::Range<usize>, ExecError> {
+        let arena = self.len;
+        match offset.checked_add(len) {
+            Some(end) if end <= arena => Ok(offset as usize..end as usize),
+            _ => Err(ExecError::UploadOutOfRange { offset, len, arena }),
+        }
+    }
+
+    /// Copies `len` bytes at `offset` out of the arena, as little-endian f32.
+    ///
+    /// Callers read only inside a group whose `gate` returned in the current
+    /// run, i.e. whose upload completed (see the safety comment).
+    fn read_f32(&self, offset: u64, len: u64) -> Result<Vec<f32>, ExecError> {
+        let range = self.check_range(offset, len)?;
+        #[allow(unsafe_code)]
+        // SAFETY: the range is inside the buffer (checked above and again by
+        // `slice`). It belongs to one group, and the program reads a group only
+        // after `gate(group)` returned, which the runtime calls only once that
+        // group's `upload` finished; a group is uploaded once, by one thread at
+        // a time, so no write to these bytes is in flight while we read them.
+        let bytes = unsafe { self.buf().slice(range) };
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+}
+
+impl Arena for CpuArena {
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn upload(&self, _group: usize, offset: u64, bytes: &[u8]) -> Result<(), ExecError> {
+        let range = self.check_range(offset, bytes.len() as u64)?;
+        #[allow(unsafe_code)]
+        // SAFETY: in bounds (checked). The range is one group's, uploaded by
+        // one thread at a time (the `Arena::upload` contract), and no program
+        // reads a group before its gate, which opens after this copy returned.
+        let dst = unsafe { self.buf().slice_mut(range) };
+        dst.copy_from_slice(bytes);
+        Ok(())
+    }
+}
+
+/// A model compiled for the CPU against one arena.
+pub struct CpuProgram {
+    model: String,
+    layers: Vec<Layer>,
+    inputs: Vec<distmind_models::TensorSpec>,
+    /// Layer ids of the manifest outputs, in order.
+    outputs: Vec<usize>,
+    /// Per layer: the activations (layer ids) to drop once it ran.
+    frees_after: Vec<Vec<usize>>,
+    /// Per layer: its params as (arena offset, bytes, shape), in op order.
+    param_locs: Vec<Vec<ParamLoc>>,
+    /// Per layer: its params, prepared on the first run that reached it.
+    prepared: Vec<Option<Prepared>>,
+    groups: usize,
+    arena: Arc<CpuArena>,
+}
+
+#[derive(Debug, Clone)]
+struct ParamLoc {
+    name: String,
+    offset: u64,
+    nbytes: u64,
+    shape: Vec<usize>,
+}
+
+impl CpuProgram {
+    fn new(manifest: &Manifest, arena: Arc<CpuArena>) -> Result<Self, ExecError> {
+        let model_err = |why: String| ExecError::Model {
+            model: manifest.name.clone(),
+            why,
+        };
+        if (arena.len) < manifest.stored_bytes {
+            return Err(model_err(format!(
+                "the arena has {} bytes, the model stores {}",
+                arena.len, manifest.stored_bytes
+            )));
+        }
+        let n = manifest.layers.len();
+        let by_name: std::collections::HashMap<&str, &distmind_models::ParamEntry> = manifest
+            .params
+            .iter()
+            .map(|p| (p.name.as_str(), p))
+            .collect();
+        let mut param_locs = Vec::with_capacity(n);
+        for (i, layer) in manifest.layers.iter().enumerate() {
+            let layer_err = |why: String| ExecError::Layer {
+                model: manifest.name.clone(),
+                layer: i,
+                name: layer.name.clone(),
+                op: layer.op.name().into(),
+                why,
+            };
+            if layer.id != i {
+                return Err(layer_err(format!("has id {} at position {i}", layer.id)));
+            }
+            for &input in &layer.inputs {
+                let ok = if input < 0 {
+                    ((-input - 1) as usize) < manifest.inputs.len()
+                } else {
+                    (input as usize) < i
+                };
+                if !ok {
+                    return Err(layer_err(format!(
+                        "reads {input}, which is neither an earlier layer nor a model input"
+                    )));
+                }
+            }
+            if layer.params.len() != param_count(&layer.op) {
+                return Err(layer_err(format!(
+                    "has {} params, the op wants {}",
+                    layer.params.len(),
+                    param_count(&layer.op)
+                )));
+            }
+            let mut locs = Vec::with_capacity(layer.params.len());
+            for name in &layer.params {
+                let p = by_name
+                    .get(name.as_str())
+                    .ok_or_else(|| layer_err(format!("param {name} is not in the manifest")))?;
+                if p.dtype != Dtype::F32 || p.nbytes != 4 * p.shape.iter().product::<usize>() as u64
+                {
+                    return Err(layer_err(format!(
+                        "param {name} is {:?} {:?} with {} bytes: expected f32",
+                        p.dtype, p.shape, p.nbytes
+                    )));
+                }
+                if Some(p.group) != layer.group {
+                    return Err(layer_err(format!(
+                        "param {name} lives in group {} but the layer is gated on {:?}",
+                        p.group, layer.group
+                    )));
+                }
+                let group = manifest.groups.get(p.group).ok_or_else(|| {
+                    layer_err(format!("param {name} names missing group {}", p.group))
+                })?;
+                if p.offset + p.nbytes > group.bytes {
+                    return Err(layer_err(format!(
+                        "param {name} overruns group {}",
+                        p.group
+                    )));
+                }
+                locs.push(ParamLoc {
+                    name: name.clone(),
+                    offset: group.offset + p.offset,
+                    nbytes: p.nbytes,
+                    shape: p.shape.clone(),
+                });
+            }
+            param_locs.push(locs);
+        }
+        let mut outputs = Vec::with_capacity(manifest.outputs.len());
+        for o in &manifest.outputs {
+            if o.layer >= n {
+                return Err(model_err(format!(
+                    "output {} names missing layer {}",
+                    o.name, o.layer
+                )));
+            }
+            outputs.push(o.layer);
+        }
+        Ok(CpuProgram {
+            model: manifest.name.clone(),
+            frees_after: frees_after(&manifest.layers, &outputs),
+            layers: manifest.layers.clone(),
+            inputs: manifest.inputs.clone(),
+            outputs,
+            param_locs,
+            prepared: vec![None; n],
+            groups: manifest.groups.len(),
+            arena,
+        })
+    }
+
+    fn layer_error(&self, i: usize, why: String) -> ExecError {
+        layer_error(&self.model, &self.layers[i], why)
+    }
+
+    /// Checks the inputs against the manifest (the batch dimension may
+    /// differ) and wraps them as tensors.
+    fn input_tensors(&self, inputs: &[HostTensor]) -> Result<Vec<Tensor>, ExecError> {
+        let bad = |index: usize, got: String, want: String| ExecError::BadInput {
+            model: self.model.clone(),
+            index,
+            got,
+            want,
+        };
+        if inputs.len() != self.inputs.len() {
+            return Err(bad(
+                inputs.len(),
+                format!("{} inputs", inputs.len()),
+                format!("{} inputs", self.inputs.len()),
+            ));
+        }
+        let mut out = Vec::with_capacity(inputs.len());
+        for (i, (t, spec)) in inputs.iter().zip(&self.inputs).enumerate() {
+            let want_dtype = match spec.dtype {
+                Dtype::F32 => "f32",
+                Dtype::I64 => "i64",
+            };
+            let want = format!(
+                "{want_dtype} {:?} (any batch size >= 1 in dimension 0)",
+                spec.shape
+            );
+            let shape_ok = t.shape.len() == spec.shape.len()
+                && t.shape.first().is_none_or(|&b| b >= 1)
+                && t.shape.iter().skip(1).eq(spec.shape.iter().skip(1));
+            if t.dtype_name() != want_dtype || !shape_ok {
+                return Err(bad(i, t.describe(), want));
+            }
+            let tensor = match &t.data {
+                TensorData::F32(v) => Tensor::from_slice(v, t.shape.as_slice(), &Device::Cpu),
+                TensorData::I64(v) => Tensor::from_slice(v, t.shape.as_slice(), &Device::Cpu),
+            }
+            .map_err(|e| bad(i, t.describe(), format!("{want} ({e})")))?;
+            out.push(tensor);
+        }
+        Ok(out)
+    }
+
+    /// Prepares the layer's params from the arena unless an earlier run did.
+    fn prepare(&mut self, i: usize) -> Result<(), ExecError> {
+        if self.prepared[i].is_none() && !self.param_locs[i].is_empty() {
+            let mut raw = Vec::with_capacity(self.param_locs[i].len());
+            for loc in &self.param_locs[i] {
+                let data = self.arena.read_f32(loc.offset, loc.nbytes)?;
+                raw.push((loc.name.as_str(), loc.shape.as_slice(), data));
+            }
+            let p = params::prepare(&self.layers[i].op, raw)
+                .map_err(|e| self.layer_error(i, e.to_string()))?;
+            self.prepared[i] = Some(p);
+        }
+        Ok(())
+    }
+}
+
+fn layer_error(model: &str, layer: &Layer, why: String) -> ExecError {
+    ExecError::Layer {
+        model: model.to_string(),
+        layer: layer.id,
+        name: layer.name.clone(),
+        op: layer.op.name().into(),
+        why,
+    }
+}
+
+/// Per layer, the activations whose last reader it is (its own output too
+/// when nothing reads it and it is not a model output).
+fn frees_after(layers: &[Layer], outputs: &[usize]) -> Vec<Vec<usize>> {
+    let mut last_use: Vec<Option<usize>> = (0..layers.len()).map(Some).collect();
+    for layer in layers {
+        for &input in &layer.inputs {
+            if input >= 0 {
+                last_use[input as usize] = Some(layer.id);
+            }
+        }
+    }
+    for &o in outputs {
+        last_use[o] = None;
+    }
+    let mut frees = vec![Vec::new(); layers.len()];
+    for (value, last) in last_use.iter().enumerate() {
+        if let Some(l) = *last {
+            frees[l].push(value);
+        }
+    }
+    frees
+}
+
+impl Program for CpuProgram {
+    fn run(
+        &mut self,
+        inputs: &[HostTensor],
+        gate: &mut dyn FnMut(usize) -> Result<(), ExecError>,
+        trace: &mut Trace,
+    ) -> Result<Vec<HostTensor>, ExecError> {
+        let start = Instant::now();
+        let model_inputs = self.input_tensors(inputs)?;
+        let mut values: Vec<Option<Tensor>> = vec![None; self.layers.len()];
+        let mut gated = vec![false; self.groups];
+        for i in 0..self.layers.len() {
+            if let Some(g) = self.layers[i].group {
+                if !self.param_locs[i].is_empty() && !gated[g] {
+                    gate(g)?;
+                    gated[g] = true;
+                    trace.push((start.elapsed(), TraceEvent::GroupReady { group: g }));
+                }
+            }
+            trace.push((start.elapsed(), TraceEvent::LayerStart { layer: i }));
+            let mut args = Vec::with_capacity(self.layers[i].inputs.len());
+            for &input in &self.layers[i].inputs {
+                let t = if input < 0 {
+                    &model_inputs[(-input - 1) as usize]
+                } else {
+                    values[input as usize].as_ref().ok_or_else(|| {
+                        self.layer_error(i, format!("input {input} was already freed"))
+                    })?
+                };
+                args.push(t.clone());
+            }
+            self.prepare(i)?;
+            let layer = &self.layers[i];
+            let out = ops::apply(&layer.op, &args, self.prepared[i].as_ref())
+                .map_err(|e| layer_error(&self.model, layer, e.to_string()))?;
+            drop(args);
+            values[i] = Some(out);
+            for &v in &self.frees_after[i] {
+                values[v] = None;
+            }
+            trace.push((start.elapsed(), TraceEvent::LayerEnd { layer: i }));
+        }
+        self.outputs
+            .iter()
+            .map(|&o| {
+                let t = values[o]
+                    .as_ref()
+                    .ok_or_else(|| self.layer_error(o, "output was freed".into()))?;
+                ops::to_host(t)
+                    .map_err(|e| self.layer_error(o, format!("cannot read the output: {e}")))
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,215 @@
+//! Executors: what runs a model's layers once its parameters are in the
+//! executor's memory. One interface, three backends:
+//!
+//! * `cpu`  — candle on the CPU, real numbers (tests, laptops).
+//! * `cuda` — cudarc memory, streams and events (cargo feature `cuda`).
+//! * `sim`  — no math: each layer takes the time a profile recorded for it
+//!   (`settings/profiles/<name>.json`); outputs are marked simulated.
+//!
+//! The pipeline (network -> host cache -> arena -> compute) is the runtime's,
+//! not the executor's: the runtime uploads group g with [`Arena::upload`] as
+//! soon as it arrived, and [`Program::run`] calls `gate(g)` before the first
+//! layer whose parameters live in group g, so compute of group g starts while
+//! later groups are still on their way.
+
+pub mod cpu;
+pub mod sim;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use distmind_models::Manifest;
+
+/// Which backend, as named on the command line (`--executor`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ExecutorKind {
+    Cpu,
+    Cuda,
+    Sim,
+}
+
+impl std::str::FromStr for ExecutorKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "cpu" => Ok(ExecutorKind::Cpu),
+            "cuda" => Ok(ExecutorKind::Cuda),
+            "sim" => Ok(ExecutorKind::Sim),
+            _ => Err(format!("unknown executor {s:?}: expected cpu, cuda or sim")),
+        }
+    }
+}
+
+impl std::fmt::Display for ExecutorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ExecutorKind::Cpu => "cpu",
+            ExecutorKind::Cuda => "cuda",
+            ExecutorKind::Sim => "sim",
+        })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ExecError {
+    #[error("executor {executor} is not available here: {why}")]
+    Unavailable { executor: ExecutorKind, why: String },
+    #[error("cannot allocate a {bytes}-byte parameter arena: {why}")]
+    Alloc { bytes: u64, why: String },
+    #[error("upload of {len} bytes at offset {offset} does not fit an arena of {arena} bytes")]
+    UploadOutOfRange { offset: u64, len: u64, arena: u64 },
+    #[error("model {model}: input {index} is {got}, expected {want}")]
+    BadInput {
+        model: String,
+        index: usize,
+        got: String,
+        want: String,
+    },
+    #[error("model {model} layer {layer} ({name}, {op}): {why}")]
+    Layer {
+        model: String,
+        layer: usize,
+        name: String,
+        op: String,
+        why: String,
+    },
+    #[error("model {model}: {why}")]
+    Model { model: String, why: String },
+    #[error("waiting for parameter group {group}: {why}")]
+    Gate { group: usize, why: String },
+}
+
+/// A tensor in host memory: the runtime's request and reply format.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostTensor {
+    pub shape: Vec<usize>,
+    pub data: TensorData,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum TensorData {
+    F32(Vec<f32>),
+    I64(Vec<i64>),
+}
+
+impl HostTensor {
+    pub fn f32(shape: Vec<usize>, data: Vec<f32>) -> Self {
+        assert_eq!(
+            shape.iter().product::<usize>(),
+            data.len(),
+            "shape {shape:?} vs {} values",
+            data.len()
+        );
+        HostTensor {
+            shape,
+            data: TensorData::F32(data),
+        }
+    }
+
+    pub fn i64(shape: Vec<usize>, data: Vec<i64>) -> Self {
+        assert_eq!(
+            shape.iter().product::<usize>(),
+            data.len(),
+            "shape {shape:?} vs {} values",
+            data.len()
+        );
+        HostTensor {
+            shape,
+            data: TensorData::I64(data),
+        }
+    }
+
+    pub fn dtype_name(&self) -> &'static str {
+        match self.data {
+            TensorData::F32(_) => "f32",
+            TensorData::I64(_) => "i64",
+        }
+    }
+
+    /// `"f32 [1, 3, 32, 32]"`, for error messages.
+    pub fn describe(&self) -> String {
+        format!("{} {:?}", self.dtype_name(), self.shape)
+    }
+}
+
+/// One model's parameter memory in the executor's address space (device
+/// memory for `cuda`): ONE contiguous allocation in the packed layout of the
+/// manifest, so parameter `p` lives at `p.offset` bytes past the start of its
+/// group, which starts at `manifest.groups[g].offset`.
+pub trait Arena: Send + Sync {
+    fn len(&self) -> u64;
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Copies one group's bytes to `offset`. When it returns, a later
+    /// `Program::run` that gates on `group` sees the bytes: on `cpu` the copy
+    /// is done; on `cuda` it is enqueued on the copy stream and an event is
+    /// recorded that the compute stream waits for. Groups may be uploaded
+    /// from another thread than the one running the program, but each group
+    /// is uploaded by one thread at a time.
+    fn upload(&self, group: usize, offset: u64, bytes: &[u8]) -> Result<(), ExecError>;
+}
+
+/// What happened when, for pipeline traces and the timing breakdown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TraceEvent {
+    /// `gate(group)` returned: the group's parameters are usable.
+    GroupReady {
+        group: usize,
+    },
+    LayerStart {
+        layer: usize,
+    },
+    LayerEnd {
+        layer: usize,
+    },
+}
+
+/// Events with the time since the run started.
+pub type Trace = Vec<(Duration, TraceEvent)>;
+
+/// A model compiled for one executor against one arena.
+pub trait Program: Send {
+    /// Runs the forward pass. Before the first layer that reads group g it
+    /// calls `gate(g)` (once per group per run), which blocks until group g
+    /// was uploaded, or fails. Returns the manifest's outputs in order.
+    /// Outputs of `sim` are zero-filled and `simulated()` is true.
+    fn run(
+        &mut self,
+        inputs: &[HostTensor],
+        gate: &mut dyn FnMut(usize) -> Result<(), ExecError>,
+        trace: &mut Trace,
+    ) -> Result<Vec<HostTensor>, ExecError>;
+
+    /// True when outputs are not computed (the `sim` executor).
+    fn simulated(&self) -> bool {
+        false
+    }
+}
+
+/// A backend: allocates arenas and compiles programs.
+pub trait Executor: Send + Sync {
+    fn kind(&self) -> ExecutorKind;
+
+    /// One line for logs and bench headers, e.g. `cpu (candle, 2 threads)`.
+    fn describe(&self) -> String;
+
+    /// One contiguous parameter arena of `bytes`.
+    fn alloc_arena(&self, bytes: u64) -> Result<Arc<dyn Arena>, ExecError>;
+
+    /// Compiles `manifest`'s layer list against `arena`.
+    fn program(
+        &self,
+        manifest: &Manifest,
+        arena: Arc<dyn Arena>,
+    ) -> Result<Box<dyn Program>, ExecError>;
+}
+
+/// A gate that never waits: every group is already uploaded (warm runs,
+/// `distmind infer`).
+pub fn all_ready(_group: usize) -> Result<(), ExecError> {
+    Ok(())
+}

@@ -1,0 +1,328 @@
+//! The `sim` executor: no math, no device memory. Each layer takes the time
+//! a [`Profile`] gives for it, and uploads take the time the profile's
+//! host-to-device rate gives for their bytes, so a machine without a GPU can
+//! run the pipeline with honest GPU timing, labelled as simulated.
+//!
+//! - [`SimArena`] holds no bytes: `alloc_arena` allocates nothing, and
+//!   `upload` checks the range and sleeps `bytes / h2d_bytes_per_s` (a
+//!   synchronous copy at the assumed PCIe rate; the bytes are dropped).
+//! - [`SimProgram::run`] gates exactly like a real executor: `gate(g)` once
+//!   per group, before the first layer whose params live in group g, and
+//!   records `GroupReady`, `LayerStart`, `LayerEnd`.
+//!
+//! Timing: the run keeps a simulated GPU timeline since run start. A layer
+//! starts when the previous one ended, or when its gate returned if that is
+//! later, and ends its profiled time after. The wall clock is brought up to
+//! the timeline by sleeping whenever it lags by more than
+//! [`SLEEP_DEBT_MIN`] (100 us): long layers sleep once each, short layers
+//! accumulate debt and sleep together, so the per-layer cost of timers and
+//! sleeps (tens of microseconds) does not inflate models of hundreds of
+//! microsecond-scale layers. Sleep overshoot is absorbed by later layers
+//! because the timeline, not the wall clock, decides when a layer starts. At
+//! the end of a run the whole debt is paid, so a run's wall time is at least
+//! its profile's total (never less; more by the gates' waits and one sleep's
+//! overshoot).
+//!
+//! Gates: a gate that blocks (returns after more than [`GATE_INSTANT_MAX`],
+//! 20 us) marks its group ready when it returned, and the layer starts then
+//! if that is after the previous layer's end. A gate that returns at once
+//! found its group already uploaded, so the group counts as ready no later
+//! than the previous layer's end: otherwise every gate would bake the
+//! wall clock's sleep overshoot into the timeline (tiny packages have a
+//! group per layer). Trace times are the timeline's; a `GroupReady` may be
+//! stamped before the previous layer's `LayerEnd` (the group arrived while
+//! that layer ran, as a copy-done event fires on a GPU while earlier kernels
+//! run), never after the `LayerStart` of a layer of its group.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use distmind_models::{Dtype, Manifest, OutputSpec, TensorSpec};
+
+use super::{Arena, ExecError, Executor, ExecutorKind, HostTensor, Program, Trace, TraceEvent};
+use crate::profile::{model_key, Profile};
+
+/// The simulated timeline may run ahead of the wall clock by this much
+/// before the run sleeps.
+pub const SLEEP_DEBT_MIN: Duration = Duration::from_micros(100);
+
+/// A gate that returns within this long did not wait: its group was
+/// uploaded before it was asked for.
+pub const GATE_INSTANT_MAX: Duration = Duration::from_micros(20);
+
+/// Runs models with the layer times of a profile.
+#[derive(Debug, Clone)]
+pub struct SimExecutor {
+    profile: Arc<Profile>,
+}
+
+impl SimExecutor {
+    pub fn new(profile: Profile) -> Self {
+        SimExecutor {
+            profile: Arc::new(profile),
+        }
+    }
+
+    pub fn profile(&self) -> &Profile {
+        &self.profile
+    }
+}
+
+/// Converts a profiled time to a duration, rounding up to the nanosecond
+/// (a simulated layer never takes less than its profile says).
+fn duration_ceil(s: f64) -> Duration {
+    Duration::from_nanos((s.max(0.0) * 1e9).ceil() as u64)
+}
+
+impl Executor for SimExecutor {
+    fn kind(&self) -> ExecutorKind {
+        ExecutorKind::Sim
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "sim (no math, zero outputs; layer times {}, from {})",
+            self.profile.source_label(),
+            self.profile.origin()
+        )
+    }
+
+    fn alloc_arena(&self, bytes: u64) -> Result<Arc<dyn Arena>, ExecError> {
+        Ok(Arc::new(SimArena {
+            len: bytes,
+            h2d_bytes_per_s: self.profile.peaks.h2d_bytes_per_s,
+        }))
+    }
+
+    fn program(
+        &self,
+        manifest: &Manifest,
+        arena: Arc<dyn Arena>,
+    ) -> Result<Box<dyn Program>, ExecError> {
+        let model_err = |why: String| ExecError::Model {
+            model: manifest.name.clone(),
+            why,
+        };
+        let batch = manifest
+            .inputs
+            .first()
+            .and_then(|i| i.shape.first().copied())
+            .ok_or_else(|| model_err("has no input with a batch dimension".into()))?;
+        let key = model_key(manifest.family, manifest.scale, batch);
+        let origin = self.profile.origin();
+        let profile = self
+            .profile
+            .get(manifest.family, manifest.scale, batch)
+            .ok_or_else(|| {
+                model_err(format!(
+                    "profile {origin} has no layer times for {key} (it has {}); \
+                     pick a profile that covers this model or add it",
+                    self.profile
+                        .models
+                        .keys()
+                        .cloned()
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))
+            })?;
+        if let std::borrow::Cow::Owned(_) = profile {
+            log::warn!(
+                "{}: profile {origin} has no {key}; layer times scaled linearly from the closest batch",
+                manifest.name
+            );
+        }
+        if profile.layers.len() != manifest.layers.len() {
+            return Err(model_err(format!(
+                "profile {origin} gives {} layers for {key}, the manifest has {} (a different architecture?)",
+                profile.layers.len(),
+                manifest.layers.len()
+            )));
+        }
+        let mut layers = Vec::with_capacity(manifest.layers.len());
+        for (p, l) in profile.layers.iter().zip(&manifest.layers) {
+            if p.name != l.name || p.op != l.op.name() {
+                return Err(model_err(format!(
+                    "profile {origin} {key} layer {} is {} ({}), the manifest's is {} ({})",
+                    l.id,
+                    p.name,
+                    p.op,
+                    l.name,
+                    l.op.name()
+                )));
+            }
+            if let Some(g) = l.group {
+                if g >= manifest.groups.len() {
+                    return Err(model_err(format!(
+                        "layer {} ({}) is in group {g} of {}",
+                        l.id,
+                        l.name,
+                        manifest.groups.len()
+                    )));
+                }
+            }
+            layers.push(SimLayer {
+                time: duration_ceil(p.time_s),
+                group: l.group,
+            });
+        }
+        if arena.len() < manifest.stored_bytes {
+            return Err(model_err(format!(
+                "arena of {} bytes is smaller than the model's {} stored bytes",
+                arena.len(),
+                manifest.stored_bytes
+            )));
+        }
+        Ok(Box::new(SimProgram {
+            model: manifest.name.clone(),
+            layers,
+            gated: vec![false; manifest.groups.len()],
+            inputs: manifest.inputs.clone(),
+            outputs: manifest.outputs.clone(),
+            _arena: arena,
+        }))
+    }
+}
+
+/// An arena that holds nothing: uploads take the time of the copy.
+#[derive(Debug)]
+pub struct SimArena {
+    len: u64,
+    h2d_bytes_per_s: f64,
+}
+
+impl SimArena {
+    /// The time an upload of `bytes` takes.
+    pub fn upload_time(&self, bytes: u64) -> Duration {
+        duration_ceil(bytes as f64 / self.h2d_bytes_per_s)
+    }
+}
+
+impl Arena for SimArena {
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn upload(&self, _group: usize, offset: u64, bytes: &[u8]) -> Result<(), ExecError> {
+        let len = bytes.len() as u64;
+        if offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(ExecError::UploadOutOfRange {
+                offset,
+                len,
+                arena: self.len,
+            });
+        }
+        std::thread::sleep(self.upload_time(len));
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct SimLayer {
+    time: Duration,
+    group: Option<usize>,
+}
+
+/// A model's layer times against a [`SimArena`].
+pub struct SimProgram {
+    model: String,
+    layers: Vec<SimLayer>,
+    /// Per group: gated in this run (reset at the start of each run).
+    gated: Vec<bool>,
+    inputs: Vec<TensorSpec>,
+    outputs: Vec<OutputSpec>,
+    /// Kept alive as a real program keeps its arena.
+    _arena: Arc<dyn Arena>,
+}
+
+impl SimProgram {
+    fn check_inputs(&self, inputs: &[HostTensor]) -> Result<(), ExecError> {
+        let bad = |index: usize, got: String, want: String| ExecError::BadInput {
+            model: self.model.clone(),
+            index,
+            got,
+            want,
+        };
+        for (i, spec) in self.inputs.iter().enumerate() {
+            let want = format!("{} {:?}", dtype_name(spec.dtype), spec.shape);
+            let t = inputs
+                .get(i)
+                .ok_or_else(|| bad(i, "missing".into(), want.clone()))?;
+            if t.shape != spec.shape || t.dtype_name() != dtype_name(spec.dtype) {
+                return Err(bad(i, t.describe(), want));
+            }
+        }
+        if inputs.len() > self.inputs.len() {
+            let i = self.inputs.len();
+            return Err(bad(i, inputs[i].describe(), "no input".into()));
+        }
+        Ok(())
+    }
+}
+
+fn dtype_name(d: Dtype) -> &'static str {
+    match d {
+        Dtype::F32 => "f32",
+        Dtype::I64 => "i64",
+    }
+}
+
+impl Program for SimProgram {
+    fn run(
+        &mut self,
+        inputs: &[HostTensor],
+        gate: &mut dyn FnMut(usize) -> Result<(), ExecError>,
+        trace: &mut Trace,
+    ) -> Result<Vec<HostTensor>, ExecError> {
+        self.check_inputs(inputs)?;
+        self.gated.fill(false);
+        trace.reserve(2 * self.layers.len() + self.gated.len());
+        let start = Instant::now();
+        // End of the previous layer on the simulated timeline.
+        let mut due = Duration::ZERO;
+        for (i, layer) in self.layers.iter().enumerate() {
+            if let Some(g) = layer.group {
+                if !self.gated[g] {
+                    self.gated[g] = true;
+                    let called = start.elapsed();
+                    gate(g)?;
+                    let returned = start.elapsed();
+                    let ready = if returned - called <= GATE_INSTANT_MAX {
+                        // Already uploaded when asked: ready no later than
+                        // the previous layer's end, whatever the sleep overshoot.
+                        called.min(due)
+                    } else {
+                        returned
+                    };
+                    trace.push((ready, TraceEvent::GroupReady { group: g }));
+                    due = due.max(ready);
+                }
+            }
+            trace.push((due, TraceEvent::LayerStart { layer: i }));
+            due += layer.time;
+            trace.push((due, TraceEvent::LayerEnd { layer: i }));
+            let now = start.elapsed();
+            if due > now + SLEEP_DEBT_MIN {
+                std::thread::sleep(due - now);
+            }
+        }
+        let now = start.elapsed();
+        if due > now {
+            std::thread::sleep(due - now);
+        }
+        Ok(self
+            .outputs
+            .iter()
+            .map(|o| {
+                let n = o.shape.iter().product();
+                match o.dtype {
+                    Dtype::F32 => HostTensor::f32(o.shape.clone(), vec![0.0; n]),
+                    Dtype::I64 => HostTensor::i64(o.shape.clone(), vec![0; n]),
+                }
+            })
+            .collect())
+    }
+
+    fn simulated(&self) -> bool {
+        true
+    }
+}

@@ -1,0 +1,670 @@
+//! The three-stage cold start of one request for a model:
+//!
+//! 1. **network -> host cache** (a fetch thread): [`HostCache::fill`] reads
+//!    every slice, group 0 first; group g becomes visible in the cache (its
+//!    per-group flag set, waiters woken) as soon as all its slices verified.
+//! 2. **host -> arena** (an upload thread, the H2D copy stream on CUDA): in
+//!    group order, waits for group g in host memory, calls
+//!    `arena.upload(g, manifest.groups[g].offset, group_bytes)` with the
+//!    group's bytes straight from the cache blocks, then opens gate g.
+//! 3. **compute** (the calling thread): `program.run(inputs, gate, trace)`
+//!    where `gate(g)` waits on [`GroupGates`] for stage 2 of group g, with a
+//!    timeout, and fails at once with the reason when an earlier stage failed.
+//!
+//! Warm paths use the same code: a model found in the host cache skips
+//! stage 1 (if another request is still filling it, stage 2 waits on that
+//! fill's group flags); a model resident on the device skips stages 1 and 2
+//! (its gates are open, or being opened by the request that loads it).
+//!
+//! [`cold_start`] overlaps the stages; [`sequential`] is the load-then-run
+//! baseline over the same code: fetch everything, then upload everything,
+//! then run.
+//!
+//! Every call returns the outputs with a [`Timing`] breakdown and a
+//! [`MergedTrace`]: host arrival, upload and gate events per group and the
+//! program's own trace, on one clock starting when the pipeline started.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crossbeam::channel;
+use distmind_common::proto::ModelEntry;
+use distmind_models::Manifest;
+
+use crate::cache::{CacheError, CachedModel, HostCache, Lookup};
+use crate::device::{DeviceError, Residency, Resident};
+use crate::exec::{Arena, ExecError, Executor, HostTensor, Trace, TraceEvent};
+use crate::fetch::{FetchOptions, FetchReport};
+
+/// How long a stage waits for the previous stage's group by default; a
+/// failed stage never makes the next one wait this long (failures are
+/// propagated at once).
+pub const GATE_TIMEOUT_DEFAULT: Duration = Duration::from_secs(120);
+
+/// State of one group's gate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GateState {
+    Pending,
+    Ready,
+    Failed(String),
+}
+
+/// Per-group "uploaded" flags that compute waits on.
+pub struct GroupGates {
+    state: Mutex<Vec<GateState>>,
+    cv: Condvar,
+}
+
+impl GroupGates {
+    /// `groups` gates, all pending.
+    pub fn new(groups: usize) -> Self {
+        GroupGates {
+            state: Mutex::new(vec![GateState::Pending; groups]),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// `groups` gates, all open (a model already on the device).
+    pub fn opened(groups: usize) -> Self {
+        GroupGates {
+            state: Mutex::new(vec![GateState::Ready; groups]),
+            cv: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Vec<GateState>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
+    pub fn state(&self, group: usize) -> Option<GateState> {
+        self.lock().get(group).cloned()
+    }
+
+    pub fn all_open(&self) -> bool {
+        self.lock().iter().all(|s| *s == GateState::Ready)
+    }
+
+    /// Group `group` is usable by compute.
+    pub fn open(&self, group: usize) {
+        if let Some(s) = self.lock().get_mut(group) {
+            *s = GateState::Ready;
+        }
+        self.cv.notify_all();
+    }
+
+    /// Fails every gate not yet open with `why`; waiters return at once.
+    pub fn fail_pending(&self, why: &str) {
+        for s in self.lock().iter_mut() {
+            if *s == GateState::Pending {
+                *s = GateState::Failed(why.to_string());
+            }
+        }
+        self.cv.notify_all();
+    }
+
+    /// Blocks until `group` is open; [`ExecError::Gate`] naming the group
+    /// and why when it failed or `timeout` passed.
+    pub fn wait(&self, group: usize, timeout: Duration) -> Result<(), ExecError> {
+        let deadline = Instant::now() + timeout;
+        let mut s = self.lock();
+        loop {
+            match s.get(group) {
+                None => {
+                    return Err(ExecError::Gate {
+                        group,
+                        why: format!("the model has {} groups", s.len()),
+                    })
+                }
+                Some(GateState::Ready) => return Ok(()),
+                Some(GateState::Failed(why)) => {
+                    return Err(ExecError::Gate {
+                        group,
+                        why: why.clone(),
+                    })
+                }
+                Some(GateState::Pending) => {}
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(ExecError::Gate {
+                    group,
+                    why: format!("not uploaded after {timeout:?}"),
+                });
+            }
+            s = self
+                .cv
+                .wait_timeout(s, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
+/// Which stages a request went through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LoadPath {
+    /// Fetched from the memory servers, uploaded, run.
+    #[default]
+    Cold,
+    /// Found in the host cache (complete, or being filled by another
+    /// request): uploaded, run.
+    HostCached,
+    /// Resident on the device: run.
+    DeviceResident,
+}
+
+/// The timing breakdown returned with every reply. In a pipelined run the
+/// stage spans overlap: they do not add up to `total`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Timing {
+    pub path: LoadPath,
+    /// Arrival of the request to the start of the pipeline.
+    pub queue: Duration,
+    /// First read posted to the last group verified in host memory (the
+    /// fetch's own clock); for a model another request was filling, the wait
+    /// for its last group; 0 when the model was in host memory already.
+    pub fetch: Duration,
+    /// First upload started to last upload done; 0 when resident.
+    pub h2d: Duration,
+    /// `Program::run`, gate waits included.
+    pub compute: Duration,
+    /// Arrival to outputs.
+    pub total: Duration,
+    /// Bytes this request read from memory servers.
+    pub fetched_bytes: u64,
+    /// Reads retried on a replica.
+    pub fetch_retries: u32,
+    /// Outputs are not computed (`sim` executor).
+    pub simulated: bool,
+}
+
+/// One event of a request's pipeline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PipelineEvent {
+    /// Stage 1 done for a group: verified in the host cache.
+    HostReady {
+        group: usize,
+    },
+    /// Stage 2 began copying a group.
+    UploadStart {
+        group: usize,
+    },
+    /// Stage 2 done for a group: its gate is open.
+    Uploaded {
+        group: usize,
+    },
+    /// Compute's `gate(group)` returned (timed by the pipeline itself).
+    GateOpened {
+        group: usize,
+    },
+    ComputeStart,
+    ComputeEnd,
+    /// The program's own trace, shifted onto the pipeline's clock (its
+    /// offset is the program's start as the pipeline saw it, so these may
+    /// read a few microseconds early).
+    Exec(TraceEvent),
+}
+
+/// A request's events, sorted by time since the pipeline started.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MergedTrace {
+    pub events: Vec<(Duration, PipelineEvent)>,
+}
+
+impl MergedTrace {
+    /// Time of the first occurrence of `event`.
+    pub fn time_of(&self, event: PipelineEvent) -> Option<Duration> {
+        self.events
+            .iter()
+            .find(|(_, e)| *e == event)
+            .map(|(t, _)| *t)
+    }
+
+    pub fn host_ready(&self, group: usize) -> Option<Duration> {
+        self.time_of(PipelineEvent::HostReady { group })
+    }
+
+    pub fn uploaded(&self, group: usize) -> Option<Duration> {
+        self.time_of(PipelineEvent::Uploaded { group })
+    }
+
+    pub fn gate_opened(&self, group: usize) -> Option<Duration> {
+        self.time_of(PipelineEvent::GateOpened { group })
+    }
+
+    pub fn layer_start(&self, layer: usize) -> Option<Duration> {
+        self.time_of(PipelineEvent::Exec(TraceEvent::LayerStart { layer }))
+    }
+
+    /// How many events match `pred`.
+    pub fn count(&self, pred: impl Fn(&PipelineEvent) -> bool) -> usize {
+        self.events.iter().filter(|(_, e)| pred(e)).count()
+    }
+}
+
+/// What the stages run on: shared by every request of one device worker.
+#[derive(Clone, Copy)]
+pub struct Stages<'a> {
+    pub cache: &'a HostCache,
+    pub executor: &'a dyn Executor,
+    pub residency: &'a Residency,
+}
+
+/// One inference request.
+#[derive(Clone, Copy)]
+pub struct Request<'a> {
+    /// The catalog entry (where the slices are).
+    pub entry: &'a ModelEntry,
+    /// The model's manifest (layers, packed layout); its groups must match
+    /// the entry's.
+    pub manifest: &'a Manifest,
+    pub inputs: &'a [HostTensor],
+    /// When the request arrived, for the queue time.
+    pub arrived: Instant,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct PipelineOptions {
+    pub fetch: FetchOptions,
+    /// Longest wait of a stage for one group of the previous stage.
+    pub gate_timeout: Duration,
+}
+
+impl Default for PipelineOptions {
+    fn default() -> Self {
+        PipelineOptions {
+            fetch: FetchOptions::default(),
+            gate_timeout: GATE_TIMEOUT_DEFAULT,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PipelineError {
+    #[error("model {model}: the catalog entry and the manifest disagree: {why}")]
+    Mismatch { model: String, why: String },
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    #[error("model {model}: {source}")]
+    Exec {
+        model: String,
+        source: Box<ExecError>,
+    },
+    #[error("model {model}: the {stage} thread panicked")]
+    Panicked { model: String, stage: &'static str },
+}
+
+/// Outputs, timing breakdown and trace of one request.
+pub type Served = (Vec<HostTensor>, Timing, MergedTrace);
+
+/// Serves `req` with the three stages overlapped (from whichever stage the
+/// model's residency allows).
+pub fn cold_start(
+    stages: &Stages<'_>,
+    req: &Request<'_>,
+    opts: &PipelineOptions,
+) -> Result<Served, PipelineError> {
+    serve(stages, req, opts, true)
+}
+
+/// The load-then-run baseline: the same stages, each finished before the
+/// next starts.
+pub fn sequential(
+    stages: &Stages<'_>,
+    req: &Request<'_>,
+    opts: &PipelineOptions,
+) -> Result<Served, PipelineError> {
+    serve(stages, req, opts, false)
+}
+
+/// Checks that the catalog entry and the manifest describe the same packed
+/// layout; returns the group lengths.
+fn group_layout(entry: &ModelEntry, m: &Manifest) -> Result<Vec<u64>, PipelineError> {
+    let bad = |why: String| PipelineError::Mismatch {
+        model: entry.name.clone(),
+        why,
+    };
+    if entry.groups.len() != m.groups.len() {
+        return Err(bad(format!(
+            "{} groups in the catalog, {} in the manifest",
+            entry.groups.len(),
+            m.groups.len()
+        )));
+    }
+    let mut at = 0u64;
+    for (g, (e, mg)) in entry.groups.iter().zip(&m.groups).enumerate() {
+        if e.bytes != mg.bytes || mg.offset != at {
+            return Err(bad(format!(
+                "group {g}: catalog has {} bytes at {at}, manifest {} bytes at {}",
+                e.bytes, mg.bytes, mg.offset
+            )));
+        }
+        at += mg.bytes;
+    }
+    if at == 0 {
+        return Err(bad("the model has no parameter bytes".into()));
+    }
+    Ok(entry.groups.iter().map(|g| g.bytes).collect())
+}
+
+/// What the upload thread reports, per group.
+type UploadEvent = (Instant, PipelineEvent);
+
+fn serve(
+    stages: &Stages<'_>,
+    req: &Request<'_>,
+    opts: &PipelineOptions,
+    overlap: bool,
+) -> Result<Served, PipelineError> {
+    let t0 = Instant::now();
+    let model = req.entry.name.as_str();
+    let manifest = req.manifest;
+    let sizes = group_layout(req.entry, manifest)?;
+    let groups = sizes.len();
+    let arena_bytes: u64 = sizes.iter().sum();
+    let exec_err = |source: ExecError| PipelineError::Exec {
+        model: model.into(),
+        source: Box::new(source),
+    };
+
+    let executor = stages.executor;
+    let admit = || {
+        stages
+            .residency
+            .get_or_admit(model, arena_bytes, groups, || {
+                let arena = executor.alloc_arena(arena_bytes)?;
+                let program = executor.program(manifest, arena.clone())?;
+                Ok((arena, program))
+            })
+    };
+
+    let mut timing = Timing {
+        queue: t0.saturating_duration_since(req.arrived),
+        ..Timing::default()
+    };
+    let (tx, rx) = channel::bounded::<UploadEvent>(2 * groups + 1);
+    let cancel = AtomicBool::new(false);
+    let mut cached: Option<CachedModel> = None;
+    let mut fetch_result: Option<Result<FetchReport, PipelineError>> = None;
+    let mut upload_result: Option<Result<(), PipelineError>> = None;
+
+    // Not resident: reserve host memory first, so that on a cold start the
+    // fetch (the long pole) begins before the arena is allocated and the
+    // program compiled, which then happen while the first bytes arrive.
+    if stages.residency.contains(model) {
+        timing.path = LoadPath::DeviceResident;
+    } else {
+        let (m, lookup) = stages.cache.lookup_or_reserve(model, &sizes)?;
+        timing.path = match lookup {
+            Lookup::Miss => LoadPath::Cold,
+            Lookup::Hit => LoadPath::HostCached,
+        };
+        cached = Some(m);
+    }
+
+    let mut trace = Trace::new();
+    let mut gate_times: Vec<(Instant, usize)> = Vec::with_capacity(groups);
+    let mut run_window = (t0, t0);
+    let mut simulated = false;
+
+    let scoped = std::thread::scope(|s| {
+        let mut fetch = None;
+        let mut upload = None;
+        if let (Some(m), LoadPath::Cold) = (&cached, timing.path) {
+            let m = m.clone();
+            let cache = stages.cache;
+            let entry = req.entry;
+            let fetch_opts = opts.fetch;
+            let h = std::thread::Builder::new()
+                .name(format!("fetch {model}"))
+                .spawn_scoped(s, move || cache.fill(&m, entry, fetch_opts, &mut |_| {}))
+                .expect("spawning the fetch thread");
+            if overlap {
+                fetch = Some(h);
+            } else {
+                fetch_result = Some(join(h, model, "fetch").and_then(|r| r.map_err(Into::into)));
+            }
+        }
+        let (resident, found) = match admit() {
+            Ok(r) => r,
+            Err(e) => {
+                if let Some(h) = fetch {
+                    fetch_result =
+                        Some(join(h, model, "fetch").and_then(|r| r.map_err(Into::into)));
+                }
+                return Err(PipelineError::from(e));
+            }
+        };
+        if found {
+            // Resident already (or made so by a concurrent request, whose
+            // upload thread owns the arena): only compute.
+            timing.path = LoadPath::DeviceResident;
+        } else if let Some(m) = &cached {
+            let m = m.clone();
+            let resident = resident.clone();
+            let tx = tx.clone();
+            let cancel = &cancel;
+            let timeout = opts.gate_timeout;
+            let h = std::thread::Builder::new()
+                .name(format!("upload {model}"))
+                .spawn_scoped(s, move || {
+                    upload_groups(&m, &resident, manifest, timeout, cancel, &tx)
+                })
+                .expect("spawning the upload thread");
+            if overlap {
+                upload = Some(h);
+            } else {
+                upload_result = Some(join(h, model, "upload").and_then(|r| r));
+            }
+        }
+
+        let mut program = resident.program();
+        simulated = program.simulated();
+        let gates = resident.gates();
+        let timeout = opts.gate_timeout;
+        let start = Instant::now();
+        let out = program.run(
+            req.inputs,
+            &mut |g| {
+                gates.wait(g, timeout)?;
+                gate_times.push((Instant::now(), g));
+                Ok(())
+            },
+            &mut trace,
+        );
+        run_window = (start, Instant::now());
+        drop(program);
+        if out.is_err() {
+            // Stop uploading a model whose request failed; the fetch runs
+            // to its end and leaves the model in the host cache.
+            cancel.store(true, Ordering::Release);
+        }
+        if let Some(h) = upload {
+            upload_result = Some(join(h, model, "upload").and_then(|r| r));
+        }
+        if let Some(h) = fetch {
+            fetch_result = Some(join(h, model, "fetch").and_then(|r| r.map_err(Into::into)));
+        }
+        Ok((resident, out))
+    });
+    drop(tx);
+    let (resident, compute) = match scoped {
+        Ok(v) => v,
+        Err(e) => {
+            // Admission failed: report the fetch's own failure first if it had one.
+            if let Some(Err(fe)) = fetch_result {
+                return Err(fe);
+            }
+            return Err(e);
+        }
+    };
+    let finished = Instant::now();
+
+    if !resident.gates().all_open() {
+        // A failed or cancelled load: the next request starts over.
+        stages.residency.discard(&resident);
+    }
+    // The root cause first: fetch, then upload, then compute.
+    let fetch_report = match fetch_result {
+        Some(Err(e)) => return Err(e),
+        Some(Ok(r)) => Some(r),
+        None => None,
+    };
+    if let Some(Err(e)) = upload_result {
+        return Err(e);
+    }
+    let outputs = compute.map_err(exec_err)?;
+
+    // Timing and trace on one clock (t0).
+    let since = |t: Instant| t.saturating_duration_since(t0);
+    let mut events: Vec<(Duration, PipelineEvent)> = Vec::new();
+    if let Some(m) = &cached {
+        let mut last = None;
+        for g in 0..groups {
+            if let Some(at) = m.ready_at(g).filter(|at| *at >= t0) {
+                events.push((since(at), PipelineEvent::HostReady { group: g }));
+                last = last.max(Some(at));
+            }
+        }
+        timing.fetch = last.map(since).unwrap_or_default();
+    }
+    if let Some(r) = &fetch_report {
+        // This request fetched: first read posted to last group verified.
+        timing.fetch = r.elapsed;
+        timing.fetched_bytes = r.bytes;
+        timing.fetch_retries = r.retries;
+    }
+    let uploads: Vec<UploadEvent> = rx.try_iter().collect();
+    let first_upload = uploads.iter().map(|(t, _)| *t).min();
+    let last_upload = uploads.iter().map(|(t, _)| *t).max();
+    if let (Some(a), Some(b)) = (first_upload, last_upload) {
+        timing.h2d = b.saturating_duration_since(a);
+    }
+    events.extend(uploads.into_iter().map(|(t, e)| (since(t), e)));
+    events.extend(
+        gate_times
+            .iter()
+            .map(|(t, g)| (since(*t), PipelineEvent::GateOpened { group: *g })),
+    );
+    let (run_start, run_end) = run_window;
+    events.push((since(run_start), PipelineEvent::ComputeStart));
+    events.push((since(run_end), PipelineEvent::ComputeEnd));
+    let offset = since(run_start);
+    events.extend(
+        trace
+            .iter()
+            .map(|(d, e)| (offset + *d, PipelineEvent::Exec(*e))),
+    );
+    events.sort_by_key(|(t, _)| *t);
+
+    timing.compute = run_end.saturating_duration_since(run_start);
+    timing.total = finished.saturating_duration_since(req.arrived);
+    timing.simulated = simulated;
+    log::debug!("{model}: {timing:?}");
+    Ok((outputs, timing, MergedTrace { events }))
+}
+
+fn join<T>(
+    h: std::thread::ScopedJoinHandle<'_, T>,
+    model: &str,
+    stage: &'static str,
+) -> Result<T, PipelineError> {
+    h.join().map_err(|_| PipelineError::Panicked {
+        model: model.into(),
+        stage,
+    })
+}
+
+/// Stage 2: uploads every group in order as it becomes visible in the host
+/// cache, opening its gate; on any failure fails every gate still pending
+/// with the reason, so compute never waits for a group that will not come.
+fn upload_groups(
+    cached: &CachedModel,
+    resident: &Resident,
+    manifest: &Manifest,
+    timeout: Duration,
+    cancel: &AtomicBool,
+    events: &channel::Sender<UploadEvent>,
+) -> Result<(), PipelineError> {
+    let gates = resident.gates();
+    let arena: &dyn Arena = &**resident.arena();
+    let model = cached.name();
+    for g in 0..manifest.groups.len() {
+        if cancel.load(Ordering::Acquire) {
+            gates.fail_pending("the request was abandoned before this group was uploaded");
+            return Ok(());
+        }
+        let bytes = match cached.wait_group(g, timeout) {
+            Ok(b) => b,
+            Err(e) => {
+                gates.fail_pending(&format!("not in host memory: {e}"));
+                return Err(e.into());
+            }
+        };
+        // The channel holds two events per group: sends never block.
+        let _ = events.try_send((Instant::now(), PipelineEvent::UploadStart { group: g }));
+        if let Err(e) = arena.upload(g, manifest.groups[g].offset, bytes) {
+            gates.fail_pending(&format!("upload of group {g} failed: {e}"));
+            return Err(PipelineError::Exec {
+                model: model.into(),
+                source: Box::new(e),
+            });
+        }
+        // Timed before the gate opens, so Uploaded{g} <= GateOpened{g}.
+        let done = Instant::now();
+        gates.open(g);
+        let _ = events.try_send((done, PipelineEvent::Uploaded { group: g }));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gates_open_fail_and_time_out_naming_the_group() {
+        let gates = GroupGates::new(3);
+        gates.open(0);
+        gates.wait(0, Duration::ZERO).unwrap();
+        let e = gates
+            .wait(1, Duration::from_millis(5))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("group 1") && e.contains("not uploaded after"),
+            "{e}"
+        );
+        std::thread::scope(|s| {
+            let h = s.spawn(|| gates.wait(2, Duration::from_secs(30)));
+            std::thread::sleep(Duration::from_millis(10));
+            gates.fail_pending("fetch failed: ms0 lost");
+            let e = h.join().unwrap().unwrap_err().to_string();
+            assert!(e.contains("group 2") && e.contains("ms0 lost"), "{e}");
+        });
+        assert_eq!(
+            gates.state(0),
+            Some(GateState::Ready),
+            "open gates stay open"
+        );
+        assert!(!gates.all_open());
+        assert!(gates
+            .wait(7, Duration::ZERO)
+            .unwrap_err()
+            .to_string()
+            .contains("3 groups"));
+        assert!(GroupGates::opened(4).all_open());
+    }
+}

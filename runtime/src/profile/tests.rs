@@ -1,0 +1,279 @@
+//! Profile estimates, the shipped file, loading and lookup.
+
+use std::path::{Path, PathBuf};
+
+use distmind_models::{BertConfig, Family, Scale};
+
+use super::*;
+
+fn shipped_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(SHIPPED_ESTIMATED_PATH)
+}
+
+fn rel_err(got: f64, want: f64) -> f64 {
+    (got - want).abs() / want
+}
+
+/// Regenerates the shipped estimate in memory and compares it byte for byte
+/// with `settings/profiles/h200-estimated.json`, keeping the shipped date.
+/// With `DISTMIND_WRITE_PROFILES=1` it rewrites the file instead (date from
+/// `DISTMIND_PROFILE_DATE`, else the shipped one).
+#[test]
+fn shipped_estimated_profile_is_current() {
+    let path = shipped_path();
+    let shipped = std::fs::read_to_string(&path).ok();
+    let shipped_date = shipped
+        .as_deref()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(t).ok())
+        .and_then(|v| v["date"].as_str().map(str::to_string));
+    if std::env::var_os("DISTMIND_WRITE_PROFILES").is_some() {
+        let date = std::env::var("DISTMIND_PROFILE_DATE")
+            .ok()
+            .or(shipped_date)
+            .expect("set DISTMIND_PROFILE_DATE=YYYY-MM-DD for a first write");
+        estimated_h200(&date).write(&path).unwrap();
+        return;
+    }
+    let shipped = shipped.unwrap_or_else(|| panic!("{} is missing", path.display()));
+    let date = shipped_date.expect("shipped profile has a date");
+    let regenerated = estimated_h200(&date).to_json_text();
+    assert!(
+        regenerated == shipped,
+        "{} is stale: the estimator or the models changed. Regenerate it with \
+         DISTMIND_WRITE_PROFILES=1 DISTMIND_PROFILE_DATE=$(date -u +%F) \
+         cargo test -p distmind-runtime --release shipped_estimated_profile",
+        path.display()
+    );
+    // And it loads, with the label every figure must carry.
+    let p = Profile::load(&path).unwrap();
+    assert_eq!(p.source, Source::Estimated);
+    assert_eq!(p.source_label(), "estimated (NVIDIA H200 peaks)");
+    assert_eq!(p.path(), Some(path.as_path()));
+    assert_eq!(p.models.len(), 15);
+}
+
+#[test]
+fn profile_resnet152_full_b8_flops_match_the_literature() {
+    // torchvision: 11.5 G multiply-adds per 224x224 image.
+    let m = estimate(Family::Resnet152, Scale::Full, 8);
+    let want = 8.0 * 2.0 * 11.5e9;
+    let got = m.total_flops() as f64;
+    assert!(rel_err(got, want) < 0.10, "{got:e} vs {want:e}");
+    // Batch 8 is 8 x batch 1 in FLOPs.
+    let one = estimate(Family::Resnet152, Scale::Full, 1);
+    assert_eq!(m.total_flops(), 8 * one.total_flops());
+    assert!(m.total_s > one.total_s);
+}
+
+#[test]
+fn profile_bert_base_seq512_flops() {
+    // Per sequence: 2 x (encoder matmul weights) x 512 tokens + the two
+    // attention matmuls of every layer. The brief's rough "2 x 110M x 512"
+    // counts the 23.8M embedding params too, which are lookups, not matmuls.
+    let c = BertConfig::full();
+    let (h, i, l, s) = (
+        c.hidden as f64,
+        c.intermediate as f64,
+        c.layers as f64,
+        c.seq_len as f64,
+    );
+    let encoder_weights = l * (4.0 * h * h + 2.0 * h * i);
+    let attention = l * 2.0 * 2.0 * s * s * h; // heads x head_dim = hidden
+    let want = 2.0 * encoder_weights * s + attention;
+    let m = estimate(Family::BertBase, Scale::Full, 1);
+    let got = m.total_flops() as f64;
+    assert!(rel_err(got, want) < 0.03, "{got:e} vs {want:e}");
+    let rough = 2.0 * 110e6 * s + attention;
+    assert!(
+        got < rough && got > 0.75 * rough,
+        "{got:e} vs rough {rough:e}"
+    );
+}
+
+#[test]
+fn profile_every_layer_present_and_positive() {
+    for family in Family::ALL {
+        for (scale, batch) in [(Scale::Full, 1), (Scale::Full, 8), (Scale::Tiny, 1)] {
+            let arch = family.config(scale).build();
+            let m = estimate(family, scale, batch);
+            assert_eq!(m.layers.len(), arch.layers.len(), "{family} {scale}");
+            for (p, l) in m.layers.iter().zip(&arch.layers) {
+                assert_eq!(
+                    (p.id, p.name.as_str(), p.op.as_str()),
+                    (l.id, l.name.as_str(), l.op.name())
+                );
+                assert!(
+                    p.time_s >= Peaks::H200_ESTIMATED.launch_overhead_s,
+                    "{family} {}",
+                    p.name
+                );
+            }
+            assert!(m.total_s > 0.0 && m.total_flops() > 0, "{family} {scale}");
+            let sum: f64 = m.layers.iter().map(|l| l.time_s).sum();
+            assert!((m.total_s - sum).abs() < 1e-9 * m.layers.len() as f64);
+        }
+    }
+}
+
+#[test]
+fn profile_full_scale_b8_totals_are_plausible() {
+    // Between 1 ms and 200 ms per batch of 8 on an H200 at peak rates.
+    for family in Family::ALL {
+        let m = estimate(family, Scale::Full, 8);
+        assert!(
+            m.total_s > 1e-3 && m.total_s < 0.2,
+            "{family}: {} s",
+            m.total_s
+        );
+    }
+}
+
+#[test]
+fn profile_get_scales_the_closest_batch() {
+    let p = estimated_h200("2026-01-01");
+    let exact = p.get(Family::Gpt2, Scale::Full, 8).unwrap();
+    assert!(matches!(exact, Cow::Borrowed(_)));
+    // 6 is closer to 8 than to 1: 8's times x 6/8.
+    let six = p.get(Family::Gpt2, Scale::Full, 6).unwrap();
+    assert!(matches!(six, Cow::Owned(_)));
+    let b8 = p.get_exact(Family::Gpt2, Scale::Full, 8).unwrap();
+    assert!(rel_err(six.total_s, b8.total_s * 0.75) < 1e-9);
+    assert_eq!(six.layers.len(), b8.layers.len());
+    // 2 is closer to 1: 1's times x 2.
+    let two = p.get(Family::Gpt2, Scale::Full, 2).unwrap();
+    let b1 = p.get_exact(Family::Gpt2, Scale::Full, 1).unwrap();
+    assert!(rel_err(two.total_s, b1.total_s * 2.0) < 1e-9);
+    // Tiny has only batch 1.
+    let tiny4 = p.get(Family::BertBase, Scale::Tiny, 4).unwrap();
+    let tiny1 = p.get_exact(Family::BertBase, Scale::Tiny, 1).unwrap();
+    assert!(rel_err(tiny4.total_s, 4.0 * tiny1.total_s) < 1e-9);
+    let mut none = p.clone();
+    none.models.retain(|k, _| !k.starts_with("gpt2/"));
+    assert!(none.get(Family::Gpt2, Scale::Full, 8).is_none());
+}
+
+#[test]
+fn profile_model_keys_round_trip() {
+    assert_eq!(
+        model_key(Family::InceptionV3, Scale::Tiny, 1),
+        "inception_v3/tiny/b1"
+    );
+    assert_eq!(
+        parse_model_key("densenet201/full/b8"),
+        Some((Family::Densenet201, Scale::Full, 8))
+    );
+    for bad in [
+        "densenet201/full/8",
+        "densenet201/full/b0",
+        "vgg/full/b1",
+        "gpt2/full/b1/x",
+        "gpt2/huge/b1",
+    ] {
+        assert_eq!(parse_model_key(bad), None, "{bad}");
+    }
+}
+
+#[test]
+fn profile_measured_label_names_gpu_driver_and_date() {
+    let mut p = estimated_h200("2026-11-21");
+    p.source = Source::Measured;
+    p.driver = Some("560.35.03".into());
+    assert_eq!(
+        p.source_label(),
+        "measured on NVIDIA H200, driver 560.35.03, 2026-11-21"
+    );
+}
+
+fn load_err(dir: &Path, name: &str, text: &str) -> String {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    let e = Profile::load(&path).expect_err(name).to_string();
+    assert!(e.contains(&path.display().to_string()), "{e}");
+    e
+}
+
+#[test]
+fn profile_load_errors_name_the_file_and_the_problem() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing.json");
+    let e = Profile::load(&missing).unwrap_err();
+    assert!(matches!(e, ProfileError::Read { .. }), "{e}");
+    assert!(e.to_string().contains("missing.json"), "{e}");
+
+    let e = load_err(dir.path(), "garbage.json", "{ not json");
+    assert!(e.contains("line 1"), "{e}");
+
+    let good = estimated_h200("2026-11-21");
+    let text = good.to_json_text();
+    // It round-trips through a file.
+    let path = dir.path().join("good.json");
+    good.write(&path).unwrap();
+    let loaded = Profile::load(&path).unwrap();
+    assert_eq!(
+        loaded.models.keys().collect::<Vec<_>>(),
+        good.models.keys().collect::<Vec<_>>()
+    );
+    for (a, b) in loaded.models.values().zip(good.models.values()) {
+        assert_eq!(a.layers.len(), b.layers.len());
+        assert!((a.total_s - b.total_s).abs() < 1e-12);
+    }
+
+    let e = load_err(
+        dir.path(),
+        "v2.json",
+        &text.replacen("\"format_version\": 1", "\"format_version\": 2", 1),
+    );
+    assert!(e.contains("format_version 2"), "{e}");
+
+    let e = load_err(
+        dir.path(),
+        "key.json",
+        &text.replacen("\"bert_base/full/b1\"", "\"bert/full/b1\"", 1),
+    );
+    assert!(e.contains("\"bert/full/b1\""), "{e}");
+
+    let e = load_err(
+        dir.path(),
+        "peak.json",
+        &text.replacen(
+            "\"h2d_bytes_per_s\": 50000000000.0",
+            "\"h2d_bytes_per_s\": 0.0",
+            1,
+        ),
+    );
+    assert!(e.contains("peaks.h2d_bytes_per_s"), "{e}");
+
+    let e = load_err(
+        dir.path(),
+        "nopeak.json",
+        &text.replacen("\"h2d_bytes_per_s\": 50000000000.0,", "", 1),
+    );
+    assert!(e.contains("h2d_bytes_per_s"), "{e}");
+
+    let total = serde_json::to_string(&good.models["bert_base/full/b1"].total_s).unwrap();
+    let e = load_err(
+        dir.path(),
+        "total.json",
+        &text.replacen(&format!("\"total_s\": {total}"), "\"total_s\": 1.5", 1),
+    );
+    assert!(
+        e.contains("bert_base/full/b1") && e.contains("total_s"),
+        "{e}"
+    );
+
+    let e = load_err(
+        dir.path(),
+        "negative.json",
+        &text.replacen("\"time_s\":", "\"time_s\":-", 1),
+    );
+    assert!(e.contains("time_s"), "{e}");
+
+    let e = load_err(
+        dir.path(),
+        "id.json",
+        &text.replacen("{\"id\":1,", "{\"id\":7,", 1),
+    );
+    assert!(e.contains("has id 7"), "{e}");
+}

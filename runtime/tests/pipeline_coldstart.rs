@@ -1,0 +1,630 @@
+//! The three-stage pipeline (network -> host cache -> arena -> compute) over
+//! in-memory memory servers holding a generated tiny package, with a
+//! test-double executor.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use distmind_common::checksum::{checksum, to_hex};
+use distmind_common::proto::{GroupLocation, Location, ModelEntry, Slice};
+use distmind_models::{Family, GenOptions, Manifest, Package, Scale};
+use distmind_runtime::cache::{CacheConfig, HostCache};
+use distmind_runtime::device::Residency;
+use distmind_runtime::exec::{
+    Arena, ExecError, Executor, ExecutorKind, HostTensor, Program, Trace, TraceEvent,
+};
+use distmind_runtime::pipeline::{
+    cold_start, sequential, LoadPath, PipelineEvent, PipelineOptions, Request, Stages,
+};
+use distmind_runtime::FetchOptions;
+use distmind_transport::{
+    Completion, HostBuffer, HugePages, MemFabric, MemTransport, PeerId, ReadOp, RegionId,
+    Transport, TransportError, TransportStats,
+};
+
+const PEERS: [&str; 2] = ["ms0", "ms1"];
+
+// ---------------------------------------------------------------------------
+// Test double executor.
+
+/// A TEST DOUBLE for pipeline logic only (the real `cpu`/`sim`/`cuda`
+/// executors live in `runtime/src/exec`): its arena is a `Vec<u8>` and its
+/// program does no math. The program walks the manifest's layers, calls
+/// `gate(g)` before the first layer of group g, records GroupReady /
+/// LayerStart / LayerEnd, sleeps `layer_delay` per layer, and outputs one
+/// i64 per group: the xxh3 of the group's bytes in the arena as it saw them
+/// right after the gate, so outputs prove the right bytes were uploaded
+/// before compute used them.
+struct DoubleExecutor {
+    layer_delay: Duration,
+    arenas: Mutex<Vec<Arc<VecArena>>>,
+}
+
+impl DoubleExecutor {
+    fn new(layer_delay: Duration) -> Self {
+        DoubleExecutor {
+            layer_delay,
+            arenas: Mutex::new(Vec::new()),
+        }
+    }
+}
+
+struct VecArena {
+    bytes: Mutex<Vec<u8>>,
+    uploads: AtomicUsize,
+}
+
+impl Arena for VecArena {
+    fn len(&self) -> u64 {
+        self.bytes.lock().unwrap().len() as u64
+    }
+
+    fn upload(&self, _group: usize, offset: u64, bytes: &[u8]) -> Result<(), ExecError> {
+        let mut b = self.bytes.lock().unwrap();
+        let end = offset as usize + bytes.len();
+        if end > b.len() {
+            return Err(ExecError::UploadOutOfRange {
+                offset,
+                len: bytes.len() as u64,
+                arena: b.len() as u64,
+            });
+        }
+        b[offset as usize..end].copy_from_slice(bytes);
+        self.uploads.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+impl Executor for DoubleExecutor {
+    fn kind(&self) -> ExecutorKind {
+        ExecutorKind::Sim
+    }
+
+    fn describe(&self) -> String {
+        "test double".into()
+    }
+
+    fn alloc_arena(&self, bytes: u64) -> Result<Arc<dyn Arena>, ExecError> {
+        let a = Arc::new(VecArena {
+            bytes: Mutex::new(vec![0; bytes as usize]),
+            uploads: AtomicUsize::new(0),
+        });
+        self.arenas.lock().unwrap().push(a.clone());
+        Ok(a)
+    }
+
+    fn program(
+        &self,
+        manifest: &Manifest,
+        arena: Arc<dyn Arena>,
+    ) -> Result<Box<dyn Program>, ExecError> {
+        let want = Arc::as_ptr(&arena) as *const u8;
+        let arena = self
+            .arenas
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|a| Arc::as_ptr(a) as *const u8 == want)
+            .cloned()
+            .expect("an arena of this executor");
+        Ok(Box::new(DoubleProgram {
+            manifest: manifest.clone(),
+            arena,
+            layer_delay: self.layer_delay,
+        }))
+    }
+}
+
+struct DoubleProgram {
+    manifest: Manifest,
+    arena: Arc<VecArena>,
+    layer_delay: Duration,
+}
+
+impl Program for DoubleProgram {
+    fn run(
+        &mut self,
+        _inputs: &[HostTensor],
+        gate: &mut dyn FnMut(usize) -> Result<(), ExecError>,
+        trace: &mut Trace,
+    ) -> Result<Vec<HostTensor>, ExecError> {
+        let start = Instant::now();
+        let m = &self.manifest;
+        let mut sums = vec![0i64; m.groups.len()];
+        for layer in 0..m.layers.len() {
+            if let Some(g) = m.groups.iter().position(|g| g.first_layer == layer) {
+                gate(g)?;
+                trace.push((start.elapsed(), TraceEvent::GroupReady { group: g }));
+                let grp = &m.groups[g];
+                let b = self.arena.bytes.lock().unwrap();
+                sums[g] =
+                    checksum(&b[grp.offset as usize..(grp.offset + grp.bytes) as usize]) as i64;
+            }
+            trace.push((start.elapsed(), TraceEvent::LayerStart { layer }));
+            std::thread::sleep(self.layer_delay);
+            trace.push((start.elapsed(), TraceEvent::LayerEnd { layer }));
+        }
+        Ok(vec![HostTensor::i64(vec![sums.len()], sums)])
+    }
+}
+
+// ---------------------------------------------------------------------------
+// A transport that is slow per read and can lose every peer mid-fetch.
+
+struct SlowTransport {
+    inner: MemTransport,
+    fabric: MemFabric,
+    per_read: Duration,
+    reads: AtomicUsize,
+    /// After this many posted reads, every peer fails.
+    fail_after: AtomicUsize,
+}
+
+impl SlowTransport {
+    fn new(fabric: &MemFabric, per_read: Duration) -> Self {
+        SlowTransport {
+            inner: MemTransport::new(fabric.clone()),
+            fabric: fabric.clone(),
+            per_read,
+            reads: AtomicUsize::new(0),
+            fail_after: AtomicUsize::new(usize::MAX),
+        }
+    }
+}
+
+impl Transport for SlowTransport {
+    fn name(&self) -> &'static str {
+        "slow-mem"
+    }
+    fn register(&self, buf: Arc<HostBuffer>) -> Result<RegionId, TransportError> {
+        self.inner.register(buf)
+    }
+    fn deregister(&self, region: RegionId) -> Result<(), TransportError> {
+        self.inner.deregister(region)
+    }
+    fn connect(&self, peer_addr: &str) -> Result<PeerId, TransportError> {
+        self.inner.connect(peer_addr)
+    }
+    fn disconnect(&self, peer: PeerId) {
+        self.inner.disconnect(peer)
+    }
+    unsafe fn post_reads(&self, peer: PeerId, ops: &[ReadOp]) -> Result<(), TransportError> {
+        for _ in ops {
+            let n = self.reads.fetch_add(1, Ordering::Relaxed);
+            if n == self.fail_after.load(Ordering::Relaxed) {
+                for p in PEERS {
+                    self.fabric.fail_peer(p);
+                }
+            }
+            std::thread::sleep(self.per_read);
+        }
+        // SAFETY: forwarded under the caller's contract.
+        unsafe { self.inner.post_reads(peer, ops) }
+    }
+    fn poll(
+        &self,
+        out: &mut Vec<Completion>,
+        max: usize,
+        timeout: Duration,
+    ) -> Result<usize, TransportError> {
+        self.inner.poll(out, max, timeout)
+    }
+    fn stats(&self) -> TransportStats {
+        self.inner.stats()
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The world: a tiny package on two in-memory memory servers.
+
+struct World {
+    _dir: tempfile::TempDir,
+    fabric: MemFabric,
+    manifest: Manifest,
+    entry: ModelEntry,
+    /// xxh3 of each packed group, as the package has it.
+    group_sums: Vec<i64>,
+}
+
+fn world(group_bytes: u64) -> World {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = GenOptions::new(Family::Resnet152, dir.path());
+    opts.scale = Scale::Tiny;
+    opts.group_bytes = group_bytes;
+    let pkg_dir = distmind_models::generate(&opts).unwrap().remove(0);
+    let (manifest, packed) = open(&pkg_dir);
+    let model: Vec<u8> = packed.concat();
+    let fabric = MemFabric::new();
+    for p in PEERS {
+        let mut b = HostBuffer::new(model.len(), HugePages::No).unwrap();
+        b.as_mut_slice().copy_from_slice(&model);
+        fabric.add_peer(p, Arc::new(b));
+    }
+    let groups = manifest
+        .groups
+        .iter()
+        .map(|g| {
+            let (start, len) = (g.offset, g.bytes);
+            // Two slices per group where it is big enough, cut at 512 bytes.
+            let cut = if len >= 1024 {
+                (len / 2) / 512 * 512
+            } else {
+                len
+            };
+            let pieces: Vec<(u64, u64)> = if cut < len {
+                vec![(0, cut), (cut, len - cut)]
+            } else {
+                vec![(0, len)]
+            };
+            GroupLocation {
+                index: g.index as u32,
+                bytes: len,
+                checksum: g.checksum.clone(),
+                slices: pieces
+                    .into_iter()
+                    .map(|(off, n)| {
+                        let at = (start + off) as usize;
+                        Slice {
+                            group_offset: off,
+                            len: n,
+                            checksum: to_hex(checksum(&model[at..at + n as usize])),
+                            replicas: PEERS
+                                .iter()
+                                .enumerate()
+                                .map(|(i, a)| Location {
+                                    memserver: i as u32,
+                                    addr: a.to_string(),
+                                    offset: start + off,
+                                })
+                                .collect(),
+                        }
+                    })
+                    .collect(),
+            }
+        })
+        .collect();
+    let entry = ModelEntry {
+        name: manifest.name.clone(),
+        family: "resnet152".into(),
+        total_bytes: model.len() as u64,
+        strategy: "hybrid".into(),
+        replication: 2,
+        groups,
+        manifest: serde_json::to_value(&manifest).unwrap(),
+    };
+    let group_sums = packed.iter().map(|g| checksum(g) as i64).collect();
+    World {
+        _dir: dir,
+        fabric,
+        manifest,
+        entry,
+        group_sums,
+    }
+}
+
+fn open(dir: &Path) -> (Manifest, Vec<Vec<u8>>) {
+    let pkg = Package::open(dir).unwrap();
+    let packed = pkg.packed().unwrap();
+    (pkg.manifest, packed)
+}
+
+/// One device worker: host cache, executor, residency.
+struct Worker {
+    transport: Arc<SlowTransport>,
+    cache: HostCache,
+    executor: DoubleExecutor,
+    residency: Residency,
+}
+
+fn worker(w: &World, per_read: Duration, layer_delay: Duration) -> Worker {
+    let transport = Arc::new(SlowTransport::new(&w.fabric, per_read));
+    let cache = HostCache::new(CacheConfig::new(4 << 20, 64 << 10), transport.clone()).unwrap();
+    Worker {
+        transport,
+        cache,
+        executor: DoubleExecutor::new(layer_delay),
+        residency: Residency::new(64 << 20, 4),
+    }
+}
+
+impl Worker {
+    fn stages(&self) -> Stages<'_> {
+        Stages {
+            cache: &self.cache,
+            executor: &self.executor,
+            residency: &self.residency,
+        }
+    }
+}
+
+fn request(w: &World) -> Request<'_> {
+    Request {
+        entry: &w.entry,
+        manifest: &w.manifest,
+        inputs: &[],
+        arrived: Instant::now(),
+    }
+}
+
+/// One read in flight: groups arrive strictly one after the other.
+fn one_read_at_a_time() -> PipelineOptions {
+    PipelineOptions {
+        fetch: FetchOptions {
+            bytes_in_flight_max: 1,
+            ..FetchOptions::default()
+        },
+        gate_timeout: Duration::from_secs(30),
+    }
+}
+
+fn sums(out: &[HostTensor]) -> Vec<i64> {
+    match &out[0].data {
+        distmind_runtime::exec::TensorData::I64(v) => v.clone(),
+        other => panic!("unexpected output {other:?}"),
+    }
+}
+
+/// Small groups so that the tiny model has several.
+const GROUP_BYTES: u64 = 16 << 10;
+
+// ---------------------------------------------------------------------------
+
+#[test]
+fn pipeline_compute_of_each_group_starts_before_the_next_group_arrives() {
+    let w = world(GROUP_BYTES);
+    let n = w.manifest.groups.len();
+    assert!(n >= 4, "the tiny model should have several groups, has {n}");
+    let wk = worker(&w, Duration::from_millis(25), Duration::ZERO);
+    let (out, timing, trace) =
+        cold_start(&wk.stages(), &request(&w), &one_read_at_a_time()).unwrap();
+    assert_eq!(
+        sums(&out),
+        w.group_sums,
+        "compute saw every group's real bytes"
+    );
+    assert_eq!(timing.path, LoadPath::Cold);
+    assert_eq!(timing.fetched_bytes, w.entry.total_bytes);
+    assert!(timing.fetch > Duration::ZERO && timing.h2d > Duration::ZERO);
+    assert!(timing.total >= timing.compute && timing.total >= timing.fetch);
+    for g in 0..n {
+        let host = trace.host_ready(g).unwrap();
+        let up = trace.uploaded(g).unwrap();
+        let gate = trace.gate_opened(g).unwrap();
+        assert!(
+            host <= up && up <= gate,
+            "group {g}: host {host:?} upload {up:?} gate {gate:?}"
+        );
+        if g + 1 < n {
+            let next = trace.host_ready(g + 1).unwrap();
+            assert!(
+                gate < next,
+                "compute of group {g} ({gate:?}) should start before group {} is in host memory ({next:?})",
+                g + 1
+            );
+            let first = w.manifest.groups[g].first_layer;
+            assert!(trace.layer_start(first).unwrap() < next);
+        }
+    }
+    // Uploads in group order, once each.
+    let uploads: Vec<usize> = trace
+        .events
+        .iter()
+        .filter_map(|(_, e)| match e {
+            PipelineEvent::Uploaded { group } => Some(*group),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(uploads, (0..n).collect::<Vec<_>>());
+    // Compute began before the fetch ended: the stages overlapped.
+    assert!(trace.time_of(PipelineEvent::ComputeStart).unwrap() < trace.host_ready(n - 1).unwrap());
+}
+
+#[test]
+fn pipeline_sequential_matches_pipelined_outputs_without_overlap() {
+    let w = world(GROUP_BYTES);
+    let n = w.manifest.groups.len();
+    let a = worker(&w, Duration::from_millis(2), Duration::from_millis(1));
+    let b = worker(&w, Duration::from_millis(2), Duration::from_millis(1));
+    let opts = one_read_at_a_time();
+    let (pipelined, _, _) = cold_start(&a.stages(), &request(&w), &opts).unwrap();
+    let (seq, timing, trace) = sequential(&b.stages(), &request(&w), &opts).unwrap();
+    assert_eq!(pipelined, seq);
+    assert_eq!(sums(&seq), w.group_sums);
+    assert_eq!(timing.path, LoadPath::Cold);
+    let last_host = trace.host_ready(n - 1).unwrap();
+    let first_upload = trace
+        .time_of(PipelineEvent::UploadStart { group: 0 })
+        .unwrap();
+    let last_upload = trace.uploaded(n - 1).unwrap();
+    let compute = trace.time_of(PipelineEvent::ComputeStart).unwrap();
+    assert!(last_host <= first_upload, "fetch everything, then upload");
+    assert!(last_upload <= compute, "upload everything, then run");
+}
+
+#[test]
+fn pipeline_warm_paths_skip_stages() {
+    let w = world(GROUP_BYTES);
+    let n = w.manifest.groups.len();
+    let wk = worker(&w, Duration::ZERO, Duration::ZERO);
+    let opts = PipelineOptions::default();
+    let (cold, t, _) = cold_start(&wk.stages(), &request(&w), &opts).unwrap();
+    assert_eq!(t.path, LoadPath::Cold);
+    let bytes = wk.transport.stats().bytes_read;
+    assert_eq!(bytes, w.entry.total_bytes);
+
+    // Resident on the device: no fetch, no upload.
+    let (out, t, trace) = cold_start(&wk.stages(), &request(&w), &opts).unwrap();
+    assert_eq!(out, cold);
+    assert_eq!(t.path, LoadPath::DeviceResident);
+    assert_eq!(
+        (t.fetch, t.h2d, t.fetched_bytes),
+        (Duration::ZERO, Duration::ZERO, 0)
+    );
+    assert_eq!(
+        trace.count(|e| matches!(e, PipelineEvent::HostReady { .. })),
+        0
+    );
+    assert_eq!(
+        trace.count(|e| matches!(e, PipelineEvent::Uploaded { .. })),
+        0
+    );
+    assert_eq!(
+        trace.count(|e| matches!(e, PipelineEvent::GateOpened { .. })),
+        n
+    );
+    assert_eq!(wk.transport.stats().bytes_read, bytes);
+
+    // Evicted from the device, still in the host cache: upload, no fetch.
+    assert_eq!(wk.residency.evict(&w.entry.name), Some(true));
+    let (out, t, trace) = cold_start(&wk.stages(), &request(&w), &opts).unwrap();
+    assert_eq!(out, cold);
+    assert_eq!(t.path, LoadPath::HostCached);
+    assert_eq!((t.fetch, t.fetched_bytes), (Duration::ZERO, 0));
+    assert_eq!(
+        trace.count(|e| matches!(e, PipelineEvent::HostReady { .. })),
+        0
+    );
+    assert_eq!(
+        trace.count(|e| matches!(e, PipelineEvent::Uploaded { .. })),
+        n
+    );
+    assert_eq!(wk.transport.stats().bytes_read, bytes);
+
+    // Gone from both: cold again.
+    wk.residency.evict(&w.entry.name);
+    assert_eq!(wk.cache.remove(&w.entry.name), Some(true));
+    let (out, t, _) = sequential(&wk.stages(), &request(&w), &opts).unwrap();
+    assert_eq!(out, cold);
+    assert_eq!(t.path, LoadPath::Cold);
+    assert_eq!(wk.transport.stats().bytes_read, 2 * bytes);
+    let s = wk.cache.stats();
+    assert_eq!((s.hits, s.misses, s.models), (1, 2, 1));
+}
+
+#[test]
+fn pipeline_failed_fetch_fails_the_request_without_hanging() {
+    let w = world(GROUP_BYTES);
+    let wk = worker(&w, Duration::ZERO, Duration::ZERO);
+    for p in PEERS {
+        w.fabric.fail_peer(p);
+    }
+    let started = Instant::now();
+    let e = cold_start(&wk.stages(), &request(&w), &one_read_at_a_time())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "no hang: {:?}",
+        started.elapsed()
+    );
+    assert!(
+        e.contains(&w.entry.name) && e.contains("every replica failed") && e.contains("group 0"),
+        "{e}"
+    );
+    assert!(!wk.residency.contains(&w.entry.name) && !wk.cache.contains(&w.entry.name));
+    assert_eq!(wk.cache.stats().used_bytes, 0);
+    assert_eq!(wk.residency.stats().used_bytes, 0);
+    // The failure is not sticky.
+    for p in PEERS {
+        w.fabric.heal_peer(p);
+    }
+    let (out, t, _) = cold_start(&wk.stages(), &request(&w), &one_read_at_a_time()).unwrap();
+    assert_eq!(sums(&out), w.group_sums);
+    assert_eq!(t.path, LoadPath::Cold);
+}
+
+#[test]
+fn pipeline_peers_lost_mid_fetch_fail_compute_at_the_next_gate() {
+    let w = world(GROUP_BYTES);
+    let n = w.manifest.groups.len();
+    let wk = worker(&w, Duration::from_millis(5), Duration::ZERO);
+    // Group 0 (two slices) arrives, then every memory server dies.
+    wk.transport.fail_after.store(2, Ordering::Relaxed);
+    let started = Instant::now();
+    let e = cold_start(&wk.stages(), &request(&w), &one_read_at_a_time())
+        .unwrap_err()
+        .to_string();
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert!(
+        e.contains("every replica failed") && e.contains("group 1"),
+        "{e}"
+    );
+    assert!(n > 1);
+    assert!(!wk.residency.contains(&w.entry.name) && !wk.cache.contains(&w.entry.name));
+}
+
+#[test]
+fn pipeline_concurrent_requests_share_one_load() {
+    let w = world(GROUP_BYTES);
+    let wk = worker(&w, Duration::from_millis(3), Duration::ZERO);
+    let opts = one_read_at_a_time();
+    let results: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|i| {
+                let (wk, w, opts) = (&wk, &w, &opts);
+                s.spawn(move || {
+                    std::thread::sleep(Duration::from_millis(10 * i));
+                    cold_start(&wk.stages(), &request(w), opts).unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut paths: Vec<LoadPath> = results.iter().map(|r| r.1.path).collect();
+    paths.sort_by_key(|p| *p as u8);
+    assert_eq!(paths, vec![LoadPath::Cold, LoadPath::DeviceResident]);
+    for r in &results {
+        assert_eq!(sums(&r.0), w.group_sums);
+    }
+    assert_eq!(
+        wk.transport.stats().bytes_read,
+        w.entry.total_bytes,
+        "fetched once"
+    );
+}
+
+#[test]
+fn pipeline_refuses_models_that_do_not_fit_or_disagree() {
+    let w = world(GROUP_BYTES);
+    let transport = Arc::new(SlowTransport::new(&w.fabric, Duration::ZERO));
+    let small = HostCache::new(CacheConfig::new(64 << 10, 64 << 10), transport).unwrap();
+    let executor = DoubleExecutor::new(Duration::ZERO);
+    let residency = Residency::new(64 << 20, 4);
+    let stages = Stages {
+        cache: &small,
+        executor: &executor,
+        residency: &residency,
+    };
+    let e = cold_start(&stages, &request(&w), &PipelineOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("larger than the whole host cache (65536 bytes)"),
+        "{e}"
+    );
+    assert!(!residency.contains(&w.entry.name), "no arena left behind");
+
+    let tiny_device = Residency::new(1024, 4);
+    let wk = worker(&w, Duration::ZERO, Duration::ZERO);
+    let stages = Stages {
+        residency: &tiny_device,
+        ..wk.stages()
+    };
+    let e = cold_start(&stages, &request(&w), &PipelineOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("parameter budget of 1024 bytes"), "{e}");
+
+    let mut entry = w.entry.clone();
+    entry.groups.pop();
+    let req = Request {
+        entry: &entry,
+        ..request(&w)
+    };
+    let e = cold_start(&wk.stages(), &req, &PipelineOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("disagree"), "{e}");
+}

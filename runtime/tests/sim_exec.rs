@@ -1,0 +1,326 @@
+//! The `sim` executor over real packages: gating order, traces, wall time at
+//! least the profile's total, delayed gates and upload timing.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use distmind_models::{generate, Family, GenOptions, Package, Scale};
+use distmind_runtime::exec::sim::SimExecutor;
+use distmind_runtime::exec::{
+    all_ready, Arena, ExecError, Executor, ExecutorKind, HostTensor, Trace, TraceEvent,
+};
+use distmind_runtime::profile::{estimated_h200, model_key, Profile, SHIPPED_ESTIMATED_PATH};
+
+fn shipped() -> Profile {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(SHIPPED_ESTIMATED_PATH);
+    Profile::load(path).unwrap()
+}
+
+fn package(family: Family, scale: Scale, dir: &Path) -> Package {
+    let mut opts = GenOptions::new(family, dir);
+    opts.scale = scale;
+    if scale == Scale::Tiny {
+        opts.group_bytes = 4096;
+    }
+    let dirs: Vec<PathBuf> = generate(&opts).unwrap();
+    Package::open(&dirs[0]).unwrap()
+}
+
+/// Zero inputs of the manifest's shapes.
+fn inputs(pkg: &Package) -> Vec<HostTensor> {
+    pkg.manifest
+        .inputs
+        .iter()
+        .map(|s| {
+            let n = s.shape.iter().product();
+            match s.dtype {
+                distmind_models::Dtype::F32 => HostTensor::f32(s.shape.clone(), vec![0.0; n]),
+                distmind_models::Dtype::I64 => HostTensor::i64(s.shape.clone(), vec![0; n]),
+            }
+        })
+        .collect()
+}
+
+/// Checks a trace against the manifest: every group ready exactly once, in
+/// order, before its first layer starts; every layer started and ended once,
+/// in order, back to back on the timeline. Returns GroupReady times.
+fn check_trace(pkg: &Package, trace: &Trace) -> Vec<Duration> {
+    let m = &pkg.manifest;
+    let mut ready: Vec<Option<Duration>> = vec![None; m.groups.len()];
+    let mut next_layer = 0;
+    let mut last_end = Duration::ZERO;
+    let mut started: Option<(usize, Duration)> = None;
+    for &(t, ev) in trace {
+        match ev {
+            TraceEvent::GroupReady { group } => {
+                assert!(ready[group].is_none(), "group {group} ready twice");
+                assert!(
+                    ready[..group].iter().all(Option::is_some),
+                    "group {group} out of order"
+                );
+                assert_eq!(
+                    m.groups[group].first_layer, next_layer,
+                    "group {group} gated early or late"
+                );
+                ready[group] = Some(t);
+            }
+            TraceEvent::LayerStart { layer } => {
+                assert_eq!(layer, next_layer);
+                assert!(started.is_none());
+                assert!(
+                    t >= last_end,
+                    "layer {layer} starts before the previous ended"
+                );
+                if let Some(g) = m.layers[layer].group {
+                    let r = ready[g]
+                        .unwrap_or_else(|| panic!("layer {layer} ran before group {g} was gated"));
+                    assert!(
+                        t >= r,
+                        "layer {layer} starts at {t:?} before group {g} ready at {r:?}"
+                    );
+                }
+                started = Some((layer, t));
+            }
+            TraceEvent::LayerEnd { layer } => {
+                let (s, st) = started.take().expect("end without start");
+                assert_eq!(s, layer);
+                assert!(t >= st);
+                last_end = t;
+                next_layer += 1;
+            }
+        }
+    }
+    assert_eq!(next_layer, m.layers.len(), "not every layer ran");
+    ready
+        .into_iter()
+        .map(|r| r.expect("every group gated"))
+        .collect()
+}
+
+/// Uploads every group, runs once with `gate`, checks trace, outputs and
+/// wall time. Returns the trace.
+fn run_checked(
+    exec: &SimExecutor,
+    pkg: &Package,
+    gate: &mut dyn FnMut(usize) -> Result<(), ExecError>,
+) -> Trace {
+    let m = &pkg.manifest;
+    let arena = exec.alloc_arena(m.stored_bytes).unwrap();
+    for g in &m.groups {
+        let bytes = pkg.group_bytes(g.index).unwrap();
+        arena.upload(g.index, g.offset, &bytes).unwrap();
+    }
+    let mut program = exec.program(m, arena).unwrap();
+    assert!(program.simulated());
+    let mut trace = Trace::new();
+    let t0 = Instant::now();
+    let out = program.run(&inputs(pkg), gate, &mut trace).unwrap();
+    let wall = t0.elapsed();
+    let batch = m.inputs[0].shape[0];
+    let total = exec
+        .profile()
+        .get(m.family, m.scale, batch)
+        .unwrap()
+        .total_s;
+    // A lower bound only: the machine may be slower, never faster.
+    assert!(
+        wall >= Duration::from_secs_f64(total),
+        "{}: ran in {wall:?}, profile total {total} s",
+        m.name
+    );
+    eprintln!("{}: wall {wall:?}, profile total {total} s", m.name);
+    check_trace(pkg, &trace);
+    assert_eq!(out.len(), m.outputs.len());
+    for (o, spec) in out.iter().zip(&m.outputs) {
+        assert_eq!(o.shape, spec.shape);
+        assert_eq!(
+            o,
+            &HostTensor::f32(spec.shape.clone(), vec![0.0; spec.shape.iter().product()])
+        );
+    }
+    trace
+}
+
+/// Runs with a gate that holds group 1 back by `delay`; checks that no layer
+/// of group 1 starts before GroupReady{1}, which comes after the delay.
+fn check_delayed_group1(exec: &SimExecutor, pkg: &Package, delay: Duration) {
+    assert!(pkg.manifest.groups.len() > 1, "needs two groups");
+    let mut calls = Vec::new();
+    let mut gate = |g: usize| {
+        calls.push(g);
+        if g == 1 {
+            std::thread::sleep(delay);
+        }
+        Ok(())
+    };
+    let trace = run_checked(exec, pkg, &mut gate);
+    assert_eq!(calls, (0..pkg.manifest.groups.len()).collect::<Vec<_>>());
+    let ready1 = trace
+        .iter()
+        .find_map(|&(t, e)| (e == TraceEvent::GroupReady { group: 1 }).then_some(t))
+        .unwrap();
+    assert!(
+        ready1 + Duration::from_millis(1) >= delay,
+        "group 1 ready at {ready1:?}"
+    );
+    let first1 = pkg.manifest.groups[1].first_layer;
+    for &(t, e) in &trace {
+        if let TraceEvent::LayerStart { layer } = e {
+            if layer >= first1 {
+                assert!(
+                    t >= ready1,
+                    "layer {layer} at {t:?} before group 1 ready at {ready1:?}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn sim_tiny_resnet152_runs_gated() {
+    let dir = tempfile::tempdir().unwrap();
+    let pkg = package(Family::Resnet152, Scale::Tiny, dir.path());
+    let exec = SimExecutor::new(shipped());
+    assert_eq!(exec.kind(), ExecutorKind::Sim);
+    assert!(
+        exec.describe().contains("estimated (NVIDIA H200 peaks)"),
+        "{}",
+        exec.describe()
+    );
+    run_checked(&exec, &pkg, &mut all_ready);
+    check_delayed_group1(&exec, &pkg, Duration::from_millis(20));
+}
+
+#[test]
+fn sim_tiny_every_family_runs() {
+    let exec = SimExecutor::new(shipped());
+    for family in Family::ALL {
+        let dir = tempfile::tempdir().unwrap();
+        let pkg = package(family, Scale::Tiny, dir.path());
+        run_checked(&exec, &pkg, &mut all_ready);
+    }
+}
+
+#[test]
+#[cfg_attr(
+    debug_assertions,
+    ignore = "generates a 240 MB package; run with --release"
+)]
+fn sim_full_resnet152_runs_gated() {
+    let dir = tempfile::tempdir().unwrap();
+    let pkg = package(Family::Resnet152, Scale::Full, dir.path());
+    let exec = SimExecutor::new(shipped());
+    let t0 = Instant::now();
+    run_checked(&exec, &pkg, &mut all_ready);
+    let wall = t0.elapsed();
+    let total = exec
+        .profile()
+        .get_exact(Family::Resnet152, Scale::Full, 8)
+        .unwrap()
+        .total_s;
+    // Uploads: 240 MB at the assumed 50 GB/s is about 5 ms.
+    let upload = pkg.manifest.stored_bytes as f64 / exec.profile().peaks.h2d_bytes_per_s;
+    assert!(wall >= Duration::from_secs_f64(total + upload), "{wall:?}");
+    check_delayed_group1(&exec, &pkg, Duration::from_millis(30));
+}
+
+#[test]
+fn sim_gate_error_stops_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let pkg = package(Family::Gpt2, Scale::Tiny, dir.path());
+    let exec = SimExecutor::new(shipped());
+    let arena = exec.alloc_arena(pkg.manifest.stored_bytes).unwrap();
+    let mut program = exec.program(&pkg.manifest, arena).unwrap();
+    let mut gate = |g: usize| {
+        if g == 1 {
+            Err(ExecError::Gate {
+                group: 1,
+                why: "peer lost".into(),
+            })
+        } else {
+            Ok(())
+        }
+    };
+    let mut trace = Trace::new();
+    let e = program
+        .run(&inputs(&pkg), &mut gate, &mut trace)
+        .unwrap_err();
+    assert!(matches!(e, ExecError::Gate { group: 1, .. }), "{e}");
+    let first1 = pkg.manifest.groups[1].first_layer;
+    assert!(trace.iter().all(|&(_, e)| match e {
+        TraceEvent::LayerStart { layer } => layer < first1,
+        TraceEvent::GroupReady { group } => group == 0,
+        _ => true,
+    }));
+    // Runs again, from scratch, once the gate works.
+    trace.clear();
+    program
+        .run(&inputs(&pkg), &mut all_ready, &mut trace)
+        .unwrap();
+    check_trace(&pkg, &trace);
+}
+
+#[test]
+fn sim_rejects_bad_inputs() {
+    let dir = tempfile::tempdir().unwrap();
+    let pkg = package(Family::BertBase, Scale::Tiny, dir.path());
+    let exec = SimExecutor::new(shipped());
+    let arena = exec.alloc_arena(pkg.manifest.stored_bytes).unwrap();
+    let mut program = exec.program(&pkg.manifest, arena).unwrap();
+    let wrong = vec![HostTensor::f32(vec![1, 16], vec![0.0; 16])];
+    let e = program
+        .run(&wrong, &mut all_ready, &mut Trace::new())
+        .unwrap_err();
+    assert!(matches!(e, ExecError::BadInput { index: 0, .. }), "{e}");
+    let e = program
+        .run(&[], &mut all_ready, &mut Trace::new())
+        .unwrap_err();
+    assert!(matches!(e, ExecError::BadInput { index: 0, .. }), "{e}");
+}
+
+#[test]
+fn sim_program_errors_name_the_profile_and_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let pkg = package(Family::Densenet201, Scale::Tiny, dir.path());
+    let mut profile = estimated_h200("2026-11-21");
+    profile.models.retain(|k, _| !k.starts_with("densenet201/"));
+    let file = dir.path().join("partial.json");
+    profile.write(&file).unwrap();
+    let exec = SimExecutor::new(Profile::load(&file).unwrap());
+    let arena = exec.alloc_arena(pkg.manifest.stored_bytes).unwrap();
+    let e = exec
+        .program(&pkg.manifest, arena)
+        .err()
+        .expect("no profile for densenet201");
+    let msg = e.to_string();
+    let key = model_key(Family::Densenet201, Scale::Tiny, 1);
+    assert!(msg.contains(&key) && msg.contains("partial.json"), "{msg}");
+
+    // An arena too small for the model.
+    let exec = SimExecutor::new(shipped());
+    let small = exec.alloc_arena(pkg.manifest.stored_bytes - 1).unwrap();
+    let e = exec
+        .program(&pkg.manifest, small)
+        .err()
+        .expect("arena too small");
+    assert!(e.to_string().contains("stored bytes"), "{e}");
+}
+
+#[test]
+fn sim_upload_takes_the_h2d_time_and_checks_range() {
+    let exec = SimExecutor::new(shipped());
+    let h2d = exec.profile().peaks.h2d_bytes_per_s;
+    let arena: Arc<dyn Arena> = exec.alloc_arena(64 << 20).unwrap();
+    assert_eq!(arena.len(), 64 << 20);
+    let bytes = vec![0u8; 16 << 20];
+    let t0 = Instant::now();
+    arena.upload(0, 0, &bytes).unwrap();
+    assert!(t0.elapsed() >= Duration::from_secs_f64(bytes.len() as f64 / h2d));
+    let e = arena.upload(1, (64 << 20) - 8, &bytes).unwrap_err();
+    assert!(matches!(e, ExecError::UploadOutOfRange { .. }), "{e}");
+    let e = arena.upload(1, u64::MAX, &bytes[..1]).unwrap_err();
+    assert!(matches!(e, ExecError::UploadOutOfRange { .. }), "{e}");
+}

@@ -1,0 +1,350 @@
+//! `distmind bench coldstart`: latency of the first request for a model that
+//! is on no device and in no host cache, pipelined (network || H2D ||
+//! compute, group by group) against load-then-run, in the same run, with
+//! transfer-only and compute-only times measured too.
+//!
+//! Per family it prints `pipelined/sequential` and `ratio to ideal` =
+//! pipelined / max(transfer-only, compute-only). `--match-rate` rate-limits
+//! the GPU server's link so that transfer-only is about compute-only, where
+//! pipelining matters most.
+//!
+//! Real: memory servers, deploy, tcp transport, host cache, the pipeline,
+//! and with `--executor cpu` the model math. With `--executor sim` each
+//! layer and each H2D copy takes the time of a GPU profile, which the header
+//! names (the shipped one is estimated from H200 peaks, not measured).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use distmind_common::handshake::ClusterKey;
+use distmind_controller::ControllerClient;
+use distmind_models::{Dtype, Family, Package, Scale};
+use distmind_runtime::cache::{CacheConfig, HostCache, BLOCK_BYTES_DEFAULT};
+use distmind_runtime::device::Residency;
+use distmind_runtime::exec::{Executor, ExecutorKind, HostTensor};
+use distmind_runtime::fetch::FetchOptions;
+use distmind_runtime::pipeline::{
+    cold_start, sequential, PipelineOptions, Request, Stages, Timing,
+};
+use distmind_transport::tcp::{TcpOptions, TcpTransport};
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+use super::{local::LocalCluster, machine_line, median};
+use crate::deploy;
+
+#[derive(Args, Debug, Clone)]
+pub struct ColdstartArgs {
+    /// cpu (real math) or sim (layer times from --profile).
+    #[arg(long, default_value = "sim")]
+    pub executor: ExecutorKind,
+    /// Families to measure, comma separated (default: all five).
+    #[arg(long, value_delimiter = ',')]
+    pub family: Vec<Family>,
+    #[arg(long, default_value = "full")]
+    pub scale: Scale,
+    /// Batch size (default: 1 on cpu, the profile's 8 on sim for full scale).
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Memory servers the models are sharded over.
+    #[arg(long, default_value_t = 2)]
+    pub memservers: usize,
+    /// Measurements per figure (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub repeat: usize,
+    /// Limit the GPU server's link to this many Gbit/s.
+    #[arg(long, conflicts_with = "match_rate")]
+    pub rate_limit_gbps: Option<f64>,
+    /// Also run each family with the link limited so that transfer-only ~= compute-only.
+    #[arg(long)]
+    pub match_rate: bool,
+    /// GPU profile for the sim executor.
+    #[arg(long, default_value = distmind_runtime::profile::SHIPPED_ESTIMATED_PATH)]
+    pub profile: PathBuf,
+    /// Bound on bytes a fetch has posted and not yet completed (MiB).
+    #[arg(long, default_value_t = distmind_runtime::fetch::BYTES_IN_FLIGHT_DEFAULT >> 20)]
+    pub in_flight_mib: u64,
+    /// Write the rows as JSON here too.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Print, per group, when it was in host memory, uploaded, and when its first layer started (last pipelined run).
+    #[arg(long)]
+    pub trace: bool,
+}
+
+#[derive(Serialize, Debug, Clone)]
+pub struct Row {
+    pub family: String,
+    pub link: String,
+    pub groups: usize,
+    pub bytes: u64,
+    pub transfer_ms: f64,
+    pub compute_ms: f64,
+    pub pipelined_ms: f64,
+    pub sequential_ms: f64,
+    pub pipelined_over_sequential: f64,
+    pub ratio_to_ideal: f64,
+}
+
+/// Everything one family's measurements need, built once.
+struct Bench<'a> {
+    args: &'a ColdstartArgs,
+    exec: &'a dyn Executor,
+    cluster: &'a LocalCluster,
+    key: &'a ClusterKey,
+}
+
+pub fn run(args: &ColdstartArgs, exec: &dyn Executor) -> anyhow::Result<()> {
+    anyhow::ensure!(args.repeat >= 1, "--repeat must be at least 1");
+    let families = if args.family.is_empty() {
+        Family::ALL.to_vec()
+    } else {
+        args.family.clone()
+    };
+    let dir = tempfile_dir()?;
+    let mut packages = Vec::new();
+    for &family in &families {
+        let opts = distmind_models::GenOptions {
+            family,
+            variants: 1,
+            out_dir: dir.clone(),
+            scale: args.scale,
+            seed: 11,
+            group_bytes: distmind_common::limits::GROUP_BYTES_DEFAULT,
+        };
+        packages.push(Package::open(distmind_models::generate(&opts)?.remove(0))?);
+    }
+    let total: u64 = packages.iter().map(|p| p.manifest.stored_bytes).sum();
+    let key = ClusterKey::from_secret(format!("coldstart-{}", rand::random::<u64>()).as_bytes());
+    let n = args.memservers.max(1);
+    let cluster = LocalCluster::start(
+        n,
+        total.div_ceil(n as u64) + (64 << 20) + total / 8,
+        key.clone(),
+    )?;
+    let target = deploy::Target {
+        controller: cluster.controller.clone(),
+        key: key.clone(),
+    };
+    for p in &packages {
+        deploy::deploy_package(&target, p, &deploy::Options::default())?;
+    }
+
+    println!("coldstart bench: {}", machine_line());
+    println!("executor: {}", exec.describe());
+    if exec.kind() == ExecutorKind::Sim {
+        println!(
+            "GPU time simulated from {} (transfers, cache and pipeline are real)",
+            args.profile.display()
+        );
+    }
+    println!(
+        "{:<13} {:<10} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9}",
+        "family",
+        "link",
+        "groups",
+        "MB",
+        "transfer",
+        "compute",
+        "pipelined",
+        "sequent.",
+        "pip/seq",
+        "to ideal"
+    );
+    let bench = Bench {
+        args,
+        exec,
+        cluster: &cluster,
+        key: &key,
+    };
+    let mut rows = Vec::new();
+    for p in &packages {
+        let base = bench.measure(p, args.rate_limit_gbps.map(|g| g * 1e9 / 8.0))?;
+        rows.push(base.clone());
+        if args.match_rate {
+            if base.compute_ms < base.transfer_ms {
+                // A limit can only slow the link down.
+                println!(
+                    "{:<13} (not rate-limited: compute-only {:.1} ms < transfer-only {:.1} ms at full speed; raise --batch to balance)",
+                    base.family, base.compute_ms, base.transfer_ms
+                );
+                continue;
+            }
+            // Bytes per second that makes the transfer take as long as compute.
+            let rate = p.manifest.stored_bytes as f64 / (base.compute_ms / 1e3);
+            rows.push(bench.measure(p, Some(rate))?);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&rows)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+impl Bench<'_> {
+    /// Medians of `repeat` interleaved measurements for one package and link.
+    fn measure(&self, pkg: &Package, rate_bytes_per_s: Option<f64>) -> anyhow::Result<Row> {
+        let m = &pkg.manifest;
+        let transport = Arc::new(TcpTransport::new(TcpOptions {
+            rate_limit_bytes_per_s: rate_bytes_per_s.map(|r| r as u64),
+            ..TcpOptions::new(self.key.clone())
+        })?);
+        let block = BLOCK_BYTES_DEFAULT;
+        let cache = HostCache::new(
+            CacheConfig::new((m.stored_bytes.div_ceil(block) + 1) * block, block),
+            transport,
+        )?;
+        let residency = Residency::new(m.stored_bytes * 2, 2);
+        let stages = Stages {
+            cache: &cache,
+            executor: self.exec,
+            residency: &residency,
+        };
+        let entry =
+            ControllerClient::connect(&self.cluster.controller, self.key, Duration::from_secs(10))?
+                .get_model(&m.name)?;
+        let inputs = vec![input_for(pkg, self.batch(pkg))];
+        let opts = PipelineOptions {
+            fetch: FetchOptions {
+                bytes_in_flight_max: self.args.in_flight_mib << 20,
+                ..FetchOptions::default()
+            },
+            ..PipelineOptions::default()
+        };
+        let request = || Request {
+            entry: &entry,
+            manifest: m,
+            inputs: &inputs,
+            arrived: Instant::now(),
+        };
+        let forget = || {
+            cache.remove(&m.name);
+            residency.evict(&m.name);
+        };
+
+        let (mut transfer, mut compute, mut pipelined, mut seq) = (vec![], vec![], vec![], vec![]);
+        let mut last_trace = None;
+        for _ in 0..self.args.repeat {
+            forget();
+            let (_, t, _) = sequential(&stages, &request(), &opts)?;
+            seq.push(ms(t.total));
+            transfer.push(ms(t.fetch + t.h2d));
+            // Resident now: a warm run is compute only.
+            let (_, w, _) = cold_start(&stages, &request(), &opts)?;
+            compute.push(ms(w.compute));
+            forget();
+            let (_, t, tr): (_, Timing, _) = cold_start(&stages, &request(), &opts)?;
+            pipelined.push(ms(t.total));
+            last_trace = Some(tr);
+        }
+        forget();
+        let (transfer, compute, pipelined, sequential) = (
+            median(transfer),
+            median(compute),
+            median(pipelined),
+            median(seq),
+        );
+        let row = Row {
+            family: m.family.to_string(),
+            link: match rate_bytes_per_s {
+                Some(r) => format!("{:.2} Gb/s", r * 8.0 / 1e9),
+                None => "loopback".into(),
+            },
+            groups: m.groups.len(),
+            bytes: m.stored_bytes,
+            transfer_ms: transfer,
+            compute_ms: compute,
+            pipelined_ms: pipelined,
+            sequential_ms: sequential,
+            pipelined_over_sequential: pipelined / sequential,
+            ratio_to_ideal: pipelined / transfer.max(compute),
+        };
+        println!(
+            "{:<13} {:<10} {:>6} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>9.2} {:>9.2}",
+            row.family,
+            row.link,
+            row.groups,
+            row.bytes as f64 / 1e6,
+            row.transfer_ms,
+            row.compute_ms,
+            row.pipelined_ms,
+            row.sequential_ms,
+            row.pipelined_over_sequential,
+            row.ratio_to_ideal
+        );
+        if let (true, Some(tr)) = (self.args.trace, last_trace) {
+            print_trace(m, &tr);
+        }
+        Ok(row)
+    }
+
+    fn batch(&self, pkg: &Package) -> usize {
+        self.args.batch.unwrap_or(match self.exec.kind() {
+            ExecutorKind::Cpu => 1,
+            _ => pkg.manifest.inputs[0].shape[0],
+        })
+    }
+}
+
+/// One line per group: host-ready, uploaded, gate opened, first layer start (ms).
+fn print_trace(m: &distmind_models::Manifest, tr: &distmind_runtime::pipeline::MergedTrace) {
+    let f = |d: Option<Duration>| d.map_or("-".to_string(), |d| format!("{:.1}", ms(d)));
+    println!(
+        "    group  in host  uploaded  gate open  first layer  last layer end (ms since start)"
+    );
+    for g in &m.groups {
+        let first = tr.layer_start(g.first_layer);
+        let last_end = tr.time_of(distmind_runtime::pipeline::PipelineEvent::Exec(
+            distmind_runtime::exec::TraceEvent::LayerEnd {
+                layer: g.last_layer,
+            },
+        ));
+        println!(
+            "    {:>5} {:>8} {:>9} {:>10} {:>12} {:>14}",
+            g.index,
+            f(tr.host_ready(g.index)),
+            f(tr.uploaded(g.index)),
+            f(tr.gate_opened(g.index)),
+            f(first),
+            f(last_end)
+        );
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// A seeded input of the manifest's shape with batch `batch`: images in
+/// U(-1, 1), token ids in [0, vocab).
+fn input_for(pkg: &Package, batch: usize) -> HostTensor {
+    let spec = &pkg.manifest.inputs[0];
+    let mut shape = spec.shape.clone();
+    shape[0] = batch;
+    let n: usize = shape.iter().product();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    match spec.dtype {
+        Dtype::I64 => {
+            let vocab = pkg
+                .manifest
+                .params
+                .iter()
+                .find(|p| p.name.ends_with("word_embeddings.weight") || p.name == "wte.weight")
+                .map(|p| p.shape[0] as i64)
+                .unwrap_or(2);
+            HostTensor::i64(shape, (0..n).map(|_| rng.gen_range(0..vocab)).collect())
+        }
+        _ => HostTensor::f32(shape, (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect()),
+    }
+}
+
+fn tempfile_dir() -> anyhow::Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("distmind-coldstart-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(dir)
+}
