@@ -44,6 +44,48 @@ enum Command {
     Bench(BenchCommand),
     /// Run one package on one .npy input in this process (a numerical check, no cluster).
     Infer(InferCmd),
+    /// Run a GPU server: pulls models from the memory servers on demand and serves inference requests.
+    Runtime(RuntimeCmd),
+}
+
+#[derive(Args)]
+struct RuntimeCmd {
+    /// Settings directory (cluster.key, config.sh, storage_list.txt for the controller's address).
+    #[arg(long, default_value = "settings")]
+    settings: PathBuf,
+    /// Address for requests (default: 127.0.0.1:GLOBAL_CAHCE_PORT_FOR_SERVER of config.sh).
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// Devices to serve, one worker each, e.g. 0,1 (default: config.sh's GPUs).
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<u32>,
+    /// cpu (real numbers), sim (times from a GPU profile, zero outputs) or cuda.
+    #[arg(long, default_value = "cpu")]
+    executor: distmind_runtime::exec::ExecutorKind,
+    /// GPU profile for the sim executor.
+    #[arg(long, default_value = distmind_runtime::profile::SHIPPED_ESTIMATED_PATH)]
+    profile: PathBuf,
+    /// Host cache size, shared by the devices (e.g. 4GiB, 64MiB).
+    #[arg(long, default_value = "4GiB", value_parser = parse_size)]
+    cache: u64,
+    /// Parameter memory per device (default: the host cache size).
+    #[arg(long, value_parser = parse_size)]
+    device_memory: Option<u64>,
+    /// Controller metadata address (default: first line of storage_list.txt).
+    #[arg(long)]
+    controller: Option<String>,
+    /// Address to register with the controller, if not the listening one.
+    #[arg(long)]
+    advertise: Option<String>,
+    /// Limit this server's reads from memory servers to this many Gbit/s (models its NIC).
+    #[arg(long)]
+    rate_limit_gbps: Option<f64>,
+    /// Most simultaneous connections; more are refused.
+    #[arg(long, default_value_t = distmind_runtime::server::CONNECTIONS_MAX_DEFAULT)]
+    max_connections: usize,
+    /// Requests waiting per device; more are answered Busy.
+    #[arg(long, default_value_t = distmind_runtime::server::QUEUE_DEPTH_MAX_DEFAULT)]
+    queue_depth: usize,
 }
 
 #[derive(Args)]
@@ -176,9 +218,11 @@ fn executor(
             let p = distmind_runtime::profile::Profile::load(profile)?;
             Ok(Box::new(SimExecutor::new(p)))
         }
-        ExecutorKind::Cuda => anyhow::bail!(
-            "the cuda executor is not built into this binary yet; use --executor cpu, or sim with a GPU profile"
-        ),
+        // Without the `cuda` feature this returns a clear "rebuild with
+        // --features cuda" error; without a driver, one naming libcuda.
+        ExecutorKind::Cuda => Ok(Box::new(distmind_runtime::exec::cuda::CudaExecutor::new(
+            0,
+        )?)),
     }
 }
 
@@ -268,6 +312,22 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Coldstart(a)) => {
             let exec = executor(a.executor, &a.profile)?;
             bench::coldstart::run(&a, exec.as_ref())
+        }
+        Command::Runtime(r) => {
+            let exec = executor(r.executor, &r.profile)?;
+            services::run_runtime(services::RuntimeArgs {
+                settings: &r.settings,
+                listen: r.listen,
+                devices: r.devices,
+                executor: std::sync::Arc::from(exec),
+                cache_bytes: r.cache,
+                device_bytes: r.device_memory,
+                controller: r.controller,
+                advertise: r.advertise,
+                rate_limit_gbps: r.rate_limit_gbps,
+                max_connections: r.max_connections,
+                queue_depth: r.queue_depth,
+            })
         }
         Command::Infer(i) => {
             let exec = executor(i.executor, &i.profile)?;

@@ -102,3 +102,63 @@ pub fn run_controller(args: ControllerArgs<'_>) -> anyhow::Result<()> {
         anyhow::Ok(())
     })
 }
+
+pub struct RuntimeArgs<'a> {
+    pub settings: &'a Path,
+    /// Default: 127.0.0.1:<GLOBAL_CAHCE_PORT_FOR_SERVER of config.sh>.
+    pub listen: Option<SocketAddr>,
+    /// Default: the GPUs of config.sh (the first WORLD_SIZE of GPU_LIST).
+    pub devices: Vec<u32>,
+    pub executor: std::sync::Arc<dyn distmind_runtime::exec::Executor>,
+    pub cache_bytes: u64,
+    /// Default: the host cache size.
+    pub device_bytes: Option<u64>,
+    pub controller: Option<String>,
+    pub advertise: Option<String>,
+    pub rate_limit_gbps: Option<f64>,
+    pub max_connections: usize,
+    pub queue_depth: usize,
+}
+
+/// `distmind runtime`: the GPU server's request port.
+pub fn run_runtime(args: RuntimeArgs<'_>) -> anyhow::Result<()> {
+    let settings = load_settings(args.settings)?;
+    let listen = args.listen.unwrap_or_else(|| {
+        SocketAddr::from(([127, 0, 0, 1], settings.config.cache_port_for_server))
+    });
+    let controller = args
+        .controller
+        .unwrap_or_else(|| settings.metadata_endpoint().to_string());
+    let mut config = distmind_runtime::server::RuntimeConfig::new(
+        listen,
+        cluster_key(&settings),
+        controller,
+        args.executor,
+    );
+    config.devices = if args.devices.is_empty() {
+        settings.config.gpus().to_vec()
+    } else {
+        args.devices
+    };
+    if config.devices.is_empty() {
+        config.devices = vec![0];
+    }
+    config.cache_bytes = args.cache_bytes;
+    config.device_bytes = args.device_bytes.unwrap_or(args.cache_bytes);
+    if let Some(g) = args.rate_limit_gbps {
+        anyhow::ensure!(
+            g.is_finite() && g > 0.0,
+            "--rate-limit-gbps must be a positive number of Gbit/s, got {g}"
+        );
+        config.rate_limit_bytes_per_s = Some((g * 1e9 / 8.0).max(1.0) as u64);
+    }
+    config.advertise = args.advertise;
+    config.max_connections = args.max_connections;
+    config.queue_depth_max = args.queue_depth;
+    runtime()?.block_on(async move {
+        let server = distmind_runtime::server::RuntimeServer::bind(config).await?;
+        println!("runtime listening on {}", server.local_addr());
+        server.serve(shutdown_signal()).await?;
+        anyhow::Ok(())
+    })
+}

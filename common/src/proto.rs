@@ -16,6 +16,8 @@ pub enum ErrorCode {
     Full,
     ChecksumMismatch,
     Busy,
+    /// The request's deadline passed before it could be served.
+    DeadlineExceeded,
     ShuttingDown,
     Internal,
 }
@@ -174,6 +176,23 @@ pub enum ControllerRequest {
         name: String,
     },
     ListModels,
+    /// A GPU server (runtime) announces itself: its request address, how
+    /// many devices it serves and with which executor. `boot_id` changes on
+    /// every start. Replies `RuntimeRegistered`.
+    RegisterRuntime {
+        addr: String,
+        devices: u32,
+        executor: String,
+        boot_id: u64,
+    },
+    /// A runtime's periodic liveness report; `queued` is the requests waiting
+    /// in its device queues (for the dispatcher). Replies `HeartbeatOk`.
+    RuntimeHeartbeat {
+        runtime: u32,
+        boot_id: u64,
+        queued: u64,
+    },
+    ListRuntimes,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -199,7 +218,191 @@ pub enum ControllerReply {
     Models {
         models: Vec<ModelSummary>,
     },
+    RuntimeRegistered {
+        runtime: u32,
+        heartbeat_interval_ms: u64,
+    },
+    Runtimes {
+        runtimes: Vec<RuntimeInfo>,
+    },
     Error(ErrorReply),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RuntimeInfo {
+    pub id: u32,
+    pub addr: String,
+    pub devices: u32,
+    pub executor: String,
+    /// Requests waiting in its device queues at the last heartbeat.
+    pub queued: u64,
+    pub alive: bool,
+    pub last_heartbeat_ms_ago: u64,
+}
+
+// ---------------------------------------------------------------------------
+// The runtime's (GPU server's) request port.
+//
+// A request is one message frame ([`RuntimeRequest`]); `Infer` is followed
+// by exactly one write-chunk frame whose whole payload is the input tensor
+// as `.npy` bytes (bounded by `limits::CONTROL_FRAME_BYTES_MAX`). Requests
+// are pipelined: a client may send many before reading, and replies carry
+// the request's `id` and may come back in any order. An `Output` reply
+// message is followed by one write-chunk frame per output (`.npy` bytes), in
+// the order of `outputs`; every other reply is the message alone.
+// ---------------------------------------------------------------------------
+
+/// Most trace entries one `Output` reply carries; a longer trace is cut at
+/// the end and `trace_truncated` is set.
+pub const TRACE_ENTRIES_MAX: usize = 16384;
+
+/// Most outputs one model may return in a reply.
+pub const RUNTIME_OUTPUTS_MAX: usize = 64;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum RuntimeRequest {
+    /// Runs `model` on the input frame that follows. `deadline_ms`: give up
+    /// (an error reply) when the request waited this long in the queue.
+    /// `trace`: return the request's pipeline trace with the outputs.
+    Infer {
+        id: u64,
+        model: String,
+        #[serde(default)]
+        deadline_ms: Option<u64>,
+        #[serde(default)]
+        trace: bool,
+    },
+    /// Host cache and per-device counters.
+    Stats { id: u64 },
+    /// Cache-out: drops `model` from the host cache and from every device
+    /// (freed once the requests using it finish).
+    Evict { id: u64, model: String },
+}
+
+/// Which stages a request went through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ServePath {
+    /// Fetched from the memory servers, uploaded, run.
+    Cold,
+    /// Found in the host cache: uploaded, run.
+    HostCached,
+    /// Resident on the device: run.
+    DeviceResident,
+}
+
+/// A request's timing breakdown. Stage spans overlap in a pipelined run, so
+/// they do not add up to `total_ms`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TimingMsg {
+    /// Arrival at the server to the start of the pipeline.
+    pub queue_ms: f64,
+    pub fetch_ms: f64,
+    pub h2d_ms: f64,
+    pub compute_ms: f64,
+    /// Arrival to outputs.
+    pub total_ms: f64,
+    pub path: ServePath,
+    /// Outputs are not computed (`sim` executor: zeros).
+    pub simulated: bool,
+    /// The device that ran it.
+    pub device: u32,
+    /// Bytes this request read from memory servers.
+    pub fetched_bytes: u64,
+}
+
+/// One event of a request's pipeline, `at_ms` after the pipeline started.
+/// `event` is one of `host_ready`, `upload_start`, `uploaded`, `gate_opened`
+/// (`index`: the group), `layer_start`, `layer_end` (`index`: the layer),
+/// `group_ready` (the program's own gate event; `index`: the group),
+/// `compute_start`, `compute_end`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TraceEntry {
+    pub at_ms: f64,
+    pub event: String,
+    #[serde(default)]
+    pub index: Option<u64>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostCacheStats {
+    pub capacity_bytes: u64,
+    pub used_bytes: u64,
+    pub models: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub evictions: u64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceStats {
+    pub device: u32,
+    /// Requests waiting or running on this device.
+    pub queued: u64,
+    pub served: u64,
+    pub capacity_bytes: u64,
+    pub used_bytes: u64,
+    pub models: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub evictions: u64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RuntimeStats {
+    pub executor: String,
+    pub cache: HostCacheStats,
+    pub devices: Vec<DeviceStats>,
+    pub connections: u64,
+    /// Requests answered with outputs.
+    pub served: u64,
+    /// Requests answered with an error.
+    pub errors: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "reply", rename_all = "snake_case")]
+pub enum RuntimeReply {
+    /// Followed by one write-chunk frame per name in `outputs`.
+    Output {
+        id: u64,
+        timing: TimingMsg,
+        outputs: Vec<String>,
+        /// Present when the request asked for it.
+        #[serde(default)]
+        trace: Option<Vec<TraceEntry>>,
+        #[serde(default)]
+        trace_truncated: bool,
+    },
+    Stats {
+        id: u64,
+        stats: RuntimeStats,
+    },
+    /// `host_cache`: it was in the host cache; `devices`: how many devices
+    /// held it.
+    Evicted {
+        id: u64,
+        model: String,
+        host_cache: bool,
+        devices: u32,
+    },
+    /// `id` is 0 when the request was too malformed to carry one.
+    Error {
+        id: u64,
+        error: ErrorReply,
+    },
+}
+
+impl RuntimeReply {
+    pub fn id(&self) -> u64 {
+        match self {
+            RuntimeReply::Output { id, .. }
+            | RuntimeReply::Stats { id, .. }
+            | RuntimeReply::Evicted { id, .. }
+            | RuntimeReply::Error { id, .. } => *id,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -218,5 +421,25 @@ mod tests {
         let e = ControllerReply::Error(ErrorReply::new(ErrorCode::UnknownModel, "no model x"));
         let s = serde_json::to_string(&e).unwrap();
         assert_eq!(serde_json::from_str::<ControllerReply>(&s).unwrap(), e);
+        let r = RuntimeRequest::Infer {
+            id: 3,
+            model: "m".into(),
+            deadline_ms: None,
+            trace: false,
+        };
+        let s = serde_json::to_string(&r).unwrap();
+        assert_eq!(serde_json::from_str::<RuntimeRequest>(&s).unwrap(), r);
+        // Optional fields may be left out.
+        assert_eq!(
+            serde_json::from_str::<RuntimeRequest>(r#"{"op":"infer","id":3,"model":"m"}"#).unwrap(),
+            r
+        );
+        let e = RuntimeReply::Error {
+            id: 9,
+            error: ErrorReply::new(ErrorCode::Busy, "queue full"),
+        };
+        let s = serde_json::to_string(&e).unwrap();
+        assert_eq!(serde_json::from_str::<RuntimeReply>(&s).unwrap(), e);
+        assert_eq!(e.id(), 9);
     }
 }

@@ -14,7 +14,7 @@ use distmind_common::handshake::{self, ClusterKey, HandshakeError};
 use distmind_common::limits::CONTROL_FRAME_BYTES_MAX;
 use distmind_common::proto::{
     ControllerReply, ControllerRequest, ErrorCode, ErrorReply, MemserverInfo, ModelEntry,
-    ModelSummary,
+    ModelSummary, RuntimeInfo,
 };
 use distmind_common::wire::{self, FrameHeader, FrameKind, Role, WireError};
 
@@ -259,6 +259,53 @@ impl ControllerClient {
         match self.request(&ControllerRequest::ListModels)? {
             ControllerReply::Models { models } => Ok(models),
             r => Err(self.unexpected("ListModels", r)),
+        }
+    }
+
+    /// Registers a GPU server (runtime); returns its id and the heartbeat interval.
+    pub fn register_runtime(
+        &mut self,
+        addr: &str,
+        devices: u32,
+        executor: &str,
+        boot_id: u64,
+    ) -> Result<(u32, Duration), ClientError> {
+        let req = ControllerRequest::RegisterRuntime {
+            addr: addr.to_string(),
+            devices,
+            executor: executor.to_string(),
+            boot_id,
+        };
+        match self.request(&req)? {
+            ControllerReply::RuntimeRegistered {
+                runtime,
+                heartbeat_interval_ms,
+            } => Ok((runtime, Duration::from_millis(heartbeat_interval_ms))),
+            r => Err(self.unexpected("RegisterRuntime", r)),
+        }
+    }
+
+    pub fn runtime_heartbeat(
+        &mut self,
+        runtime: u32,
+        boot_id: u64,
+        queued: u64,
+    ) -> Result<(), ClientError> {
+        match self.request(&ControllerRequest::RuntimeHeartbeat {
+            runtime,
+            boot_id,
+            queued,
+        })? {
+            ControllerReply::HeartbeatOk => Ok(()),
+            r => Err(self.unexpected("RuntimeHeartbeat", r)),
+        }
+    }
+
+    /// Every registered GPU server, by id.
+    pub fn list_runtimes(&mut self) -> Result<Vec<RuntimeInfo>, ClientError> {
+        match self.request(&ControllerRequest::ListRuntimes)? {
+            ControllerReply::Runtimes { runtimes } => Ok(runtimes),
+            r => Err(self.unexpected("ListRuntimes", r)),
         }
     }
 }

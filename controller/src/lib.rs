@@ -8,6 +8,7 @@
 //! Code map:
 //! * [`catalog`]: model name -> [`ModelEntry`](distmind_common::proto::ModelEntry), validated on put.
 //! * [`registry`]: memory servers, their boot ids and heartbeats; time is passed in.
+//! * [`runtimes`]: GPU servers (runtimes), same heartbeat rules; nothing routes to them yet.
 //! * [`state`]: catalog + registry, one request applied at a time (no IO).
 //! * [`placement`]: how a model's groups are sharded over memory servers (pure).
 //! * [`server`]: the tokio listener, connection handling and expiry task.
@@ -23,6 +24,7 @@ pub mod catalog;
 pub mod client;
 pub mod placement;
 pub mod registry;
+pub mod runtimes;
 pub mod server;
 pub mod state;
 

@@ -12,6 +12,7 @@ use distmind_common::proto::{ControllerReply, ControllerRequest, ErrorReply, Mod
 
 use crate::catalog::Catalog;
 use crate::registry::{Registration, Registry};
+use crate::runtimes::RuntimeRegistry;
 
 /// A reply whose model entries are still shared with the catalog.
 #[derive(Debug)]
@@ -47,6 +48,7 @@ impl From<ErrorReply> for Outcome {
 pub struct ControllerState {
     catalog: Catalog,
     registry: Registry,
+    runtimes: RuntimeRegistry,
 }
 
 impl ControllerState {
@@ -54,6 +56,7 @@ impl ControllerState {
         ControllerState {
             catalog: Catalog::new(),
             registry: Registry::new(heartbeat_interval),
+            runtimes: RuntimeRegistry::new(heartbeat_interval),
         }
     }
 
@@ -63,6 +66,11 @@ impl ControllerState {
 
     pub fn registry(&self) -> &Registry {
         &self.registry
+    }
+
+    /// The GPU servers (runtimes).
+    pub fn runtimes(&self) -> &RuntimeRegistry {
+        &self.runtimes
     }
 
     /// Serves one request at time `now`.
@@ -137,6 +145,56 @@ impl ControllerState {
             ControllerRequest::ListModels => Outcome::Reply(ControllerReply::Models {
                 models: self.catalog.list(),
             }),
+            ControllerRequest::RegisterRuntime {
+                addr,
+                devices,
+                executor,
+                boot_id,
+            } => match self
+                .runtimes
+                .register(&addr, devices, &executor, boot_id, now)
+            {
+                Ok(reg) => {
+                    let id = reg.id();
+                    match reg {
+                        Registration::New { .. } => log::info!(
+                            "runtime {id} registered at {addr}: {devices} devices, executor {executor}"
+                        ),
+                        Registration::Again { .. } => {
+                            log::info!("runtime {id} ({addr}) registered again")
+                        }
+                        Registration::Restarted { old_boot_id, .. } => log::warn!(
+                            "runtime {id} ({addr}) restarted (boot id {old_boot_id:#x} -> {boot_id:#x}): \
+                             its caches are empty"
+                        ),
+                    }
+                    Outcome::Reply(ControllerReply::RuntimeRegistered {
+                        runtime: id,
+                        heartbeat_interval_ms: self.runtimes.heartbeat_interval().as_millis()
+                            as u64,
+                    })
+                }
+                Err(e) => e.into(),
+            },
+            ControllerRequest::RuntimeHeartbeat {
+                runtime,
+                boot_id,
+                queued,
+            } => match self.runtimes.heartbeat(runtime, boot_id, queued, now) {
+                Ok(came_back) => {
+                    if came_back {
+                        log::warn!(
+                            "runtime {runtime} ({}) is alive again",
+                            self.runtimes.addr(runtime).unwrap_or("?")
+                        );
+                    }
+                    Outcome::Reply(ControllerReply::HeartbeatOk)
+                }
+                Err(e) => e.into(),
+            },
+            ControllerRequest::ListRuntimes => Outcome::Reply(ControllerReply::Runtimes {
+                runtimes: self.runtimes.list(now),
+            }),
         }
     }
 
@@ -183,6 +241,12 @@ impl ControllerState {
             log::warn!(
                 "memory server {id} ({addr}) is dead: no heartbeat for more than {:?}",
                 self.registry.dead_after()
+            );
+        }
+        for (id, addr) in self.runtimes.expire(now) {
+            log::warn!(
+                "runtime {id} ({addr}) is dead: no heartbeat for more than {:?}",
+                self.runtimes.dead_after()
             );
         }
         died.into_iter().map(|(id, _)| id).collect()
@@ -302,6 +366,70 @@ mod tests {
                 assert!(memservers[0].alive);
                 assert_eq!(memservers[0].used_bytes, 9);
             }
+            r => panic!("{r:?}"),
+        }
+    }
+
+    #[test]
+    fn runtimes_register_heartbeat_expire_and_list() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut s = ControllerState::new(ms(100));
+        let req = ControllerRequest::RegisterRuntime {
+            addr: "127.0.0.1:10009".into(),
+            devices: 2,
+            executor: "cpu".into(),
+            boot_id: 4,
+        };
+        let id = match reply(&mut s, req, t0) {
+            ControllerReply::RuntimeRegistered {
+                runtime,
+                heartbeat_interval_ms,
+            } => {
+                assert_eq!(heartbeat_interval_ms, 100);
+                runtime
+            }
+            r => panic!("{r:?}"),
+        };
+        let hb = |queued| ControllerRequest::RuntimeHeartbeat {
+            runtime: id,
+            boot_id: 4,
+            queued,
+        };
+        assert_eq!(
+            reply(&mut s, hb(3), t0 + ms(50)),
+            ControllerReply::HeartbeatOk
+        );
+        s.expire(t0 + ms(351));
+        let list = |s: &mut ControllerState, at| match reply(s, ControllerRequest::ListRuntimes, at)
+        {
+            ControllerReply::Runtimes { runtimes } => runtimes,
+            r => panic!("{r:?}"),
+        };
+        let l = list(&mut s, t0 + ms(351));
+        assert_eq!(l.len(), 1);
+        assert!(!l[0].alive, "3 missed intervals");
+        assert_eq!((l[0].devices, l[0].queued), (2, 3));
+        assert_eq!(
+            reply(&mut s, hb(0), t0 + ms(400)),
+            ControllerReply::HeartbeatOk
+        );
+        assert!(
+            list(&mut s, t0 + ms(400))[0].alive,
+            "back after a heartbeat"
+        );
+        // Memory servers and runtimes are separate registries.
+        match reply(&mut s, ControllerRequest::ListMemservers, t0) {
+            ControllerReply::Memservers { memservers } => assert!(memservers.is_empty()),
+            r => panic!("{r:?}"),
+        }
+        let stale = ControllerRequest::RuntimeHeartbeat {
+            runtime: id,
+            boot_id: 5,
+            queued: 0,
+        };
+        match reply(&mut s, stale, t0 + ms(400)) {
+            ControllerReply::Error(e) => assert_eq!(e.code, ErrorCode::BadRequest),
             r => panic!("{r:?}"),
         }
     }

@@ -5,6 +5,7 @@
 #![deny(unsafe_code)]
 
 pub mod cache;
+pub mod client;
 pub mod device;
 pub mod exec;
 pub mod fetch;
@@ -12,4 +13,6 @@ pub mod infer;
 pub mod npy;
 pub mod pipeline;
 pub mod profile;
+pub mod server;
+pub mod train;
 pub use fetch::{fetch_model, Destination, FetchError, FetchOptions, FetchReport, Peers};

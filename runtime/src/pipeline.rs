@@ -297,13 +297,23 @@ pub enum PipelineError {
     Cache(#[from] CacheError),
     #[error(transparent)]
     Device(#[from] DeviceError),
-    #[error("model {model}: {source}")]
+    #[error("{}", name_model(model, error))]
     Exec {
         model: String,
-        source: Box<ExecError>,
+        error: Box<ExecError>,
     },
     #[error("model {model}: the {stage} thread panicked")]
     Panicked { model: String, stage: &'static str },
+}
+
+/// An executor error, prefixed with the model unless it names it already.
+fn name_model(model: &str, error: &ExecError) -> String {
+    let text = error.to_string();
+    if text.contains(model) {
+        text
+    } else {
+        format!("model {model}: {text}")
+    }
 }
 
 /// Outputs, timing breakdown and trace of one request.
@@ -374,9 +384,9 @@ fn serve(
     let sizes = group_layout(req.entry, manifest)?;
     let groups = sizes.len();
     let arena_bytes: u64 = sizes.iter().sum();
-    let exec_err = |source: ExecError| PipelineError::Exec {
+    let exec_err = |error: ExecError| PipelineError::Exec {
         model: model.into(),
-        source: Box::new(source),
+        error: Box::new(error),
     };
 
     let executor = stages.executor;
@@ -619,7 +629,7 @@ fn upload_groups(
             gates.fail_pending(&format!("upload of group {g} failed: {e}"));
             return Err(PipelineError::Exec {
                 model: model.into(),
-                source: Box::new(e),
+                error: Box::new(e),
             });
         }
         // Timed before the gate opens, so Uploaded{g} <= GateOpened{g}.

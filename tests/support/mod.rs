@@ -184,3 +184,44 @@ pub fn used_bytes(memserver: &str) -> u64 {
     .unwrap();
     c.stats().unwrap().used_bytes
 }
+
+/// Starts `distmind runtime` on an ephemeral port with `--executor cpu`,
+/// registered with `controller`; `extra` adds flags (e.g. `--cache 64MiB`).
+pub fn spawn_runtime(controller: &str, extra: &[&str]) -> Proc {
+    let s = settings_dir();
+    let mut args = vec![
+        "runtime",
+        "--settings",
+        s.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+        "--controller",
+        controller,
+        "--executor",
+        "cpu",
+    ];
+    args.extend_from_slice(extra);
+    spawn_service(&args)
+}
+
+/// Polls the controller until the runtime at `addr` is registered and alive.
+pub fn wait_runtime_alive(controller: &str, addr: &str) -> distmind_common::proto::RuntimeInfo {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut c = ControllerClient::connect(controller, &cluster_key(), Duration::from_secs(5))
+        .expect("controller reachable");
+    loop {
+        let found = c
+            .list_runtimes()
+            .expect("list runtimes")
+            .into_iter()
+            .find(|r| r.addr == addr && r.alive);
+        if let Some(r) = found {
+            return r;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "runtime {addr} not alive at the controller after 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -13,6 +13,7 @@
 //! later groups are still on their way.
 
 pub mod cpu;
+pub mod cuda;
 pub mod sim;
 
 use std::sync::Arc;

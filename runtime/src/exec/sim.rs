@@ -174,6 +174,7 @@ impl Executor for SimExecutor {
         }
         Ok(Box::new(SimProgram {
             model: manifest.name.clone(),
+            batch,
             layers,
             gated: vec![false; manifest.groups.len()],
             inputs: manifest.inputs.clone(),
@@ -225,6 +226,9 @@ struct SimLayer {
 /// A model's layer times against a [`SimArena`].
 pub struct SimProgram {
     model: String,
+    /// The batch the layer times are for; a request of batch b takes
+    /// b / batch of them (linear in batch, as the profile's own fallback).
+    batch: usize,
     layers: Vec<SimLayer>,
     /// Per group: gated in this run (reset at the start of each run).
     gated: Vec<bool>,
@@ -235,27 +239,36 @@ pub struct SimProgram {
 }
 
 impl SimProgram {
-    fn check_inputs(&self, inputs: &[HostTensor]) -> Result<(), ExecError> {
+    /// Checks the inputs against the manifest; like the cpu executor, only
+    /// the batch dimension (0) may differ. Returns the request's batch.
+    fn check_inputs(&self, inputs: &[HostTensor]) -> Result<usize, ExecError> {
         let bad = |index: usize, got: String, want: String| ExecError::BadInput {
             model: self.model.clone(),
             index,
             got,
             want,
         };
+        let mut batch = self.batch;
         for (i, spec) in self.inputs.iter().enumerate() {
-            let want = format!("{} {:?}", dtype_name(spec.dtype), spec.shape);
+            let want = format!(
+                "{} {:?} (any batch size >= 1 in dimension 0)",
+                dtype_name(spec.dtype),
+                spec.shape
+            );
             let t = inputs
                 .get(i)
                 .ok_or_else(|| bad(i, "missing".into(), want.clone()))?;
-            if t.shape != spec.shape || t.dtype_name() != dtype_name(spec.dtype) {
+            let same_rest = t.shape.len() == spec.shape.len() && t.shape[1..] == spec.shape[1..];
+            if !same_rest || t.shape[0] == 0 || t.dtype_name() != dtype_name(spec.dtype) {
                 return Err(bad(i, t.describe(), want));
             }
+            batch = t.shape[0];
         }
         if inputs.len() > self.inputs.len() {
             let i = self.inputs.len();
             return Err(bad(i, inputs[i].describe(), "no input".into()));
         }
-        Ok(())
+        Ok(batch)
     }
 }
 
@@ -273,7 +286,8 @@ impl Program for SimProgram {
         gate: &mut dyn FnMut(usize) -> Result<(), ExecError>,
         trace: &mut Trace,
     ) -> Result<Vec<HostTensor>, ExecError> {
-        self.check_inputs(inputs)?;
+        let batch = self.check_inputs(inputs)?;
+        let factor = batch as f64 / self.batch as f64;
         self.gated.fill(false);
         trace.reserve(2 * self.layers.len() + self.gated.len());
         let start = Instant::now();
@@ -298,7 +312,7 @@ impl Program for SimProgram {
                 }
             }
             trace.push((due, TraceEvent::LayerStart { layer: i }));
-            due += layer.time;
+            due += layer.time.mul_f64(factor);
             trace.push((due, TraceEvent::LayerEnd { layer: i }));
             let now = start.elapsed();
             if due > now + SLEEP_DEBT_MIN {
@@ -313,10 +327,14 @@ impl Program for SimProgram {
             .outputs
             .iter()
             .map(|o| {
-                let n = o.shape.iter().product();
+                let mut shape = o.shape.clone();
+                if let Some(n) = shape.first_mut() {
+                    *n = batch;
+                }
+                let n = shape.iter().product();
                 match o.dtype {
-                    Dtype::F32 => HostTensor::f32(o.shape.clone(), vec![0.0; n]),
-                    Dtype::I64 => HostTensor::i64(o.shape.clone(), vec![0; n]),
+                    Dtype::F32 => HostTensor::f32(shape, vec![0.0; n]),
+                    Dtype::I64 => HostTensor::i64(shape, vec![0; n]),
                 }
             })
             .collect())

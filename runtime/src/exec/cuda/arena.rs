@@ -1,0 +1,104 @@
+//! [`CudaArena`]: one model's parameters in device memory, one allocation,
+//! with one event per group that the compute stream waits on.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::CudaEvent;
+
+use super::driver::{cuda_err, ArenaMemory, Gpu};
+use crate::exec::{Arena, ExecError};
+
+/// One `cuMemAlloc` of the model's packed bytes. `upload` enqueues
+/// `cuMemcpyHtoDAsync` on the copy stream and records the group's event.
+///
+/// The host bytes passed to `upload` must stay unchanged until the copy
+/// completed when they are pinned (the host cache's are, through
+/// [`super::pin_hook`], and it keeps them while the model is cached); from
+/// pageable memory the driver has staged them when `upload` returns.
+pub struct CudaArena {
+    mem: ArenaMemory,
+    gpu: Arc<Gpu>,
+    /// Per group: the event recorded after its last upload, created on the
+    /// group's first upload.
+    events: Mutex<Vec<Option<Arc<CudaEvent>>>>,
+}
+
+impl std::fmt::Debug for CudaArena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaArena")
+            .field("bytes", &self.mem.len())
+            .field("gpu", &self.gpu)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CudaArena {
+    pub(super) fn new(gpu: &Arc<Gpu>, bytes: u64) -> Result<Self, ExecError> {
+        let alloc_err = |why: String| ExecError::Alloc { bytes, why };
+        let len = usize::try_from(bytes)
+            .map_err(|_| alloc_err("larger than the address space".into()))?;
+        let mem = ArenaMemory::new(gpu, len).map_err(alloc_err)?;
+        Ok(CudaArena {
+            mem,
+            gpu: gpu.clone(),
+            events: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Device address of byte `offset`.
+    pub(super) fn device_ptr(&self, offset: u64) -> u64 {
+        self.mem.ptr() + offset
+    }
+
+    /// The event behind group `group`'s last upload, if it was uploaded.
+    pub(super) fn group_event(&self, group: usize) -> Option<Arc<CudaEvent>> {
+        let events = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        events.get(group).cloned().flatten()
+    }
+
+    pub(super) fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+}
+
+impl Arena for CudaArena {
+    fn len(&self) -> u64 {
+        self.mem.len() as u64
+    }
+
+    fn upload(&self, group: usize, offset: u64, bytes: &[u8]) -> Result<(), ExecError> {
+        let arena = self.len();
+        let len = bytes.len() as u64;
+        match offset.checked_add(len) {
+            Some(end) if end <= arena => {}
+            _ => return Err(ExecError::UploadOutOfRange { offset, len, arena }),
+        }
+        let gate_err = |why: String| ExecError::Gate { group, why };
+        self.gpu.bind().map_err(gate_err)?;
+        // Hold the lock across copy + record so that the event a program
+        // waits on is always recorded after this group's copy.
+        let mut events = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        if events.len() <= group {
+            events.resize(group + 1, None);
+        }
+        let event = match &events[group] {
+            Some(e) => e.clone(),
+            None => {
+                let e = self
+                    .gpu
+                    .ctx
+                    .new_event(None)
+                    .map_err(|e| gate_err(cuda_err("cuEventCreate", e)))?;
+                let e = Arc::new(e);
+                events[group] = Some(e.clone());
+                e
+            }
+        };
+        self.gpu
+            .htod_async(self.device_ptr(offset), bytes, &self.gpu.copy)
+            .map_err(gate_err)?;
+        event
+            .record(&self.gpu.copy)
+            .map_err(|e| gate_err(cuda_err("cuEventRecord", e)))
+    }
+}

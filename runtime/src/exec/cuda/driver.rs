@@ -1,0 +1,651 @@
+//! The FFI wrapper of the `cuda` executor: every `unsafe` call of the module
+//! lives here. cudarc's safe types own the context, streams, events and
+//! modules; this file adds what they do not cover the way the executor needs
+//! it: raw device buffers (one arena allocation, stream-ordered activations),
+//! kernel launches with plain scalar arguments, cuBLAS GEMMs on raw
+//! pointers, host-memory pinning and the H2D bandwidth probe.
+#![allow(unsafe_code)]
+
+use std::ffi::c_void;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
+
+use cudarc::cublas::{result as blas, sys as blas_sys};
+use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaStream};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+
+use super::kernels::{KERNEL_NAMES, KERNEL_SOURCE};
+use super::H2dBandwidth;
+use crate::cache::PinHook;
+use crate::exec::{ExecError, ExecutorKind};
+
+/// Threads per block of the element-wise (grid-stride) kernels.
+pub(super) const BLOCK_THREADS: u32 = 256;
+/// Most blocks of a grid-stride launch: enough to fill an H200 many times.
+pub(super) const GRID_BLOCKS_MAX: u64 = 1 << 16;
+
+pub(super) fn unavailable(why: String) -> ExecError {
+    ExecError::Unavailable {
+        executor: ExecutorKind::Cuda,
+        why,
+    }
+}
+
+/// A driver, NVRTC or cuBLAS failure as text for an error message.
+pub(super) fn cuda_err(what: &str, e: impl std::fmt::Display) -> String {
+    format!("{what}: {e}")
+}
+
+/// Checks that the shared libraries cudarc loads lazily are present, so that
+/// a machine without them gets an error naming them instead of a panic.
+/// A library cudarc loads: its short name, what it is, where it comes from,
+/// and cudarc's probe.
+type LibraryCheck = (
+    &'static str,
+    &'static str,
+    &'static str,
+    unsafe fn() -> bool,
+);
+
+fn check_libraries() -> Result<(), ExecError> {
+    let checks: [LibraryCheck; 3] = [
+        (
+            "cuda",
+            "the NVIDIA driver library (libcuda)",
+            "is this a GPU machine with the NVIDIA driver installed?",
+            cudarc::driver::sys::is_culib_present,
+        ),
+        (
+            "nvrtc",
+            "the CUDA runtime compiler (libnvrtc)",
+            "it comes with the CUDA toolkit (13.x)",
+            cudarc::nvrtc::sys::is_culib_present,
+        ),
+        (
+            "cublas",
+            "cuBLAS (libcublas)",
+            "it comes with the CUDA toolkit (13.x)",
+            cudarc::cublas::sys::is_culib_present,
+        ),
+    ];
+    for (lib, what, hint, present) in checks {
+        // SAFETY: only tries `dlopen` on the candidate names (libloading);
+        // loading a library runs its initialisers, which for these libraries
+        // have no preconditions.
+        if !unsafe { present() } {
+            let mut tried = cudarc::get_lib_name_candidates(lib);
+            tried.dedup();
+            let mut seen = std::collections::HashSet::new();
+            tried.retain(|n| seen.insert(n.clone()));
+            return Err(unavailable(format!(
+                "cannot load {what}: looked for {tried:?} on the loader path; {hint} \
+                 Install it or point LD_LIBRARY_PATH at its directory"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A kernel of [`KERNEL_NAMES`], by position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kernel {
+    Relu,
+    Tanh,
+    GeluErf,
+    GeluTanh,
+    Add,
+    BiasAdd,
+    BnFold,
+    BatchNorm,
+    Im2col,
+    MaxPool2d,
+    AvgPool2d,
+    AdaptiveAvgPool2d,
+    ConcatCopy,
+    Select,
+    Embedding,
+    LayerNorm,
+    SoftmaxRows,
+    SplitHeads,
+    MergeHeads,
+}
+
+impl Kernel {
+    pub(super) fn name(self) -> &'static str {
+        KERNEL_NAMES[self as usize]
+    }
+}
+
+/// A kernel argument: device addresses, sizes (`long long`), flags (`int`),
+/// floats. Matches the C parameter types of [`KERNEL_SOURCE`].
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Arg {
+    Ptr(u64),
+    I64(i64),
+    I32(i32),
+    F32(f32),
+    F64(f64),
+}
+
+/// The device, its streams, cuBLAS and the compiled kernels.
+pub(super) struct Gpu {
+    pub(super) ctx: Arc<CudaContext>,
+    /// Kernels, GEMMs, activation allocations, output copies.
+    pub(super) compute: Arc<CudaStream>,
+    /// Group uploads into arenas.
+    pub(super) copy: Arc<CudaStream>,
+    blas: Mutex<BlasHandle>,
+    kernels: Vec<CudaFunction>,
+    pub(super) name: String,
+    pub(super) compute_capability: (i32, i32),
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpu")
+            .field("ordinal", &self.ctx.ordinal())
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+struct BlasHandle(blas_sys::cublasHandle_t);
+
+// SAFETY: a cuBLAS handle may be used from any thread, one at a time; the
+// handle lives in a Mutex.
+unsafe impl Send for BlasHandle {}
+
+impl Drop for BlasHandle {
+    fn drop(&mut self) {
+        // SAFETY: created by `create_handle`, destroyed once, here.
+        let _ = unsafe { blas::destroy_handle(self.0) };
+    }
+}
+
+/// The primary context of `device`, as `Unavailable` errors instead of
+/// cudarc's panics and driver codes.
+fn context(device: usize) -> Result<Arc<CudaContext>, ExecError> {
+    check_libraries()?;
+    let count = catch_unwind(CudaContext::device_count)
+        .map_err(|_| unavailable("the CUDA driver panicked while counting devices".into()))?
+        .map_err(|e| unavailable(cuda_err("cuInit / cuDeviceGetCount failed", e)))?;
+    if device >= count.max(0) as usize {
+        return Err(unavailable(format!(
+            "CUDA device {device} does not exist: the driver sees {count} device(s)"
+        )));
+    }
+    catch_unwind(AssertUnwindSafe(|| CudaContext::new(device)))
+        .map_err(|_| unavailable(format!("the CUDA driver panicked opening device {device}")))?
+        .map_err(|e| unavailable(cuda_err(&format!("cannot open CUDA device {device}"), e)))
+}
+
+impl Gpu {
+    pub(super) fn open(device: usize) -> Result<Arc<Gpu>, ExecError> {
+        let ctx = context(device)?;
+        let fail = |what: &str, e: &dyn std::fmt::Display| unavailable(cuda_err(what, e));
+        // SAFETY: we synchronise streams ourselves (events per group, one
+        // compute stream) and never use cudarc's CudaSlice, whose automatic
+        // event tracking this turns off.
+        unsafe { ctx.disable_event_tracking() };
+        if !ctx.has_async_alloc() {
+            return Err(unavailable(format!(
+                "device {device} has no stream-ordered allocator (cuMemAllocAsync), \
+                 which the executor uses for activations"
+            )));
+        }
+        // Keep freed activation memory in the device's pool across runs
+        // instead of returning it to the driver at every sync.
+        // SAFETY: the pool is the device's default one; the value is a u64
+        // as the attribute requires.
+        unsafe {
+            let pool = result::device::get_default_mem_pool(ctx.cu_device())
+                .map_err(|e| fail("cuDeviceGetDefaultMemPool", &e))?;
+            let mut threshold = u64::MAX;
+            result::mem_pool::set_attribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut threshold as *mut u64).cast(),
+            )
+            .map_err(|e| fail("cuMemPoolSetAttribute", &e))?;
+        }
+        let compute = ctx
+            .new_stream()
+            .map_err(|e| fail("creating the compute stream", &e))?;
+        let copy = ctx
+            .new_stream()
+            .map_err(|e| fail("creating the copy stream", &e))?;
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let cc = ctx
+            .compute_capability()
+            .map_err(|e| fail("querying the compute capability", &e))?;
+        let opts = CompileOptions {
+            options: vec![format!("--gpu-architecture=compute_{}{}", cc.0, cc.1)],
+            name: Some("distmind_kernels.cu".into()),
+            ..Default::default()
+        };
+        let ptx = compile_ptx_with_opts(KERNEL_SOURCE, opts)
+            .map_err(|e| fail("NVRTC could not compile the executor's kernels", &e))?;
+        let module = ctx
+            .load_module(ptx)
+            .map_err(|e| fail("loading the compiled kernels", &e))?;
+        let kernels = KERNEL_NAMES
+            .iter()
+            .map(|k| {
+                module
+                    .load_function(k)
+                    .map_err(|e| fail(&format!("kernel {k} is missing"), &e))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let handle = blas::create_handle().map_err(|e| fail("cublasCreate", &e))?;
+        let handle = BlasHandle(handle);
+        // SAFETY: the handle and stream are alive; the stream outlives the
+        // handle (both are owned by this Gpu, the handle is dropped first).
+        unsafe {
+            blas::set_stream(handle.0, compute.cu_stream() as _)
+                .map_err(|e| fail("cublasSetStream", &e))?;
+            // Plain FP32 (no TF32): results must match the cpu executor.
+            blas_sys::cublasSetMathMode(handle.0, blas_sys::cublasMath_t::CUBLAS_DEFAULT_MATH)
+                .result()
+                .map_err(|e| fail("cublasSetMathMode", &e))?;
+        }
+        Ok(Arc::new(Gpu {
+            ctx,
+            compute,
+            copy,
+            blas: Mutex::new(handle),
+            kernels,
+            name,
+            compute_capability: cc,
+        }))
+    }
+
+    pub(super) fn bind(&self) -> Result<(), String> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("cuCtxSetCurrent", e))
+    }
+
+    /// Launches `kernel` over `n` elements, grid-stride, on the compute stream.
+    pub(super) fn launch_elems(
+        &self,
+        kernel: Kernel,
+        n: usize,
+        args: &[Arg],
+    ) -> Result<(), String> {
+        if n == 0 {
+            return Ok(());
+        }
+        let blocks = (n as u64)
+            .div_ceil(BLOCK_THREADS as u64)
+            .min(GRID_BLOCKS_MAX) as u32;
+        self.launch(kernel, blocks, BLOCK_THREADS, args)
+    }
+
+    /// Launches `kernel` with `blocks` x `threads` on the compute stream.
+    pub(super) fn launch(
+        &self,
+        kernel: Kernel,
+        blocks: u32,
+        threads: u32,
+        args: &[Arg],
+    ) -> Result<(), String> {
+        let mut values: Vec<Arg> = args.to_vec();
+        let mut params: Vec<*mut c_void> = values
+            .iter_mut()
+            .map(|a| match a {
+                Arg::Ptr(v) => (v as *mut u64).cast(),
+                Arg::I64(v) => (v as *mut i64).cast(),
+                Arg::I32(v) => (v as *mut i32).cast(),
+                Arg::F32(v) => (v as *mut f32).cast(),
+                Arg::F64(v) => (v as *mut f64).cast(),
+            })
+            .collect();
+        let f = &self.kernels[kernel as usize];
+        // SAFETY: `params` points into `values`, alive across the call (the
+        // driver copies parameters at launch). The argument list matches the
+        // kernel's C signature (each call site in ops.rs mirrors it), device
+        // addresses point into live buffers that stay alive until the stream
+        // passed them (stream-ordered frees), and every kernel bounds its
+        // indices by the sizes passed.
+        unsafe {
+            result::launch_kernel(
+                f.cu_function(),
+                (blocks.max(1), 1, 1),
+                (threads, 1, 1),
+                0,
+                self.compute.cu_stream(),
+                &mut params,
+            )
+        }
+        .map_err(|e| cuda_err(&format!("launching {}", kernel.name()), e))
+    }
+
+    /// Row-major `C[b] = A[b] (m x k) * B[b] (k x n)` for `batch` matrices at
+    /// the given element strides (0 broadcasts), with `a_t` / `b_t` meaning
+    /// the stored buffer is the transpose (`A` stored `k x m`, `B` `n x k`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gemm(
+        &self,
+        (m, n, k): (usize, usize, usize),
+        (a, a_t, stride_a): (u64, bool, usize),
+        (b, b_t, stride_b): (u64, bool, usize),
+        (c, stride_c): (u64, usize),
+        batch: usize,
+    ) -> Result<(), String> {
+        let int = |v: usize, what: &str| {
+            i32::try_from(v).map_err(|_| format!("GEMM {what} {v} exceeds cuBLAS's 32-bit sizes"))
+        };
+        let (mi, ni, ki, bi) = (
+            int(m, "m")?,
+            int(n, "n")?,
+            int(k, "k")?,
+            int(batch, "batch")?,
+        );
+        // Row-major C = A B is column-major C^T = B^T A^T: cuBLAS sees the
+        // stored row-major buffers as their transposes, so swap the operands.
+        let op = |t: bool| {
+            if t {
+                blas_sys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                blas_sys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let ldb = if b_t { ki } else { ni };
+        let lda = if a_t { mi } else { ki };
+        let (alpha, beta) = (1f32, 0f32);
+        let handle = self.blas.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the handle is bound to the compute stream, on which every
+        // buffer passed here was written and stays alive (stream-ordered
+        // frees). Sizes, leading dimensions and strides describe buffers of
+        // at least `batch` row-major matrices of the stated shapes (the
+        // caller computed them from checked tensor shapes).
+        unsafe {
+            blas::sgemm_strided_batched(
+                handle.0,
+                op(b_t),
+                op(a_t),
+                ni,
+                mi,
+                ki,
+                &alpha,
+                b as *const f32,
+                ldb,
+                stride_b as i64,
+                a as *const f32,
+                lda,
+                stride_a as i64,
+                &beta,
+                c as *mut f32,
+                ni,
+                stride_c as i64,
+                bi,
+            )
+        }
+        .map_err(|e| cuda_err("cublasSgemmStridedBatched", e))
+    }
+
+    /// Enqueues a copy of `src` to device address `dst` on `stream`.
+    ///
+    /// From pageable memory the driver stages `src` before returning; from
+    /// pinned memory the copy reads `src` later, so the caller must keep it
+    /// unchanged until `stream` passed the copy (see the module docs).
+    pub(super) fn htod_async(
+        &self,
+        dst: u64,
+        src: &[u8],
+        stream: &CudaStream,
+    ) -> Result<(), String> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `dst` has room for `src.len()` bytes (callers check ranges
+        // against their allocation); `src` is valid for reads now and, when
+        // pinned, kept alive by the caller until the copy completed.
+        unsafe { result::memcpy_htod_async(dst, src, stream.cu_stream()) }
+            .map_err(|e| cuda_err("cuMemcpyHtoDAsync", e))
+    }
+
+    /// Copies `dst.len()` bytes from device address `src` after everything
+    /// enqueued on the compute stream (synchronises it).
+    pub(super) fn dtoh_sync(&self, dst: &mut [u8], src: u64) -> Result<(), String> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `src` holds at least `dst.len()` bytes written on the
+        // compute stream; the sync below completes the copy before `dst` is
+        // used or dropped.
+        unsafe { result::memcpy_dtoh_async(dst, src, self.compute.cu_stream()) }
+            .map_err(|e| cuda_err("cuMemcpyDtoHAsync", e))?;
+        self.compute
+            .synchronize()
+            .map_err(|e| cuda_err("cuStreamSynchronize", e))
+    }
+}
+
+/// Device memory ordered on one stream: `cuMemAllocAsync` on creation,
+/// `cuMemFreeAsync` on drop, both on the compute stream, so a buffer may be
+/// dropped on the host as soon as its last reader was *enqueued*.
+pub(super) struct DeviceBuffer {
+    ptr: u64,
+    bytes: usize,
+    stream: Arc<CudaStream>,
+}
+
+impl std::fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceBuffer({:#x}, {} bytes)", self.ptr, self.bytes)
+    }
+}
+
+impl DeviceBuffer {
+    pub(super) fn new(gpu: &Gpu, bytes: usize) -> Result<Self, String> {
+        // Never a zero-byte allocation: keep every pointer distinct and valid.
+        let bytes = bytes.max(4);
+        // SAFETY: the compute stream is alive; all uses of the memory are
+        // enqueued on that stream (kernels, GEMMs, copies).
+        let ptr = unsafe { result::malloc_async(gpu.compute.cu_stream(), bytes) }
+            .map_err(|e| cuda_err(&format!("cuMemAllocAsync of {bytes} bytes"), e))?;
+        Ok(DeviceBuffer {
+            ptr,
+            bytes,
+            stream: gpu.compute.clone(),
+        })
+    }
+
+    pub(super) fn ptr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        let ctx = self.stream.context();
+        ctx.record_err(ctx.bind_to_thread());
+        // SAFETY: allocated on this stream, freed once; the free is ordered
+        // after every use already enqueued on the stream.
+        ctx.record_err(unsafe { result::free_async(self.ptr, self.stream.cu_stream()) });
+    }
+}
+
+/// One synchronous `cuMemAlloc`: an arena's device memory.
+pub(super) struct ArenaMemory {
+    ptr: u64,
+    bytes: usize,
+    gpu: Arc<Gpu>,
+}
+
+impl ArenaMemory {
+    pub(super) fn new(gpu: &Arc<Gpu>, bytes: usize) -> Result<Self, String> {
+        gpu.bind()?;
+        // SAFETY: plain allocation in the bound context.
+        let ptr =
+            unsafe { result::malloc_sync(bytes.max(4)) }.map_err(|e| cuda_err("cuMemAlloc", e))?;
+        Ok(ArenaMemory {
+            ptr,
+            bytes,
+            gpu: gpu.clone(),
+        })
+    }
+
+    pub(super) fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for ArenaMemory {
+    fn drop(&mut self) {
+        let ctx = &self.gpu.ctx;
+        ctx.record_err(ctx.bind_to_thread());
+        // Uploads may still be in flight and programs hold the arena by Arc,
+        // so no kernel reads it any more; wait for the copies.
+        ctx.record_err(self.gpu.copy.synchronize());
+        ctx.record_err(self.gpu.compute.synchronize());
+        // SAFETY: allocated by `malloc_sync`, freed once, no work pending.
+        ctx.record_err(unsafe { result::free_sync(self.ptr) });
+    }
+}
+
+/// The process-wide primary context of device 0 that pinned host memory is
+/// registered with (kept retained for the life of the process, so that the
+/// registration outlives every executor).
+fn pinning_context() -> Result<&'static Arc<CudaContext>, String> {
+    static CTX: OnceLock<Arc<CudaContext>> = OnceLock::new();
+    if let Some(ctx) = CTX.get() {
+        return Ok(ctx);
+    }
+    let ctx = context(0).map_err(|e| e.to_string())?;
+    Ok(CTX.get_or_init(|| ctx))
+}
+
+/// A host-cache pin hook: `cuMemHostRegister` (portable: usable by every
+/// context) on the cache buffer, so that uploads from it are true DMA and
+/// overlap compute. The cache buffer lives for the life of the process and
+/// is never unregistered.
+pub fn pin_hook() -> PinHook {
+    Box::new(|buf| {
+        let ctx = pinning_context()?;
+        ctx.bind_to_thread()
+            .map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
+        // SAFETY: `buf` is a live mapping of `buf.len()` bytes that the host
+        // cache keeps for the life of the process; registration only locks
+        // its pages and maps them for the device.
+        unsafe {
+            sys::cuMemHostRegister_v2(
+                buf.as_ptr().cast(),
+                buf.len(),
+                sys::CU_MEMHOSTREGISTER_PORTABLE,
+            )
+            .result()
+        }
+        .map_err(|e| cuda_err(&format!("cuMemHostRegister of {} bytes", buf.len()), e))
+    })
+}
+
+/// Page-locked host memory from `cuMemHostAlloc`, freed on drop.
+struct PinnedHost {
+    ptr: *mut c_void,
+    bytes: usize,
+}
+
+impl Drop for PinnedHost {
+    fn drop(&mut self) {
+        // SAFETY: allocated by `malloc_host`, freed once.
+        let _ = unsafe { result::free_host(self.ptr) };
+    }
+}
+
+/// H2D bandwidth of device 0: `iters` copies of `bytes` with
+/// `cuMemcpyHtoDAsync` from pinned memory (then one sync), and `iters`
+/// synchronous `cuMemcpyHtoD` from a pageable `Vec`, in the same run. One
+/// warm-up copy of each first.
+pub fn h2d_bench(bytes: usize, iters: usize) -> Result<H2dBandwidth, ExecError> {
+    if bytes == 0 || iters == 0 {
+        return Err(unavailable(format!(
+            "h2d_bench needs bytes > 0 and iters > 0, got {bytes} and {iters}"
+        )));
+    }
+    let gpu = Gpu::open(0)?;
+    let err = |what: &str, e: &dyn std::fmt::Display| unavailable(cuda_err(what, e));
+    gpu.bind().map_err(unavailable)?;
+    let dst = ArenaMemory::new(&gpu, bytes).map_err(unavailable)?;
+    // SAFETY: plain page-locked allocation in the bound context.
+    let pinned = unsafe { result::malloc_host(bytes, sys::CU_MEMHOSTALLOC_PORTABLE) }
+        .map_err(|e| err("cuMemHostAlloc", &e))?;
+    let pinned = PinnedHost { ptr: pinned, bytes };
+    // SAFETY: `pinned` holds `bytes` writable bytes, alive until dropped below.
+    let pinned_bytes =
+        unsafe { std::slice::from_raw_parts_mut(pinned.ptr.cast::<u8>(), pinned.bytes) };
+    pinned_bytes.fill(1); // fault the pages in before timing
+    let pageable = vec![1u8; bytes];
+    let gbps = |secs: f64| (bytes * iters) as f64 / secs / 1e9;
+
+    gpu.htod_async(dst.ptr(), pinned_bytes, &gpu.copy)
+        .map_err(unavailable)?;
+    gpu.copy
+        .synchronize()
+        .map_err(|e| err("cuStreamSynchronize", &e))?;
+    let start = Instant::now();
+    for _ in 0..iters {
+        gpu.htod_async(dst.ptr(), pinned_bytes, &gpu.copy)
+            .map_err(unavailable)?;
+    }
+    gpu.copy
+        .synchronize()
+        .map_err(|e| err("cuStreamSynchronize", &e))?;
+    let pinned_gbps = gbps(start.elapsed().as_secs_f64());
+
+    let plain = |src: &[u8]| {
+        // SAFETY: `dst` holds `bytes` bytes; the copy is synchronous.
+        unsafe { result::memcpy_htod_sync(dst.ptr(), src) }.map_err(|e| err("cuMemcpyHtoD", &e))
+    };
+    plain(&pageable)?;
+    let start = Instant::now();
+    for _ in 0..iters {
+        plain(&pageable)?;
+    }
+    let plain_memcpy_gbps = gbps(start.elapsed().as_secs_f64());
+    drop(dst);
+    Ok(H2dBandwidth {
+        pinned_gbps,
+        plain_memcpy_gbps,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_enum_follows_the_name_list() {
+        let all = [
+            (Kernel::Relu, "relu_f32"),
+            (Kernel::Tanh, "tanh_f32"),
+            (Kernel::GeluErf, "gelu_erf_f32"),
+            (Kernel::GeluTanh, "gelu_tanh_f32"),
+            (Kernel::Add, "add_f32"),
+            (Kernel::BiasAdd, "bias_add_f32"),
+            (Kernel::BnFold, "bn_fold_f32"),
+            (Kernel::BatchNorm, "batch_norm_f32"),
+            (Kernel::Im2col, "im2col_f32"),
+            (Kernel::MaxPool2d, "max_pool2d_f32"),
+            (Kernel::AvgPool2d, "avg_pool2d_f32"),
+            (Kernel::AdaptiveAvgPool2d, "adaptive_avg_pool2d_f32"),
+            (Kernel::ConcatCopy, "concat_copy_f32"),
+            (Kernel::Select, "select_f32"),
+            (Kernel::Embedding, "embedding_f32"),
+            (Kernel::LayerNorm, "layer_norm_f32"),
+            (Kernel::SoftmaxRows, "softmax_rows_f32"),
+            (Kernel::SplitHeads, "split_heads_f32"),
+            (Kernel::MergeHeads, "merge_heads_f32"),
+        ];
+        assert_eq!(all.len(), KERNEL_NAMES.len());
+        for (k, name) in all {
+            assert_eq!(k.name(), name);
+        }
+    }
+}

@@ -1,0 +1,90 @@
+//! The `cuda` executor: parameters in device memory, layers as NVRTC kernels
+//! and cuBLAS GEMMs on a compute stream, group uploads on a copy stream.
+//!
+//! * [`CudaExecutor::new`] loads the driver (`libcuda`) at run time, retains
+//!   the device's primary context, creates a compute stream and a copy stream
+//!   and a cuBLAS handle, and compiles every kernel of [`kernels`] once with
+//!   NVRTC. Without a driver it returns
+//!   [`ExecError::Unavailable`](super::ExecError::Unavailable) naming the
+//!   libraries it looked for (cudarc would panic; we check first).
+//! * `CudaArena`: ONE `cuMemAlloc` of the model's packed bytes.
+//!   [`Arena::upload`](super::Arena::upload) enqueues `cuMemcpyHtoDAsync` of
+//!   the group's host bytes on the copy stream and records the group's event
+//!   behind it. The copy is truly asynchronous (overlapping compute) only
+//!   from pinned host memory: the host cache pins its buffer through
+//!   [`pin_hook`] (`cuMemHostRegister`). From pinned memory the copy may still
+//!   be reading the host bytes after `upload` returned, so the caller must
+//!   keep them unchanged until the group's event completed — the host cache
+//!   does: it keeps a model's groups for as long as the model is cached, and
+//!   every `Program::run` that gates on the group ends with a stream sync.
+//!   From pageable memory the driver stages the bytes before `upload`
+//!   returns (no overlap, no lifetime hazard).
+//! * `CudaProgram::run`: before the first layer of group g it calls the
+//!   runtime's host-side `gate(g)`, then makes the compute stream wait on
+//!   group g's event (`cuStreamWaitEvent`): the device-side gate. Kernels of
+//!   group g are thus enqueued as soon as the group is uploaded and run as
+//!   soon as its copy landed, while later groups are still being copied.
+//!   Activations live in device memory (stream-ordered `cuMemAllocAsync`)
+//!   and are freed after their last reader, computed once per program.
+//!   Outputs are copied back after a compute-stream sync.
+//! * Trace timestamps are host times at which a layer was *enqueued*, not
+//!   when it ran, unless [`CudaOptions::sync_per_layer`] is set: then the
+//!   compute stream is synchronised after every layer and `LayerEnd` is the
+//!   layer's completion (slower; for per-layer profiles such as
+//!   `settings/profiles/h200.json`).
+//!
+//! Without the `cuda` cargo feature this module still exists (candle's
+//! pattern): [`CudaExecutor::new`] then returns `Unavailable` saying how to
+//! rebuild, and [`pin_hook`] / [`h2d_bench`] fail the same way.
+//!
+//! Op semantics are the `cpu` executor's (`models/OPS.md`); the index math
+//! of the window kernels is [`geometry`]'s, unit-tested in Rust.
+//!
+//! **Architecture invariant:** `unsafe` lives only in `driver.rs` (the FFI
+//! wrapper); the program and the arena go through its safe functions.
+
+pub mod geometry;
+pub mod kernels;
+
+#[cfg(feature = "cuda")]
+mod arena;
+#[cfg(feature = "cuda")]
+mod driver;
+#[cfg(feature = "cuda")]
+mod ops;
+#[cfg(feature = "cuda")]
+mod program;
+
+#[cfg(feature = "cuda")]
+pub use arena::CudaArena;
+#[cfg(feature = "cuda")]
+pub use driver::{h2d_bench, pin_hook};
+#[cfg(feature = "cuda")]
+pub use program::{CudaExecutor, CudaProgram};
+
+#[cfg(not(feature = "cuda"))]
+mod stub;
+#[cfg(not(feature = "cuda"))]
+pub use stub::{h2d_bench, pin_hook, CudaExecutor};
+
+/// Options of a [`CudaExecutor`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// Synchronise the compute stream after every layer, so that trace
+    /// timestamps are completion times (per-layer profiles) instead of
+    /// enqueue times. Off for serving: it removes all CPU/GPU overlap.
+    pub sync_per_layer: bool,
+}
+
+/// Host-to-device bandwidth from [`h2d_bench`], in GB/s (1e9 bytes/s).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct H2dBandwidth {
+    /// `cuMemcpyHtoDAsync` from page-locked (`cuMemHostAlloc`) memory.
+    pub pinned_gbps: f64,
+    /// `cuMemcpyHtoD` from ordinary pageable memory (a `Vec`).
+    pub plain_memcpy_gbps: f64,
+}
+
+/// Why this build has no cuda executor.
+pub const NOT_COMPILED: &str =
+    "this binary was built without the cuda feature: rebuild with --features cuda";

@@ -1,0 +1,496 @@
+//! [`CudaExecutor`] and [`CudaProgram`]: a manifest's layer list run on the
+//! compute stream, gated per group on the host (`gate(g)`) and on the device
+//! (`cuStreamWaitEvent` on the group's upload event).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Instant;
+
+use distmind_models::shape::{self, Shape};
+use distmind_models::{Dtype, Layer, Manifest, Op, TensorSpec};
+
+use super::arena::CudaArena;
+use super::driver::{cuda_err, DeviceBuffer, Gpu};
+use super::ops::{self, dtype_bytes, DevTensor, LayerParams};
+use super::CudaOptions;
+use crate::exec::{
+    Arena, ExecError, Executor, ExecutorKind, HostTensor, Program, TensorData, Trace, TraceEvent,
+};
+
+/// The CUDA backend behind [`Executor`]: one device, its streams, cuBLAS
+/// handle and compiled kernels, shared by every arena and program it makes.
+pub struct CudaExecutor {
+    gpu: Arc<Gpu>,
+    options: CudaOptions,
+    /// Arenas this executor allocated (weakly), so that [`Executor::program`]
+    /// finds the device memory behind an `Arc<dyn Arena>` without downcasting.
+    arenas: Mutex<Vec<Weak<CudaArena>>>,
+}
+
+impl std::fmt::Debug for CudaExecutor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaExecutor")
+            .field("gpu", &self.gpu)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CudaExecutor {
+    /// Opens CUDA device `device` (loading the driver, NVRTC and cuBLAS at
+    /// run time) and compiles the kernels. `Unavailable` when a library or
+    /// the device is missing.
+    pub fn new(device: usize) -> Result<Self, ExecError> {
+        Self::with_options(device, CudaOptions::default())
+    }
+
+    pub fn with_options(device: usize, options: CudaOptions) -> Result<Self, ExecError> {
+        Ok(CudaExecutor {
+            gpu: Gpu::open(device)?,
+            options,
+            arenas: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn find_arena(&self, arena: &Arc<dyn Arena>) -> Option<Arc<CudaArena>> {
+        let want = Arc::as_ptr(arena) as *const ();
+        let arenas = self.arenas.lock().unwrap_or_else(|e| e.into_inner());
+        arenas
+            .iter()
+            .filter_map(Weak::upgrade)
+            .find(|a| Arc::as_ptr(a) as *const () == want)
+    }
+}
+
+impl Executor for CudaExecutor {
+    fn kind(&self) -> ExecutorKind {
+        ExecutorKind::Cuda
+    }
+
+    fn describe(&self) -> String {
+        let (major, minor) = self.gpu.compute_capability;
+        format!(
+            "cuda ({}, sm_{major}{minor}, device {}{})",
+            self.gpu.name,
+            self.gpu.ctx.ordinal(),
+            if self.options.sync_per_layer {
+                ", sync per layer"
+            } else {
+                ""
+            }
+        )
+    }
+
+    fn alloc_arena(&self, bytes: u64) -> Result<Arc<dyn Arena>, ExecError> {
+        let arena = Arc::new(CudaArena::new(&self.gpu, bytes)?);
+        let mut arenas = self.arenas.lock().unwrap_or_else(|e| e.into_inner());
+        arenas.retain(|a| a.strong_count() > 0);
+        arenas.push(Arc::downgrade(&arena));
+        Ok(arena)
+    }
+
+    fn program(
+        &self,
+        manifest: &Manifest,
+        arena: Arc<dyn Arena>,
+    ) -> Result<Box<dyn Program>, ExecError> {
+        let cuda_arena = self.find_arena(&arena).ok_or_else(|| ExecError::Model {
+            model: manifest.name.clone(),
+            why: "the arena was not allocated by this cuda executor".into(),
+        })?;
+        Ok(Box::new(CudaProgram::new(
+            manifest,
+            cuda_arena,
+            self.options,
+        )?))
+    }
+}
+
+/// A model compiled for one GPU against one arena.
+pub struct CudaProgram {
+    model: String,
+    layers: Vec<Layer>,
+    inputs: Vec<TensorSpec>,
+    outputs: Vec<usize>,
+    /// Per layer: the activations (layer ids) to drop once it was enqueued.
+    frees_after: Vec<Vec<usize>>,
+    /// Per layer: device addresses of its params, in op order.
+    param_ptrs: Vec<Vec<u64>>,
+    param_shapes: HashMap<String, Vec<usize>>,
+    /// Per layer: device memory prepared on the first run (batch norm).
+    prepared: Vec<Option<DeviceBuffer>>,
+    groups: usize,
+    arena: Arc<CudaArena>,
+    gpu: Arc<Gpu>,
+    options: CudaOptions,
+}
+
+/// How many params `op` reads, in `OPS.md`'s order.
+fn param_count(op: &Op) -> usize {
+    match *op {
+        Op::Conv2d { bias, .. } | Op::Linear { bias, .. } => 1 + usize::from(bias),
+        Op::BatchNorm { .. } => 4,
+        Op::Embedding { .. } => 1,
+        Op::LayerNorm { .. } => 2,
+        _ => 0,
+    }
+}
+
+/// Per layer, the activations whose last reader it is (its own output too
+/// when nothing reads it and it is not a model output).
+pub(super) fn frees_after(layers: &[Layer], outputs: &[usize]) -> Vec<Vec<usize>> {
+    let mut last_use: Vec<Option<usize>> = (0..layers.len()).map(Some).collect();
+    for layer in layers {
+        for &input in &layer.inputs {
+            if input >= 0 {
+                last_use[input as usize] = Some(layer.id);
+            }
+        }
+    }
+    for &o in outputs {
+        last_use[o] = None;
+    }
+    let mut frees = vec![Vec::new(); layers.len()];
+    for (value, last) in last_use.iter().enumerate() {
+        if let Some(l) = *last {
+            frees[l].push(value);
+        }
+    }
+    frees
+}
+
+fn layer_error(model: &str, layer: &Layer, why: String) -> ExecError {
+    ExecError::Layer {
+        model: model.to_string(),
+        layer: layer.id,
+        name: layer.name.clone(),
+        op: layer.op.name().into(),
+        why,
+    }
+}
+
+impl CudaProgram {
+    fn new(
+        manifest: &Manifest,
+        arena: Arc<CudaArena>,
+        options: CudaOptions,
+    ) -> Result<Self, ExecError> {
+        let model_err = |why: String| ExecError::Model {
+            model: manifest.name.clone(),
+            why,
+        };
+        if arena.len() < manifest.stored_bytes {
+            return Err(model_err(format!(
+                "the arena has {} bytes, the model stores {}",
+                arena.len(),
+                manifest.stored_bytes
+            )));
+        }
+        let by_name: HashMap<&str, &distmind_models::ParamEntry> = manifest
+            .params
+            .iter()
+            .map(|p| (p.name.as_str(), p))
+            .collect();
+        let mut param_ptrs = Vec::with_capacity(manifest.layers.len());
+        for (i, layer) in manifest.layers.iter().enumerate() {
+            let layer_err = |why: String| layer_error(&manifest.name, layer, why);
+            if layer.id != i {
+                return Err(layer_err(format!("has id {} at position {i}", layer.id)));
+            }
+            for &input in &layer.inputs {
+                let ok = if input < 0 {
+                    ((-input - 1) as usize) < manifest.inputs.len()
+                } else {
+                    (input as usize) < i
+                };
+                if !ok {
+                    return Err(layer_err(format!(
+                        "reads {input}, which is neither an earlier layer nor a model input"
+                    )));
+                }
+            }
+            if layer.params.len() != param_count(&layer.op) {
+                return Err(layer_err(format!(
+                    "has {} params, the op wants {}",
+                    layer.params.len(),
+                    param_count(&layer.op)
+                )));
+            }
+            let mut ptrs = Vec::with_capacity(layer.params.len());
+            for name in &layer.params {
+                let p = by_name
+                    .get(name.as_str())
+                    .ok_or_else(|| layer_err(format!("param {name} is not in the manifest")))?;
+                if p.dtype != Dtype::F32 || p.nbytes != 4 * p.shape.iter().product::<usize>() as u64
+                {
+                    return Err(layer_err(format!(
+                        "param {name} is {:?} {:?} with {} bytes: expected f32",
+                        p.dtype, p.shape, p.nbytes
+                    )));
+                }
+                if Some(p.group) != layer.group {
+                    return Err(layer_err(format!(
+                        "param {name} lives in group {} but the layer is gated on {:?}",
+                        p.group, layer.group
+                    )));
+                }
+                let group = manifest.groups.get(p.group).ok_or_else(|| {
+                    layer_err(format!("param {name} names missing group {}", p.group))
+                })?;
+                if p.offset + p.nbytes > group.bytes
+                    || group.offset + p.offset + p.nbytes > arena.len()
+                {
+                    return Err(layer_err(format!(
+                        "param {name} overruns group {}",
+                        p.group
+                    )));
+                }
+                ptrs.push(arena.device_ptr(group.offset + p.offset));
+            }
+            param_ptrs.push(ptrs);
+        }
+        let mut outputs = Vec::with_capacity(manifest.outputs.len());
+        for o in &manifest.outputs {
+            if o.layer >= manifest.layers.len() {
+                return Err(model_err(format!(
+                    "output {} names missing layer {}",
+                    o.name, o.layer
+                )));
+            }
+            outputs.push(o.layer);
+        }
+        let param_shapes: HashMap<String, Vec<usize>> = manifest
+            .params
+            .iter()
+            .map(|p| (p.name.clone(), p.shape.clone()))
+            .collect();
+        // Shapes and param shapes at the manifest's batch size, checked once.
+        shape::infer(&manifest.layers, &manifest.inputs, |n| {
+            param_shapes.get(n).map(Vec::as_slice)
+        })
+        .map_err(|(i, why)| layer_error(&manifest.name, &manifest.layers[i], why))?;
+        let gpu = arena.gpu().clone();
+        Ok(CudaProgram {
+            model: manifest.name.clone(),
+            frees_after: frees_after(&manifest.layers, &outputs),
+            layers: manifest.layers.clone(),
+            inputs: manifest.inputs.clone(),
+            outputs,
+            param_ptrs,
+            param_shapes,
+            prepared: (0..manifest.layers.len()).map(|_| None).collect(),
+            groups: manifest.groups.len(),
+            arena,
+            gpu,
+            options,
+        })
+    }
+
+    fn layer_error(&self, i: usize, why: String) -> ExecError {
+        layer_error(&self.model, &self.layers[i], why)
+    }
+
+    /// Checks the inputs against the manifest (the batch dimension may
+    /// differ) and the token ids against every embedding that reads them;
+    /// returns the specs at the actual shapes.
+    fn check_inputs(&self, inputs: &[HostTensor]) -> Result<Vec<TensorSpec>, ExecError> {
+        let bad = |index: usize, got: String, want: String| ExecError::BadInput {
+            model: self.model.clone(),
+            index,
+            got,
+            want,
+        };
+        if inputs.len() != self.inputs.len() {
+            return Err(bad(
+                inputs.len(),
+                format!("{} inputs", inputs.len()),
+                format!("{} inputs", self.inputs.len()),
+            ));
+        }
+        let mut specs = Vec::with_capacity(inputs.len());
+        for (i, (t, spec)) in inputs.iter().zip(&self.inputs).enumerate() {
+            let want_dtype = match spec.dtype {
+                Dtype::F32 => "f32",
+                Dtype::I64 => "i64",
+            };
+            let want = format!(
+                "{want_dtype} {:?} (any batch size >= 1 in dimension 0)",
+                spec.shape
+            );
+            let shape_ok = t.shape.len() == spec.shape.len()
+                && t.shape.first().is_none_or(|&b| b >= 1)
+                && t.shape.iter().skip(1).eq(spec.shape.iter().skip(1));
+            if t.dtype_name() != want_dtype || !shape_ok {
+                return Err(bad(i, t.describe(), want));
+            }
+            specs.push(TensorSpec {
+                name: spec.name.clone(),
+                shape: t.shape.clone(),
+                dtype: spec.dtype,
+            });
+        }
+        // Out-of-vocabulary ids: the cpu executor fails the layer; the kernel
+        // cannot, so check on the host, where the ids still are.
+        for layer in &self.layers {
+            if let Op::Embedding {
+                num_embeddings,
+                ids: distmind_models::graph::EmbeddingIds::Input,
+                ..
+            } = layer.op
+            {
+                for &input in &layer.inputs {
+                    if input >= 0 {
+                        continue;
+                    }
+                    if let TensorData::I64(ids) = &inputs[(-input - 1) as usize].data {
+                        if let Some(id) = ids
+                            .iter()
+                            .find(|&&id| id < 0 || id as u64 >= num_embeddings as u64)
+                        {
+                            return Err(layer_error(
+                                &self.model,
+                                layer,
+                                format!(
+                                    "token id {id} is outside the vocabulary 0..{num_embeddings}"
+                                ),
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(specs)
+    }
+
+    fn upload_input(&self, t: &HostTensor, dtype: Dtype) -> Result<DevTensor, String> {
+        let dev = DevTensor::new(&self.gpu, t.shape.clone(), dtype)?;
+        let bytes: Vec<u8> = match &t.data {
+            TensorData::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            TensorData::I64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        };
+        debug_assert_eq!(bytes.len(), dev.elems() * dtype_bytes(dtype));
+        // Pageable: staged by the driver before this returns.
+        self.gpu
+            .htod_async(dev.buf.ptr(), &bytes, &self.gpu.compute)?;
+        Ok(dev)
+    }
+
+    fn read_output(&self, t: &DevTensor) -> Result<HostTensor, String> {
+        let mut bytes = vec![0u8; t.elems() * dtype_bytes(t.dtype)];
+        self.gpu.dtoh_sync(&mut bytes, t.buf.ptr())?;
+        Ok(match t.dtype {
+            Dtype::F32 => HostTensor::f32(
+                t.shape.clone(),
+                bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+            ),
+            Dtype::I64 => HostTensor::i64(
+                t.shape.clone(),
+                bytes
+                    .chunks_exact(8)
+                    .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
+                    .collect(),
+            ),
+        })
+    }
+}
+
+impl Program for CudaProgram {
+    fn run(
+        &mut self,
+        inputs: &[HostTensor],
+        gate: &mut dyn FnMut(usize) -> Result<(), ExecError>,
+        trace: &mut Trace,
+    ) -> Result<Vec<HostTensor>, ExecError> {
+        let start = Instant::now();
+        let model_err = |why: String| ExecError::Model {
+            model: self.model.clone(),
+            why,
+        };
+        let specs = self.check_inputs(inputs)?;
+        let shapes: Vec<Shape> = shape::infer(&self.layers, &specs, |n| {
+            self.param_shapes.get(n).map(Vec::as_slice)
+        })
+        .map_err(|(i, why)| self.layer_error(i, why))?;
+        self.gpu.bind().map_err(model_err)?;
+        let model_inputs = inputs
+            .iter()
+            .zip(&specs)
+            .map(|(t, spec)| self.upload_input(t, spec.dtype))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(model_err)?;
+        let mut values: Vec<Option<DevTensor>> = vec![None; self.layers.len()];
+        let mut gated = vec![false; self.groups];
+        for i in 0..self.layers.len() {
+            if let Some(g) = self.layers[i].group {
+                if !self.param_ptrs[i].is_empty() && !gated[g] {
+                    gate(g)?;
+                    gated[g] = true;
+                    trace.push((start.elapsed(), TraceEvent::GroupReady { group: g }));
+                    let event = self.arena.group_event(g).ok_or_else(|| ExecError::Gate {
+                        group: g,
+                        why: "the gate opened but the group was never uploaded to this arena"
+                            .into(),
+                    })?;
+                    // The device-side gate: kernels enqueued from here on
+                    // run only after group g's copy landed.
+                    self.gpu.compute.wait(&event).map_err(|e| ExecError::Gate {
+                        group: g,
+                        why: cuda_err("cuStreamWaitEvent", e),
+                    })?;
+                }
+            }
+            trace.push((start.elapsed(), TraceEvent::LayerStart { layer: i }));
+            let mut args = Vec::with_capacity(self.layers[i].inputs.len());
+            for &input in &self.layers[i].inputs {
+                let t = if input < 0 {
+                    &model_inputs[(-input - 1) as usize]
+                } else {
+                    values[input as usize].as_ref().ok_or_else(|| {
+                        self.layer_error(i, format!("input {input} was already freed"))
+                    })?
+                };
+                args.push(t);
+            }
+            let params = LayerParams {
+                ptrs: &self.param_ptrs[i],
+                prepared: &mut self.prepared[i],
+            };
+            let layer = &self.layers[i];
+            let out = ops::run_layer(&self.gpu, &layer.op, &args, &shapes[i].dims, params)
+                .map_err(|why| layer_error(&self.model, layer, why))?;
+            drop(args);
+            values[i] = Some(out);
+            for &v in &self.frees_after[i] {
+                values[v] = None;
+            }
+            if self.options.sync_per_layer {
+                self.gpu
+                    .compute
+                    .synchronize()
+                    .map_err(|e| self.layer_error(i, cuda_err("cuStreamSynchronize", e)))?;
+            }
+            trace.push((start.elapsed(), TraceEvent::LayerEnd { layer: i }));
+        }
+        let outputs = self
+            .outputs
+            .iter()
+            .map(|&o| {
+                let t = values[o]
+                    .as_ref()
+                    .ok_or_else(|| self.layer_error(o, "output was freed".into()))?;
+                self.read_output(t)
+                    .map_err(|e| self.layer_error(o, format!("cannot read the output: {e}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        // Every run ends with the compute stream drained (the output copies
+        // synchronise it), so inputs and freed activations are quiescent.
+        self.gpu
+            .compute
+            .synchronize()
+            .map_err(|e| model_err(cuda_err("cuStreamSynchronize", e)))?;
+        Ok(outputs)
+    }
+}
