@@ -6,3 +6,4 @@ pub mod bench;
 pub mod deploy;
 pub mod logging;
 pub mod services;
+pub mod train;

@@ -44,6 +44,8 @@ enum Command {
     Bench(BenchCommand),
     /// Run one package on one .npy input in this process (a numerical check, no cluster).
     Infer(InferCmd),
+    /// SGD steps on a CNN package (the original's resnet152_train job); --writeback redeploys the trained weights.
+    Train(distmind::train::TrainArgs),
     /// Run a GPU server: pulls models from the memory servers on demand and serves inference requests.
     Runtime(RuntimeCmd),
 }
@@ -329,6 +331,7 @@ fn run(command: Command) -> anyhow::Result<()> {
                 queue_depth: r.queue_depth,
             })
         }
+        Command::Train(t) => distmind::train::run(&t),
         Command::Infer(i) => {
             let exec = executor(i.executor, &i.profile)?;
             let report =

@@ -166,3 +166,79 @@ fn a_replica_serves_when_a_memory_server_dies() {
         "reads that hit the dead server were retried on the replica"
     );
 }
+
+#[test]
+fn trained_weights_are_written_back_to_the_memory_servers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pkgs = gen_tiny(tmp.path(), "resnet152", 1, 64 << 10);
+    let pkg = Package::open(&pkgs[0]).unwrap();
+    let controller = spawn_controller();
+    let ms: Vec<Proc> = (0..2)
+        .map(|_| spawn_memserver(&controller.addr, "32MiB"))
+        .collect();
+    wait_alive(&controller.addr, 2);
+    let (ok, _, stderr) = deploy(&controller.addr, &[], &pkgs);
+    assert!(ok, "{stderr}");
+    let used_before: u64 = ms.iter().map(|m| used_bytes(&m.addr)).sum();
+
+    let settings = settings_dir();
+    let (ok, stdout, stderr) = run(&[
+        "train",
+        "--model",
+        pkgs[0].to_str().unwrap(),
+        "--steps",
+        "2",
+        "--batch",
+        "4",
+        "--writeback",
+        "--settings",
+        settings.to_str().unwrap(),
+        "--controller",
+        &controller.addr,
+    ]);
+    assert!(ok, "train failed: {stderr}");
+    assert!(
+        stdout.contains("step 1: loss") && stdout.contains("written back"),
+        "{stdout}"
+    );
+
+    // The catalog now serves the trained weights: every group with
+    // parameters differs from the package, and the old version's extents
+    // were freed (one version stored, not two).
+    let key = cluster_key();
+    let mut c = ControllerClient::connect(&controller.addr, &key, Duration::from_secs(5)).unwrap();
+    let entry = c.get_model(&pkg.manifest.name).unwrap();
+    let buf = Arc::new(HostBuffer::new(entry.total_bytes as usize, HugePages::No).unwrap());
+    let t = TcpTransport::new(TcpOptions::new(key)).unwrap();
+    let region = t.register(buf.clone()).unwrap();
+    fetch_model(
+        &t,
+        &mut Peers::new(),
+        &entry,
+        Destination {
+            region,
+            buf: &buf,
+            base: 0,
+        },
+        FetchOptions::default(),
+        &mut |_| {},
+    )
+    .unwrap();
+    t.deregister(region).unwrap();
+    drop(t);
+    let mut buf = Arc::into_inner(buf).unwrap();
+    let trained = buf.as_mut_slice();
+    for g in &pkg.manifest.groups {
+        let range = g.offset as usize..(g.offset + g.bytes) as usize;
+        assert_ne!(
+            trained[range].to_vec(),
+            pkg.group_bytes(g.index).unwrap(),
+            "group {} was not updated",
+            g.index
+        );
+    }
+    assert_eq!(
+        ms.iter().map(|m| used_bytes(&m.addr)).sum::<u64>(),
+        used_before
+    );
+}
