@@ -152,8 +152,11 @@ fn runtime_serves_cold_then_resident_with_the_pipeline_overlapped() {
     wait_alive(&controller.addr, 2);
     let (ok, _, stderr) = deploy(&controller.addr, &[], &dirs);
     assert!(ok, "deploy: {stderr}");
-    // 0.05 Gbit/s = 6.25 MB/s: a 16 KiB group every ~2.6 ms, slow enough on
-    // loopback to see compute start while later groups are on their way.
+    // 0.02 Gbit/s = 2.5 MB/s: a 16 KiB group every ~6.5 ms, and the smallest
+    // tiny model (~100 KB) takes ~40 ms to arrive: room enough, even on a
+    // loaded 2-core machine, to see compute start while later groups are on
+    // their way (at 0.05 Gbit/s the whole fetch of a 100 KB model, ~15 ms,
+    // sometimes ended before compute started).
     let rt = spawn_runtime(
         &controller.addr,
         &[
@@ -162,7 +165,7 @@ fn runtime_serves_cold_then_resident_with_the_pipeline_overlapped() {
             "--devices",
             "0",
             "--rate-limit-gbps",
-            "0.05",
+            "0.02",
         ],
     );
     let info = wait_runtime_alive(&controller.addr, &rt.addr);
