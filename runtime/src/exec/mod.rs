@@ -14,6 +14,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod plan;
 pub mod sim;
 
 use std::sync::Arc;

@@ -30,10 +30,11 @@ use candle_core::{Device, Tensor};
 use distmind_models::{Dtype, Layer, Manifest};
 use distmind_transport::memory::{HostBuffer, HugePages};
 
+use super::plan::{self, ParamLoc};
 use super::{
     Arena, ExecError, Executor, ExecutorKind, HostTensor, Program, TensorData, Trace, TraceEvent,
 };
-use params::{param_count, Prepared};
+use params::Prepared;
 
 /// The candle CPU backend behind [`Executor`].
 ///
@@ -245,124 +246,24 @@ pub struct CpuProgram {
     arena: Arc<CpuArena>,
 }
 
-#[derive(Debug, Clone)]
-struct ParamLoc {
-    name: String,
-    offset: u64,
-    nbytes: u64,
-    shape: Vec<usize>,
-}
-
 impl CpuProgram {
     fn new(manifest: &Manifest, arena: Arc<CpuArena>) -> Result<Self, ExecError> {
-        let model_err = |why: String| ExecError::Model {
-            model: manifest.name.clone(),
-            why,
-        };
-        if (arena.len) < manifest.stored_bytes {
-            return Err(model_err(format!(
-                "the arena has {} bytes, the model stores {}",
-                arena.len, manifest.stored_bytes
-            )));
-        }
-        let n = manifest.layers.len();
-        let by_name: std::collections::HashMap<&str, &distmind_models::ParamEntry> = manifest
-            .params
-            .iter()
-            .map(|p| (p.name.as_str(), p))
-            .collect();
-        let mut param_locs = Vec::with_capacity(n);
-        for (i, layer) in manifest.layers.iter().enumerate() {
-            let layer_err = |why: String| ExecError::Layer {
-                model: manifest.name.clone(),
-                layer: i,
-                name: layer.name.clone(),
-                op: layer.op.name().into(),
-                why,
-            };
-            if layer.id != i {
-                return Err(layer_err(format!("has id {} at position {i}", layer.id)));
-            }
-            for &input in &layer.inputs {
-                let ok = if input < 0 {
-                    ((-input - 1) as usize) < manifest.inputs.len()
-                } else {
-                    (input as usize) < i
-                };
-                if !ok {
-                    return Err(layer_err(format!(
-                        "reads {input}, which is neither an earlier layer nor a model input"
-                    )));
-                }
-            }
-            if layer.params.len() != param_count(&layer.op) {
-                return Err(layer_err(format!(
-                    "has {} params, the op wants {}",
-                    layer.params.len(),
-                    param_count(&layer.op)
-                )));
-            }
-            let mut locs = Vec::with_capacity(layer.params.len());
-            for name in &layer.params {
-                let p = by_name
-                    .get(name.as_str())
-                    .ok_or_else(|| layer_err(format!("param {name} is not in the manifest")))?;
-                if p.dtype != Dtype::F32 || p.nbytes != 4 * p.shape.iter().product::<usize>() as u64
-                {
-                    return Err(layer_err(format!(
-                        "param {name} is {:?} {:?} with {} bytes: expected f32",
-                        p.dtype, p.shape, p.nbytes
-                    )));
-                }
-                if Some(p.group) != layer.group {
-                    return Err(layer_err(format!(
-                        "param {name} lives in group {} but the layer is gated on {:?}",
-                        p.group, layer.group
-                    )));
-                }
-                let group = manifest.groups.get(p.group).ok_or_else(|| {
-                    layer_err(format!("param {name} names missing group {}", p.group))
-                })?;
-                if p.offset + p.nbytes > group.bytes {
-                    return Err(layer_err(format!(
-                        "param {name} overruns group {}",
-                        p.group
-                    )));
-                }
-                locs.push(ParamLoc {
-                    name: name.clone(),
-                    offset: group.offset + p.offset,
-                    nbytes: p.nbytes,
-                    shape: p.shape.clone(),
-                });
-            }
-            param_locs.push(locs);
-        }
-        let mut outputs = Vec::with_capacity(manifest.outputs.len());
-        for o in &manifest.outputs {
-            if o.layer >= n {
-                return Err(model_err(format!(
-                    "output {} names missing layer {}",
-                    o.name, o.layer
-                )));
-            }
-            outputs.push(o.layer);
-        }
+        let plan = plan::plan(manifest, arena.len)?;
         Ok(CpuProgram {
             model: manifest.name.clone(),
-            frees_after: frees_after(&manifest.layers, &outputs),
+            frees_after: plan.frees_after,
             layers: manifest.layers.clone(),
             inputs: manifest.inputs.clone(),
-            outputs,
-            param_locs,
-            prepared: vec![None; n],
+            outputs: plan.outputs,
+            param_locs: plan.params,
+            prepared: vec![None; manifest.layers.len()],
             groups: manifest.groups.len(),
             arena,
         })
     }
 
     fn layer_error(&self, i: usize, why: String) -> ExecError {
-        layer_error(&self.model, &self.layers[i], why)
+        plan::layer_error(&self.model, &self.layers[i], why)
     }
 
     /// Checks the inputs against the manifest (the batch dimension may
@@ -423,39 +324,6 @@ impl CpuProgram {
     }
 }
 
-fn layer_error(model: &str, layer: &Layer, why: String) -> ExecError {
-    ExecError::Layer {
-        model: model.to_string(),
-        layer: layer.id,
-        name: layer.name.clone(),
-        op: layer.op.name().into(),
-        why,
-    }
-}
-
-/// Per layer, the activations whose last reader it is (its own output too
-/// when nothing reads it and it is not a model output).
-fn frees_after(layers: &[Layer], outputs: &[usize]) -> Vec<Vec<usize>> {
-    let mut last_use: Vec<Option<usize>> = (0..layers.len()).map(Some).collect();
-    for layer in layers {
-        for &input in &layer.inputs {
-            if input >= 0 {
-                last_use[input as usize] = Some(layer.id);
-            }
-        }
-    }
-    for &o in outputs {
-        last_use[o] = None;
-    }
-    let mut frees = vec![Vec::new(); layers.len()];
-    for (value, last) in last_use.iter().enumerate() {
-        if let Some(l) = *last {
-            frees[l].push(value);
-        }
-    }
-    frees
-}
-
 impl Program for CpuProgram {
     fn run(
         &mut self,
@@ -490,7 +358,7 @@ impl Program for CpuProgram {
             self.prepare(i)?;
             let layer = &self.layers[i];
             let out = ops::apply(&layer.op, &args, self.prepared[i].as_ref())
-                .map_err(|e| layer_error(&self.model, layer, e.to_string()))?;
+                .map_err(|e| plan::layer_error(&self.model, layer, e.to_string()))?;
             drop(args);
             values[i] = Some(out);
             for &v in &self.frees_after[i] {

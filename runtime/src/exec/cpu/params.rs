@@ -1,6 +1,7 @@
 //! A layer's params in the form its kernel wants, built once from the arena
 //! bytes and kept by the program for every later run.
 
+use crate::exec::plan::param_count;
 use candle_core::{bail, Device, Result, Tensor};
 use distmind_models::graph::EmbeddingIds;
 use distmind_models::Op;
@@ -40,17 +41,6 @@ pub(super) enum Prepared {
 
 /// One raw param: its name, shape and values, in op order.
 pub(super) type RawParam<'a> = (&'a str, &'a [usize], Vec<f32>);
-
-/// How many params `op` reads, in `OPS.md`'s order.
-pub(super) fn param_count(op: &Op) -> usize {
-    match *op {
-        Op::Conv2d { bias, .. } | Op::Linear { bias, .. } => 1 + usize::from(bias),
-        Op::BatchNorm { .. } => 4,
-        Op::Embedding { .. } => 1,
-        Op::LayerNorm { .. } => 2,
-        _ => 0,
-    }
-}
 
 /// Checks the params' count and shapes against `op`'s attributes, then
 /// prepares them.

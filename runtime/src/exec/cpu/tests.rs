@@ -546,6 +546,6 @@ fn activations_are_freed_after_their_last_reader() {
         layer(3, vec![2]),
         layer(4, vec![2]),
     ];
-    let frees = super::frees_after(&layers, &[3]);
+    let frees = crate::exec::plan::frees_after(&layers, &[3]);
     assert_eq!(frees, vec![vec![], vec![], vec![0, 1], vec![], vec![2, 4]]);
 }

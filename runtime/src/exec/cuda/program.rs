@@ -13,6 +13,7 @@ use super::arena::CudaArena;
 use super::driver::{cuda_err, DeviceBuffer, Gpu};
 use super::ops::{self, dtype_bytes, DevTensor, LayerParams};
 use super::CudaOptions;
+use crate::exec::plan;
 use crate::exec::{
     Arena, ExecError, Executor, ExecutorKind, HostTensor, Program, TensorData, Trace, TraceEvent,
 };
@@ -125,140 +126,18 @@ pub struct CudaProgram {
     options: CudaOptions,
 }
 
-/// How many params `op` reads, in `OPS.md`'s order.
-fn param_count(op: &Op) -> usize {
-    match *op {
-        Op::Conv2d { bias, .. } | Op::Linear { bias, .. } => 1 + usize::from(bias),
-        Op::BatchNorm { .. } => 4,
-        Op::Embedding { .. } => 1,
-        Op::LayerNorm { .. } => 2,
-        _ => 0,
-    }
-}
-
-/// Per layer, the activations whose last reader it is (its own output too
-/// when nothing reads it and it is not a model output).
-pub(super) fn frees_after(layers: &[Layer], outputs: &[usize]) -> Vec<Vec<usize>> {
-    let mut last_use: Vec<Option<usize>> = (0..layers.len()).map(Some).collect();
-    for layer in layers {
-        for &input in &layer.inputs {
-            if input >= 0 {
-                last_use[input as usize] = Some(layer.id);
-            }
-        }
-    }
-    for &o in outputs {
-        last_use[o] = None;
-    }
-    let mut frees = vec![Vec::new(); layers.len()];
-    for (value, last) in last_use.iter().enumerate() {
-        if let Some(l) = *last {
-            frees[l].push(value);
-        }
-    }
-    frees
-}
-
-fn layer_error(model: &str, layer: &Layer, why: String) -> ExecError {
-    ExecError::Layer {
-        model: model.to_string(),
-        layer: layer.id,
-        name: layer.name.clone(),
-        op: layer.op.name().into(),
-        why,
-    }
-}
-
 impl CudaProgram {
     fn new(
         manifest: &Manifest,
         arena: Arc<CudaArena>,
         options: CudaOptions,
     ) -> Result<Self, ExecError> {
-        let model_err = |why: String| ExecError::Model {
-            model: manifest.name.clone(),
-            why,
-        };
-        if arena.len() < manifest.stored_bytes {
-            return Err(model_err(format!(
-                "the arena has {} bytes, the model stores {}",
-                arena.len(),
-                manifest.stored_bytes
-            )));
-        }
-        let by_name: HashMap<&str, &distmind_models::ParamEntry> = manifest
+        let plan = plan::plan(manifest, arena.len())?;
+        let param_ptrs: Vec<Vec<u64>> = plan
             .params
             .iter()
-            .map(|p| (p.name.as_str(), p))
+            .map(|ps| ps.iter().map(|p| arena.device_ptr(p.offset)).collect())
             .collect();
-        let mut param_ptrs = Vec::with_capacity(manifest.layers.len());
-        for (i, layer) in manifest.layers.iter().enumerate() {
-            let layer_err = |why: String| layer_error(&manifest.name, layer, why);
-            if layer.id != i {
-                return Err(layer_err(format!("has id {} at position {i}", layer.id)));
-            }
-            for &input in &layer.inputs {
-                let ok = if input < 0 {
-                    ((-input - 1) as usize) < manifest.inputs.len()
-                } else {
-                    (input as usize) < i
-                };
-                if !ok {
-                    return Err(layer_err(format!(
-                        "reads {input}, which is neither an earlier layer nor a model input"
-                    )));
-                }
-            }
-            if layer.params.len() != param_count(&layer.op) {
-                return Err(layer_err(format!(
-                    "has {} params, the op wants {}",
-                    layer.params.len(),
-                    param_count(&layer.op)
-                )));
-            }
-            let mut ptrs = Vec::with_capacity(layer.params.len());
-            for name in &layer.params {
-                let p = by_name
-                    .get(name.as_str())
-                    .ok_or_else(|| layer_err(format!("param {name} is not in the manifest")))?;
-                if p.dtype != Dtype::F32 || p.nbytes != 4 * p.shape.iter().product::<usize>() as u64
-                {
-                    return Err(layer_err(format!(
-                        "param {name} is {:?} {:?} with {} bytes: expected f32",
-                        p.dtype, p.shape, p.nbytes
-                    )));
-                }
-                if Some(p.group) != layer.group {
-                    return Err(layer_err(format!(
-                        "param {name} lives in group {} but the layer is gated on {:?}",
-                        p.group, layer.group
-                    )));
-                }
-                let group = manifest.groups.get(p.group).ok_or_else(|| {
-                    layer_err(format!("param {name} names missing group {}", p.group))
-                })?;
-                if p.offset + p.nbytes > group.bytes
-                    || group.offset + p.offset + p.nbytes > arena.len()
-                {
-                    return Err(layer_err(format!(
-                        "param {name} overruns group {}",
-                        p.group
-                    )));
-                }
-                ptrs.push(arena.device_ptr(group.offset + p.offset));
-            }
-            param_ptrs.push(ptrs);
-        }
-        let mut outputs = Vec::with_capacity(manifest.outputs.len());
-        for o in &manifest.outputs {
-            if o.layer >= manifest.layers.len() {
-                return Err(model_err(format!(
-                    "output {} names missing layer {}",
-                    o.name, o.layer
-                )));
-            }
-            outputs.push(o.layer);
-        }
         let param_shapes: HashMap<String, Vec<usize>> = manifest
             .params
             .iter()
@@ -268,14 +147,14 @@ impl CudaProgram {
         shape::infer(&manifest.layers, &manifest.inputs, |n| {
             param_shapes.get(n).map(Vec::as_slice)
         })
-        .map_err(|(i, why)| layer_error(&manifest.name, &manifest.layers[i], why))?;
+        .map_err(|(i, why)| plan::layer_error(&manifest.name, &manifest.layers[i], why))?;
         let gpu = arena.gpu().clone();
         Ok(CudaProgram {
             model: manifest.name.clone(),
-            frees_after: frees_after(&manifest.layers, &outputs),
+            frees_after: plan.frees_after,
             layers: manifest.layers.clone(),
             inputs: manifest.inputs.clone(),
-            outputs,
+            outputs: plan.outputs,
             param_ptrs,
             param_shapes,
             prepared: (0..manifest.layers.len()).map(|_| None).collect(),
@@ -287,7 +166,7 @@ impl CudaProgram {
     }
 
     fn layer_error(&self, i: usize, why: String) -> ExecError {
-        layer_error(&self.model, &self.layers[i], why)
+        plan::layer_error(&self.model, &self.layers[i], why)
     }
 
     /// Checks the inputs against the manifest (the batch dimension may
@@ -347,7 +226,7 @@ impl CudaProgram {
                             .iter()
                             .find(|&&id| id < 0 || id as u64 >= num_embeddings as u64)
                         {
-                            return Err(layer_error(
+                            return Err(plan::layer_error(
                                 &self.model,
                                 layer,
                                 format!(
@@ -460,7 +339,7 @@ impl Program for CudaProgram {
             };
             let layer = &self.layers[i];
             let out = ops::run_layer(&self.gpu, &layer.op, &args, &shapes[i].dims, params)
-                .map_err(|why| layer_error(&self.model, layer, why))?;
+                .map_err(|why| plan::layer_error(&self.model, layer, why))?;
             drop(args);
             values[i] = Some(out);
             for &v in &self.frees_after[i] {

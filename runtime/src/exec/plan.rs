@@ -1,0 +1,174 @@
+//! What every executor checks and works out from a manifest before it runs
+//! it: where each layer's parameters sit in the arena (validated against the
+//! manifest and the arena's length), which layers are outputs, and after
+//! which layer each activation can be freed. Backends map the result onto
+//! their own memory (host offsets, device pointers).
+
+use std::collections::HashMap;
+
+use distmind_models::{Dtype, Layer, Manifest, Op, ParamEntry};
+
+use super::ExecError;
+
+/// One parameter of a layer, located in the packed arena.
+#[derive(Debug, Clone)]
+pub struct ParamLoc {
+    pub name: String,
+    /// Bytes from the start of the arena.
+    pub offset: u64,
+    pub nbytes: u64,
+    pub shape: Vec<usize>,
+}
+
+/// The checked layout of a model, shared by all backends.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// Per layer: its params in `OPS.md`'s order.
+    pub params: Vec<Vec<ParamLoc>>,
+    /// Layer ids of the manifest's outputs, in order.
+    pub outputs: Vec<usize>,
+    /// Per layer: the activations (layer ids) to drop once it ran.
+    pub frees_after: Vec<Vec<usize>>,
+}
+
+/// How many params `op` reads, in `OPS.md`'s order.
+pub fn param_count(op: &Op) -> usize {
+    match *op {
+        Op::Conv2d { bias, .. } | Op::Linear { bias, .. } => 1 + usize::from(bias),
+        Op::BatchNorm { .. } => 4,
+        Op::Embedding { .. } => 1,
+        Op::LayerNorm { .. } => 2,
+        _ => 0,
+    }
+}
+
+pub fn layer_error(model: &str, layer: &Layer, why: String) -> ExecError {
+    ExecError::Layer {
+        model: model.to_string(),
+        layer: layer.id,
+        name: layer.name.clone(),
+        op: layer.op.name().into(),
+        why,
+    }
+}
+
+/// Per layer, the activations whose last reader it is (its own output too
+/// when nothing reads it and it is not a model output).
+pub fn frees_after(layers: &[Layer], outputs: &[usize]) -> Vec<Vec<usize>> {
+    let mut last_use: Vec<Option<usize>> = (0..layers.len()).map(Some).collect();
+    for layer in layers {
+        for &input in &layer.inputs {
+            if input >= 0 {
+                last_use[input as usize] = Some(layer.id);
+            }
+        }
+    }
+    for &o in outputs {
+        last_use[o] = None;
+    }
+    let mut frees = vec![Vec::new(); layers.len()];
+    for (value, last) in last_use.iter().enumerate() {
+        if let Some(l) = *last {
+            frees[l].push(value);
+        }
+    }
+    frees
+}
+
+/// Checks `manifest` against itself and an arena of `arena_len` bytes and
+/// locates every layer's params: layer ids in order, inputs that name
+/// earlier layers or model inputs, the op's param count, f32 params inside
+/// the layer's own group and inside the arena, outputs that exist.
+pub fn plan(manifest: &Manifest, arena_len: u64) -> Result<Plan, ExecError> {
+    let model_err = |why: String| ExecError::Model {
+        model: manifest.name.clone(),
+        why,
+    };
+    if arena_len < manifest.stored_bytes {
+        return Err(model_err(format!(
+            "the arena has {arena_len} bytes, the model stores {}",
+            manifest.stored_bytes
+        )));
+    }
+    let by_name: HashMap<&str, &ParamEntry> = manifest
+        .params
+        .iter()
+        .map(|p| (p.name.as_str(), p))
+        .collect();
+    let mut params = Vec::with_capacity(manifest.layers.len());
+    for (i, layer) in manifest.layers.iter().enumerate() {
+        let layer_err = |why: String| layer_error(&manifest.name, layer, why);
+        if layer.id != i {
+            return Err(layer_err(format!("has id {} at position {i}", layer.id)));
+        }
+        for &input in &layer.inputs {
+            let ok = if input < 0 {
+                ((-input - 1) as usize) < manifest.inputs.len()
+            } else {
+                (input as usize) < i
+            };
+            if !ok {
+                return Err(layer_err(format!(
+                    "reads {input}, which is neither an earlier layer nor a model input"
+                )));
+            }
+        }
+        if layer.params.len() != param_count(&layer.op) {
+            return Err(layer_err(format!(
+                "has {} params, the op wants {}",
+                layer.params.len(),
+                param_count(&layer.op)
+            )));
+        }
+        let mut locs = Vec::with_capacity(layer.params.len());
+        for name in &layer.params {
+            let p = by_name
+                .get(name.as_str())
+                .ok_or_else(|| layer_err(format!("param {name} is not in the manifest")))?;
+            if p.dtype != Dtype::F32 || p.nbytes != 4 * p.shape.iter().product::<usize>() as u64 {
+                return Err(layer_err(format!(
+                    "param {name} is {:?} {:?} with {} bytes: expected f32",
+                    p.dtype, p.shape, p.nbytes
+                )));
+            }
+            if Some(p.group) != layer.group {
+                return Err(layer_err(format!(
+                    "param {name} lives in group {} but the layer is gated on {:?}",
+                    p.group, layer.group
+                )));
+            }
+            let group = manifest.groups.get(p.group).ok_or_else(|| {
+                layer_err(format!("param {name} names missing group {}", p.group))
+            })?;
+            let offset = group.offset + p.offset;
+            if p.offset + p.nbytes > group.bytes || offset + p.nbytes > arena_len {
+                return Err(layer_err(format!(
+                    "param {name} overruns group {}",
+                    p.group
+                )));
+            }
+            locs.push(ParamLoc {
+                name: name.clone(),
+                offset,
+                nbytes: p.nbytes,
+                shape: p.shape.clone(),
+            });
+        }
+        params.push(locs);
+    }
+    let mut outputs = Vec::with_capacity(manifest.outputs.len());
+    for o in &manifest.outputs {
+        if o.layer >= manifest.layers.len() {
+            return Err(model_err(format!(
+                "output {} names missing layer {}",
+                o.name, o.layer
+            )));
+        }
+        outputs.push(o.layer);
+    }
+    Ok(Plan {
+        frees_after: frees_after(&manifest.layers, &outputs),
+        params,
+        outputs,
+    })
+}
