@@ -6,9 +6,9 @@
 
 use std::collections::HashMap;
 
-use distmind_models::{Dtype, Layer, Manifest, Op, ParamEntry};
+use distmind_models::{Dtype, Layer, Manifest, Op, ParamEntry, TensorSpec};
 
-use super::ExecError;
+use super::{ExecError, HostTensor};
 
 /// One parameter of a layer, located in the packed arena.
 #[derive(Debug, Clone)]
@@ -171,4 +171,51 @@ pub fn plan(manifest: &Manifest, arena_len: u64) -> Result<Plan, ExecError> {
         params,
         outputs,
     })
+}
+
+/// Checks a request's inputs against the manifest's: the same count, and
+/// each the same dtype and shape except the batch (dimension 0, >= 1), which
+/// every backend accepts. Returns the request's batch size.
+pub fn check_inputs(
+    model: &str,
+    specs: &[TensorSpec],
+    inputs: &[HostTensor],
+) -> Result<usize, ExecError> {
+    let bad = |index: usize, got: String, want: String| ExecError::BadInput {
+        model: model.to_string(),
+        index,
+        got,
+        want,
+    };
+    if inputs.len() != specs.len() {
+        return Err(bad(
+            inputs.len(),
+            format!("{} inputs", inputs.len()),
+            format!("{} inputs", specs.len()),
+        ));
+    }
+    let mut batch = specs
+        .first()
+        .and_then(|s| s.shape.first().copied())
+        .unwrap_or(1);
+    for (i, (t, spec)) in inputs.iter().zip(specs).enumerate() {
+        let want_dtype = match spec.dtype {
+            Dtype::F32 => "f32",
+            Dtype::I64 => "i64",
+        };
+        let shape_ok = t.shape.len() == spec.shape.len()
+            && t.shape.first().is_none_or(|&b| b >= 1)
+            && t.shape.iter().skip(1).eq(spec.shape.iter().skip(1));
+        if t.dtype_name() != want_dtype || !shape_ok {
+            let want = format!(
+                "{want_dtype} {:?} (any batch size >= 1 in dimension 0)",
+                spec.shape
+            );
+            return Err(bad(i, t.describe(), want));
+        }
+        if i == 0 {
+            batch = t.shape.first().copied().unwrap_or(1);
+        }
+    }
+    Ok(batch)
 }

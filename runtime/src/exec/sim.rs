@@ -242,40 +242,7 @@ impl SimProgram {
     /// Checks the inputs against the manifest; like the cpu executor, only
     /// the batch dimension (0) may differ. Returns the request's batch.
     fn check_inputs(&self, inputs: &[HostTensor]) -> Result<usize, ExecError> {
-        let bad = |index: usize, got: String, want: String| ExecError::BadInput {
-            model: self.model.clone(),
-            index,
-            got,
-            want,
-        };
-        let mut batch = self.batch;
-        for (i, spec) in self.inputs.iter().enumerate() {
-            let want = format!(
-                "{} {:?} (any batch size >= 1 in dimension 0)",
-                dtype_name(spec.dtype),
-                spec.shape
-            );
-            let t = inputs
-                .get(i)
-                .ok_or_else(|| bad(i, "missing".into(), want.clone()))?;
-            let same_rest = t.shape.len() == spec.shape.len() && t.shape[1..] == spec.shape[1..];
-            if !same_rest || t.shape[0] == 0 || t.dtype_name() != dtype_name(spec.dtype) {
-                return Err(bad(i, t.describe(), want));
-            }
-            batch = t.shape[0];
-        }
-        if inputs.len() > self.inputs.len() {
-            let i = self.inputs.len();
-            return Err(bad(i, inputs[i].describe(), "no input".into()));
-        }
-        Ok(batch)
-    }
-}
-
-fn dtype_name(d: Dtype) -> &'static str {
-    match d {
-        Dtype::F32 => "f32",
-        Dtype::I64 => "i64",
+        super::plan::check_inputs(&self.model, &self.inputs, inputs)
     }
 }
 

@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
-use distmind_models::{Dtype, Layer, Manifest};
+use distmind_models::{Layer, Manifest};
 use distmind_transport::memory::{HostBuffer, HugePages};
 
 use super::plan::{self, ParamLoc};
@@ -269,43 +269,23 @@ impl CpuProgram {
     /// Checks the inputs against the manifest (the batch dimension may
     /// differ) and wraps them as tensors.
     fn input_tensors(&self, inputs: &[HostTensor]) -> Result<Vec<Tensor>, ExecError> {
-        let bad = |index: usize, got: String, want: String| ExecError::BadInput {
-            model: self.model.clone(),
-            index,
-            got,
-            want,
-        };
-        if inputs.len() != self.inputs.len() {
-            return Err(bad(
-                inputs.len(),
-                format!("{} inputs", inputs.len()),
-                format!("{} inputs", self.inputs.len()),
-            ));
-        }
-        let mut out = Vec::with_capacity(inputs.len());
-        for (i, (t, spec)) in inputs.iter().zip(&self.inputs).enumerate() {
-            let want_dtype = match spec.dtype {
-                Dtype::F32 => "f32",
-                Dtype::I64 => "i64",
-            };
-            let want = format!(
-                "{want_dtype} {:?} (any batch size >= 1 in dimension 0)",
-                spec.shape
-            );
-            let shape_ok = t.shape.len() == spec.shape.len()
-                && t.shape.first().is_none_or(|&b| b >= 1)
-                && t.shape.iter().skip(1).eq(spec.shape.iter().skip(1));
-            if t.dtype_name() != want_dtype || !shape_ok {
-                return Err(bad(i, t.describe(), want));
-            }
-            let tensor = match &t.data {
-                TensorData::F32(v) => Tensor::from_slice(v, t.shape.as_slice(), &Device::Cpu),
-                TensorData::I64(v) => Tensor::from_slice(v, t.shape.as_slice(), &Device::Cpu),
-            }
-            .map_err(|e| bad(i, t.describe(), format!("{want} ({e})")))?;
-            out.push(tensor);
-        }
-        Ok(out)
+        plan::check_inputs(&self.model, &self.inputs, inputs)?;
+        inputs
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                match &t.data {
+                    TensorData::F32(v) => Tensor::from_slice(v, t.shape.as_slice(), &Device::Cpu),
+                    TensorData::I64(v) => Tensor::from_slice(v, t.shape.as_slice(), &Device::Cpu),
+                }
+                .map_err(|e| ExecError::BadInput {
+                    model: self.model.clone(),
+                    index: i,
+                    got: t.describe(),
+                    want: format!("a tensor candle accepts ({e})"),
+                })
+            })
+            .collect()
     }
 
     /// Prepares the layer's params from the arena unless an earlier run did.

@@ -173,41 +173,16 @@ impl CudaProgram {
     /// differ) and the token ids against every embedding that reads them;
     /// returns the specs at the actual shapes.
     fn check_inputs(&self, inputs: &[HostTensor]) -> Result<Vec<TensorSpec>, ExecError> {
-        let bad = |index: usize, got: String, want: String| ExecError::BadInput {
-            model: self.model.clone(),
-            index,
-            got,
-            want,
-        };
-        if inputs.len() != self.inputs.len() {
-            return Err(bad(
-                inputs.len(),
-                format!("{} inputs", inputs.len()),
-                format!("{} inputs", self.inputs.len()),
-            ));
-        }
-        let mut specs = Vec::with_capacity(inputs.len());
-        for (i, (t, spec)) in inputs.iter().zip(&self.inputs).enumerate() {
-            let want_dtype = match spec.dtype {
-                Dtype::F32 => "f32",
-                Dtype::I64 => "i64",
-            };
-            let want = format!(
-                "{want_dtype} {:?} (any batch size >= 1 in dimension 0)",
-                spec.shape
-            );
-            let shape_ok = t.shape.len() == spec.shape.len()
-                && t.shape.first().is_none_or(|&b| b >= 1)
-                && t.shape.iter().skip(1).eq(spec.shape.iter().skip(1));
-            if t.dtype_name() != want_dtype || !shape_ok {
-                return Err(bad(i, t.describe(), want));
-            }
-            specs.push(TensorSpec {
+        plan::check_inputs(&self.model, &self.inputs, inputs)?;
+        let specs: Vec<TensorSpec> = inputs
+            .iter()
+            .zip(&self.inputs)
+            .map(|(t, spec)| TensorSpec {
                 name: spec.name.clone(),
                 shape: t.shape.clone(),
                 dtype: spec.dtype,
-            });
-        }
+            })
+            .collect();
         // Out-of-vocabulary ids: the cpu executor fails the layer; the kernel
         // cannot, so check on the host, where the ids still are.
         for layer in &self.layers {
