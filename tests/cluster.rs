@@ -46,6 +46,9 @@ fn read_back_and_compare(controller: &str, pkg: &Package) -> distmind_runtime::F
         "every group became visible once"
     );
     t.deregister(region).unwrap();
+    // Dropping the transport joins its stream threads, which may still hold
+    // their handle of the buffer for a moment after the last completion.
+    drop(t);
     let mut buf = Arc::into_inner(buf).expect("transport released the buffer");
     let mut at = 0usize;
     for g in 0..pkg.manifest.groups.len() {
