@@ -322,12 +322,25 @@ fn bad_inputs_and_gate_failures_are_reported() {
         "{e}"
     );
 
-    // An arena from another executor is refused.
-    let other = CpuExecutor::new().alloc_arena(m.stored_bytes).unwrap();
+    // An arena of another backend is refused; a cpu arena from another cpu
+    // executor is plain host memory and works.
+    struct Foreign(u64);
+    impl distmind_runtime::exec::Arena for Foreign {
+        fn len(&self) -> u64 {
+            self.0
+        }
+        fn upload(&self, _: usize, _: u64, _: &[u8]) -> Result<(), ExecError> {
+            Ok(())
+        }
+    }
+    let foreign: std::sync::Arc<dyn distmind_runtime::exec::Arena> =
+        std::sync::Arc::new(Foreign(m.stored_bytes));
     assert!(matches!(
-        exec.program(m, other),
+        exec.program(m, foreign),
         Err(ExecError::Model { .. })
     ));
+    let other = CpuExecutor::new().alloc_arena(m.stored_bytes).unwrap();
+    assert!(exec.program(m, other).is_ok());
     let small = exec.alloc_arena(m.stored_bytes / 2).unwrap();
     assert!(matches!(
         exec.program(m, small.clone()),

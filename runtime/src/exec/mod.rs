@@ -139,7 +139,7 @@ impl HostTensor {
 /// memory for `cuda`): ONE contiguous allocation in the packed layout of the
 /// manifest, so parameter `p` lives at `p.offset` bytes past the start of its
 /// group, which starts at `manifest.groups[g].offset`.
-pub trait Arena: Send + Sync {
+pub trait Arena: std::any::Any + Send + Sync {
     fn len(&self) -> u64;
 
     fn is_empty(&self) -> bool {
@@ -208,6 +208,13 @@ pub trait Executor: Send + Sync {
         manifest: &Manifest,
         arena: Arc<dyn Arena>,
     ) -> Result<Box<dyn Program>, ExecError>;
+}
+
+/// The concrete arena behind `arena`, if it is a `T`: how an executor gets
+/// its own arena type back in [`Executor::program`].
+pub fn downcast_arena<T: Arena>(arena: Arc<dyn Arena>) -> Option<Arc<T>> {
+    let any: Arc<dyn std::any::Any + Send + Sync> = arena;
+    any.downcast::<T>().ok()
 }
 
 /// A gate that never waits: every group is already uploaded (warm runs,

@@ -23,7 +23,7 @@ mod params;
 #[cfg(test)]
 mod tests;
 
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
@@ -37,13 +37,8 @@ use super::{
 use params::Prepared;
 
 /// The candle CPU backend behind [`Executor`].
-///
-/// It remembers (weakly) the arenas it allocated so that [`Executor::program`],
-/// which receives an `Arc<dyn Arena>`, can find the host buffer behind it
-/// without downcasting.
 #[derive(Debug, Default)]
 pub struct CpuExecutor {
-    arenas: Mutex<Vec<Weak<CpuArena>>>,
     pool: Arc<Mutex<ArenaPool>>,
 }
 
@@ -88,16 +83,6 @@ impl CpuExecutor {
     pub fn new() -> Self {
         CpuExecutor::default()
     }
-
-    /// The arena this executor allocated that `arena` points to.
-    fn find_arena(&self, arena: &Arc<dyn Arena>) -> Option<Arc<CpuArena>> {
-        let want = Arc::as_ptr(arena) as *const ();
-        let arenas = self.arenas.lock().unwrap_or_else(|e| e.into_inner());
-        arenas
-            .iter()
-            .filter_map(Weak::upgrade)
-            .find(|a| Arc::as_ptr(a) as *const () == want)
-    }
 }
 
 impl Executor for CpuExecutor {
@@ -127,11 +112,7 @@ impl Executor for CpuExecutor {
             None => CpuArena::new(bytes)?,
         };
         arena.pool = Some(self.pool.clone());
-        let arena = Arc::new(arena);
-        let mut arenas = self.arenas.lock().unwrap_or_else(|e| e.into_inner());
-        arenas.retain(|a| a.strong_count() > 0);
-        arenas.push(Arc::downgrade(&arena));
-        Ok(arena)
+        Ok(Arc::new(arena))
     }
 
     fn program(
@@ -139,10 +120,13 @@ impl Executor for CpuExecutor {
         manifest: &Manifest,
         arena: Arc<dyn Arena>,
     ) -> Result<Box<dyn Program>, ExecError> {
-        let cpu_arena = self.find_arena(&arena).ok_or_else(|| ExecError::Model {
-            model: manifest.name.clone(),
-            why: "the arena was not allocated by this cpu executor".into(),
-        })?;
+        let cpu_arena =
+            crate::exec::downcast_arena::<CpuArena>(arena.clone()).ok_or_else(|| {
+                ExecError::Model {
+                    model: manifest.name.clone(),
+                    why: "the arena was not allocated by this cpu executor".into(),
+                }
+            })?;
         Ok(Box::new(CpuProgram::new(manifest, cpu_arena)?))
     }
 }

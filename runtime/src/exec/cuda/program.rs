@@ -3,7 +3,7 @@
 //! (`cuStreamWaitEvent` on the group's upload event).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::Arc;
 use std::time::Instant;
 
 use distmind_models::shape::{self, Shape};
@@ -23,9 +23,6 @@ use crate::exec::{
 pub struct CudaExecutor {
     gpu: Arc<Gpu>,
     options: CudaOptions,
-    /// Arenas this executor allocated (weakly), so that [`Executor::program`]
-    /// finds the device memory behind an `Arc<dyn Arena>` without downcasting.
-    arenas: Mutex<Vec<Weak<CudaArena>>>,
 }
 
 impl std::fmt::Debug for CudaExecutor {
@@ -49,17 +46,7 @@ impl CudaExecutor {
         Ok(CudaExecutor {
             gpu: Gpu::open(device)?,
             options,
-            arenas: Mutex::new(Vec::new()),
         })
-    }
-
-    fn find_arena(&self, arena: &Arc<dyn Arena>) -> Option<Arc<CudaArena>> {
-        let want = Arc::as_ptr(arena) as *const ();
-        let arenas = self.arenas.lock().unwrap_or_else(|e| e.into_inner());
-        arenas
-            .iter()
-            .filter_map(Weak::upgrade)
-            .find(|a| Arc::as_ptr(a) as *const () == want)
     }
 }
 
@@ -83,11 +70,7 @@ impl Executor for CudaExecutor {
     }
 
     fn alloc_arena(&self, bytes: u64) -> Result<Arc<dyn Arena>, ExecError> {
-        let arena = Arc::new(CudaArena::new(&self.gpu, bytes)?);
-        let mut arenas = self.arenas.lock().unwrap_or_else(|e| e.into_inner());
-        arenas.retain(|a| a.strong_count() > 0);
-        arenas.push(Arc::downgrade(&arena));
-        Ok(arena)
+        Ok(Arc::new(CudaArena::new(&self.gpu, bytes)?))
     }
 
     fn program(
@@ -95,10 +78,13 @@ impl Executor for CudaExecutor {
         manifest: &Manifest,
         arena: Arc<dyn Arena>,
     ) -> Result<Box<dyn Program>, ExecError> {
-        let cuda_arena = self.find_arena(&arena).ok_or_else(|| ExecError::Model {
-            model: manifest.name.clone(),
-            why: "the arena was not allocated by this cuda executor".into(),
-        })?;
+        let cuda_arena =
+            crate::exec::downcast_arena::<CudaArena>(arena.clone()).ok_or_else(|| {
+                ExecError::Model {
+                    model: manifest.name.clone(),
+                    why: "the arena was not allocated by this cuda executor".into(),
+                }
+            })?;
         Ok(Box::new(CudaProgram::new(
             manifest,
             cuda_arena,
