@@ -18,6 +18,10 @@ pub enum ErrorCode {
     Busy,
     /// The request's deadline passed before it could be served.
     DeadlineExceeded,
+    /// Refused at admission: no GPU could finish it before its deadline.
+    /// Sent at once, before any work is done; the message says the
+    /// earliest finish the dispatcher could offer.
+    Rejected,
     ShuttingDown,
     Internal,
 }
@@ -184,6 +188,18 @@ pub enum ControllerRequest {
         devices: u32,
         executor: String,
         boot_id: u64,
+        /// Device ordinals (what `Infer.device` names); default 0..devices.
+        #[serde(default)]
+        device_ids: Vec<u32>,
+        /// Host cache bytes, shared by the devices (0: not reported).
+        #[serde(default)]
+        cache_bytes: u64,
+        /// Parameter memory per device (0: not reported).
+        #[serde(default)]
+        device_bytes: u64,
+        /// Models one device keeps resident at most (0: not reported).
+        #[serde(default)]
+        resident_models_max: u32,
     },
     /// A runtime's periodic liveness report; `queued` is the requests waiting
     /// in its device queues (for the dispatcher). Replies `HeartbeatOk`.
@@ -191,8 +207,61 @@ pub enum ControllerRequest {
         runtime: u32,
         boot_id: u64,
         queued: u64,
+        /// What the runtime holds now; corrects the dispatcher's view.
+        #[serde(default)]
+        snapshot: Option<RuntimeSnapshot>,
     },
     ListRuntimes,
+    /// The subscriber channel: which GPU does what, as the policy decided.
+    /// Replies `Assignments`; `epoch` grows on every change, so a
+    /// subscriber polls and acts only when it moved.
+    Assignments,
+}
+
+/// A runtime's state as it reports it in heartbeats.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RuntimeSnapshot {
+    pub devices: Vec<DeviceSnapshot>,
+    /// Models whose every group is in the host cache (at most
+    /// [`SNAPSHOT_MODELS_MAX`]; `host_cached_truncated` when cut).
+    pub host_cached: Vec<String>,
+    #[serde(default)]
+    pub host_cached_truncated: bool,
+}
+
+/// Most model names one snapshot list carries.
+pub const SNAPSHOT_MODELS_MAX: usize = 4096;
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct DeviceSnapshot {
+    pub device: u32,
+    /// Requests queued or running.
+    pub queued: u64,
+    /// Models resident on the device, most recently used first.
+    pub resident: Vec<String>,
+    /// The training job this device runs between requests, if any.
+    #[serde(default)]
+    pub training: Option<String>,
+    /// Recent training iteration time (0 when not training).
+    #[serde(default)]
+    pub train_iteration_ms: f64,
+}
+
+/// What one GPU is assigned to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GpuRole {
+    Inference,
+    Training,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuAssignment {
+    pub runtime: u32,
+    pub device: u32,
+    pub role: GpuRole,
+    /// The model(s) the policy placed on it (inference), or the training job.
+    pub models: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -224,6 +293,11 @@ pub enum ControllerReply {
     },
     Runtimes {
         runtimes: Vec<RuntimeInfo>,
+    },
+    Assignments {
+        epoch: u64,
+        policy: String,
+        gpus: Vec<GpuAssignment>,
     },
     Error(ErrorReply),
 }
@@ -265,6 +339,13 @@ pub enum RuntimeRequest {
     /// Runs `model` on the input frame that follows. `deadline_ms`: give up
     /// (an error reply) when the request waited this long in the queue.
     /// `trace`: return the request's pipeline trace with the outputs.
+    /// `device`: run it on this device (the dispatcher's choice); default:
+    /// the device that holds the model, else the least loaded.
+    ///
+    /// On the controller's client port the same request is routed by the
+    /// dispatcher: `deadline_ms` is then the request's latency SLO (default:
+    /// the model family's `slo_ms` in controller.json) and `device` must be
+    /// left out.
     Infer {
         id: u64,
         model: String,
@@ -272,6 +353,26 @@ pub enum RuntimeRequest {
         deadline_ms: Option<u64>,
         #[serde(default)]
         trace: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        device: Option<u32>,
+    },
+    /// Cache-in without running: fetch `model` into the host cache and, with
+    /// `device`, make it resident there. Replies `Prefetched`.
+    Prefetch {
+        id: u64,
+        model: String,
+        #[serde(default)]
+        device: Option<u32>,
+    },
+    /// Starts (`model`: a CNN package in the catalog) or stops (`None`) the
+    /// background training job of `device`. Training runs SGD iterations
+    /// while the device queue is empty and yields to inference at the next
+    /// iteration boundary. Replies `Training`.
+    Train {
+        id: u64,
+        device: u32,
+        #[serde(default)]
+        model: Option<String>,
     },
     /// Host cache and per-device counters.
     Stats { id: u64 },
@@ -310,6 +411,10 @@ pub struct TimingMsg {
     pub device: u32,
     /// Bytes this request read from memory servers.
     pub fetched_bytes: u64,
+    /// Time the device spent finishing a training iteration before it took
+    /// this request (0 when it was not training).
+    #[serde(default)]
+    pub train_yield_ms: f64,
 }
 
 /// One event of a request's pipeline, `at_ms` after the pipeline started.
@@ -335,7 +440,7 @@ pub struct HostCacheStats {
     pub evictions: u64,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct DeviceStats {
     pub device: u32,
     /// Requests waiting or running on this device.
@@ -349,7 +454,7 @@ pub struct DeviceStats {
     pub evictions: u64,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct RuntimeStats {
     pub executor: String,
     pub cache: HostCacheStats,
@@ -374,6 +479,29 @@ pub enum RuntimeReply {
         trace: Option<Vec<TraceEntry>>,
         #[serde(default)]
         trace_truncated: bool,
+        /// Models resident on the device that ran it, after it ran, most
+        /// recently used first (the dispatcher's live view).
+        #[serde(default)]
+        resident: Vec<String>,
+        /// Set by the controller's dispatcher on replies it routed.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        dispatch: Option<DispatchInfo>,
+    },
+    Prefetched {
+        id: u64,
+        model: String,
+        /// `Cold` when it was fetched, `HostCached` when only uploaded,
+        /// `DeviceResident` when there was nothing to do.
+        path: ServePath,
+        ms: f64,
+    },
+    Training {
+        id: u64,
+        device: u32,
+        /// The job now running (`None`: stopped).
+        model: Option<String>,
+        /// Iterations the previous job ran.
+        iterations: u64,
     },
     Stats {
         id: u64,
@@ -394,10 +522,27 @@ pub enum RuntimeReply {
     },
 }
 
+/// How the controller's dispatcher handled a request it routed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DispatchInfo {
+    pub runtime: u32,
+    pub device: u32,
+    /// The request's latency objective.
+    pub slo_ms: f64,
+    /// The dispatcher's estimate of the finish time at admission, from arrival.
+    pub estimated_ms: f64,
+    /// Time spent waiting in the dispatcher's queue for the device.
+    pub dispatch_queue_ms: f64,
+    /// Arrival at the dispatcher to the reply leaving it.
+    pub total_ms: f64,
+}
+
 impl RuntimeReply {
     pub fn id(&self) -> u64 {
         match self {
             RuntimeReply::Output { id, .. }
+            | RuntimeReply::Prefetched { id, .. }
+            | RuntimeReply::Training { id, .. }
             | RuntimeReply::Stats { id, .. }
             | RuntimeReply::Evicted { id, .. }
             | RuntimeReply::Error { id, .. } => *id,
@@ -426,6 +571,7 @@ mod tests {
             model: "m".into(),
             deadline_ms: None,
             trace: false,
+            device: None,
         };
         let s = serde_json::to_string(&r).unwrap();
         assert_eq!(serde_json::from_str::<RuntimeRequest>(&s).unwrap(), r);

@@ -275,6 +275,10 @@ impl ControllerClient {
             devices,
             executor: executor.to_string(),
             boot_id,
+            device_ids: Vec::new(),
+            cache_bytes: 0,
+            device_bytes: 0,
+            resident_models_max: 0,
         };
         match self.request(&req)? {
             ControllerReply::RuntimeRegistered {
@@ -295,6 +299,7 @@ impl ControllerClient {
             runtime,
             boot_id,
             queued,
+            snapshot: None,
         })? {
             ControllerReply::HeartbeatOk => Ok(()),
             r => Err(self.unexpected("RuntimeHeartbeat", r)),

@@ -23,6 +23,7 @@
 pub mod catalog;
 pub mod client;
 pub mod placement;
+pub mod policy;
 pub mod registry;
 pub mod runtimes;
 pub mod server;

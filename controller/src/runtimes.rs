@@ -11,7 +11,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use distmind_common::limits::NAME_BYTES_MAX;
-use distmind_common::proto::{ErrorCode, ErrorReply, RuntimeInfo};
+use distmind_common::proto::{
+    ErrorCode, ErrorReply, RuntimeInfo, RuntimeSnapshot, SNAPSHOT_MODELS_MAX,
+};
 
 use crate::registry::{Registration, MISSED_HEARTBEATS_DEAD};
 
@@ -20,6 +22,16 @@ pub const RUNTIMES_MAX: usize = 4096;
 
 /// Most devices one runtime may declare.
 pub const DEVICES_PER_RUNTIME_MAX: u32 = 1024;
+
+/// What a runtime declares about itself when it registers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RuntimeShape {
+    /// Device ordinals; `devices` of them (0..devices when not given).
+    pub device_ids: Vec<u32>,
+    pub cache_bytes: u64,
+    pub device_bytes: u64,
+    pub resident_models_max: u32,
+}
 
 #[derive(Debug, Clone)]
 struct Runtime {
@@ -31,6 +43,20 @@ struct Runtime {
     last_heartbeat: Instant,
     /// Liveness as of the last expire or heartbeat (transitions only).
     alive: bool,
+    shape: RuntimeShape,
+    /// The last state it reported, if any.
+    snapshot: Option<RuntimeSnapshot>,
+}
+
+/// A live runtime as the dispatcher sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RuntimeView {
+    pub id: u32,
+    pub addr: String,
+    pub boot_id: u64,
+    pub executor: String,
+    pub shape: RuntimeShape,
+    pub snapshot: Option<RuntimeSnapshot>,
 }
 
 /// The runtime registry.
@@ -113,11 +139,13 @@ impl RuntimeRegistry {
             r.executor = executor.to_string();
             r.last_heartbeat = now;
             r.alive = true;
+            r.shape = default_shape(devices);
             if old_boot_id == boot_id {
                 return Ok(Registration::Again { id });
             }
             r.boot_id = boot_id;
             r.queued = 0;
+            r.snapshot = None;
             return Ok(Registration::Restarted { id, old_boot_id });
         }
         if self.runtimes.len() >= RUNTIMES_MAX {
@@ -141,9 +169,57 @@ impl RuntimeRegistry {
                 boot_id,
                 last_heartbeat: now,
                 alive: true,
+                shape: default_shape(devices),
+                snapshot: None,
             },
         );
         Ok(Registration::New { id })
+    }
+
+    /// Records what runtime `id` declared about its devices and memory
+    /// (after [`register`](Self::register)). Empty `device_ids` means
+    /// 0..devices; otherwise there must be exactly `devices` distinct ids.
+    pub fn set_shape(&mut self, id: u32, mut shape: RuntimeShape) -> Result<(), ErrorReply> {
+        let Some(r) = self.runtimes.get_mut(&id) else {
+            return Err(ErrorReply::new(
+                ErrorCode::BadRequest,
+                format!("unknown runtime id {id}"),
+            ));
+        };
+        if shape.device_ids.is_empty() {
+            shape.device_ids = (0..r.devices).collect();
+        }
+        let mut ids = shape.device_ids.clone();
+        ids.sort_unstable();
+        ids.dedup();
+        if ids.len() != shape.device_ids.len() || ids.len() != r.devices as usize {
+            return Err(ErrorReply::new(
+                ErrorCode::BadRequest,
+                format!(
+                    "runtime {id} ({}): device_ids {:?} must be {} distinct ordinals",
+                    r.addr, shape.device_ids, r.devices
+                ),
+            ));
+        }
+        r.shape = shape;
+        Ok(())
+    }
+
+    /// Live runtimes with what they declared and last reported.
+    pub fn live(&self, now: Instant) -> Vec<RuntimeView> {
+        let dead_after = self.dead_after();
+        self.runtimes
+            .iter()
+            .filter(|(_, r)| !expired(r.last_heartbeat, now, dead_after))
+            .map(|(&id, r)| RuntimeView {
+                id,
+                addr: r.addr.clone(),
+                boot_id: r.boot_id,
+                executor: r.executor.clone(),
+                shape: r.shape.clone(),
+                snapshot: r.snapshot.clone(),
+            })
+            .collect()
     }
 
     /// Records a heartbeat. Returns true when the runtime was dead and is
@@ -153,8 +229,25 @@ impl RuntimeRegistry {
         id: u32,
         boot_id: u64,
         queued: u64,
+        snapshot: Option<RuntimeSnapshot>,
         now: Instant,
     ) -> Result<bool, ErrorReply> {
+        if let Some(s) = &snapshot {
+            let too_many = s.host_cached.len() > SNAPSHOT_MODELS_MAX
+                || s.devices.len() > DEVICES_PER_RUNTIME_MAX as usize
+                || s.devices
+                    .iter()
+                    .any(|d| d.resident.len() > SNAPSHOT_MODELS_MAX);
+            if too_many {
+                return Err(ErrorReply::new(
+                    ErrorCode::BadRequest,
+                    format!(
+                        "heartbeat of runtime {id}: a snapshot lists at most {SNAPSHOT_MODELS_MAX} models per list \
+                         and {DEVICES_PER_RUNTIME_MAX} devices"
+                    ),
+                ));
+            }
+        }
         let dead_after = self.dead_after();
         let Some(r) = self.runtimes.get_mut(&id) else {
             return Err(ErrorReply::new(
@@ -176,6 +269,9 @@ impl RuntimeRegistry {
         r.last_heartbeat = r.last_heartbeat.max(now);
         r.queued = queued;
         r.alive = true;
+        if snapshot.is_some() {
+            r.snapshot = snapshot;
+        }
         Ok(!was_alive)
     }
 
@@ -220,6 +316,13 @@ impl RuntimeRegistry {
     }
 }
 
+fn default_shape(devices: u32) -> RuntimeShape {
+    RuntimeShape {
+        device_ids: (0..devices).collect(),
+        ..RuntimeShape::default()
+    }
+}
+
 fn expired(last: Instant, now: Instant, dead_after: Duration) -> bool {
     now.saturating_duration_since(last) > dead_after
 }
@@ -242,7 +345,7 @@ mod tests {
             r.register("g:2", 1, "sim", 8, t0).unwrap(),
             Registration::New { id: 1 }
         );
-        r.heartbeat(0, 7, 5, t0).unwrap();
+        r.heartbeat(0, 7, 5, None, t0).unwrap();
         assert_eq!(
             r.register("g:1", 2, "cpu", 7, t0).unwrap(),
             Registration::Again { id: 0 }
@@ -257,10 +360,10 @@ mod tests {
         );
         let g = &r.list(t0)[0];
         assert_eq!((g.devices, g.queued, g.executor.as_str()), (4, 0, "cpu"));
-        let e = r.heartbeat(0, 7, 0, t0).unwrap_err();
+        let e = r.heartbeat(0, 7, 0, None, t0).unwrap_err();
         assert!(e.message.contains("register again"), "{e}");
         assert!(r
-            .heartbeat(5, 7, 0, t0)
+            .heartbeat(5, 7, 0, None, t0)
             .unwrap_err()
             .message
             .contains("unknown runtime id 5"));
@@ -273,14 +376,17 @@ mod tests {
         r.register("g:1", 1, "cpu", 1, t0).unwrap();
         r.register("g:2", 1, "cpu", 2, t0).unwrap();
         assert!(r.expire(t0 + 300 * MS).is_empty(), "3 intervals: alive");
-        assert!(!r.heartbeat(1, 2, 0, t0 + 250 * MS).unwrap());
+        assert!(!r.heartbeat(1, 2, 0, None, t0 + 250 * MS).unwrap());
         assert_eq!(r.expire(t0 + 301 * MS), vec![(0, "g:1".to_string())]);
         assert!(r.expire(t0 + 400 * MS).is_empty(), "reported once");
         let l = r.list(t0 + 400 * MS);
         assert!(!l[0].alive && l[1].alive);
         assert_eq!(l[0].last_heartbeat_ms_ago, 400);
         assert!(!r.is_alive(0, t0 + 400 * MS) && r.is_alive(1, t0 + 400 * MS));
-        assert!(r.heartbeat(0, 1, 0, t0 + 500 * MS).unwrap(), "came back");
+        assert!(
+            r.heartbeat(0, 1, 0, None, t0 + 500 * MS).unwrap(),
+            "came back"
+        );
         assert!(r.is_alive(0, t0 + 500 * MS));
         // Between sweeps, liveness is still exact.
         assert!(!r.list(t0 + 900 * MS)[1].alive);

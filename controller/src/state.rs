@@ -8,11 +8,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use distmind_common::proto::{ControllerReply, ControllerRequest, ErrorReply, ModelEntry};
+use distmind_common::proto::{
+    ControllerReply, ControllerRequest, ErrorReply, GpuAssignment, ModelEntry,
+};
 
 use crate::catalog::Catalog;
 use crate::registry::{Registration, Registry};
-use crate::runtimes::RuntimeRegistry;
+use crate::runtimes::{RuntimeRegistry, RuntimeShape};
 
 /// A reply whose model entries are still shared with the catalog.
 #[derive(Debug)]
@@ -49,6 +51,16 @@ pub struct ControllerState {
     catalog: Catalog,
     registry: Registry,
     runtimes: RuntimeRegistry,
+    /// What the policy decided last, published by the dispatcher.
+    assignments: Published,
+}
+
+/// The assignment the dispatcher published for subscribers.
+#[derive(Debug, Clone, Default)]
+struct Published {
+    epoch: u64,
+    policy: String,
+    gpus: Vec<GpuAssignment>,
 }
 
 impl ControllerState {
@@ -57,6 +69,18 @@ impl ControllerState {
             catalog: Catalog::new(),
             registry: Registry::new(heartbeat_interval),
             runtimes: RuntimeRegistry::new(heartbeat_interval),
+            assignments: Published::default(),
+        }
+    }
+
+    /// Publishes a new assignment to subscribers (bumps the epoch when it
+    /// changed).
+    pub fn publish_assignments(&mut self, policy: &str, gpus: Vec<GpuAssignment>) {
+        let a = &mut self.assignments;
+        if a.policy != policy || a.gpus != gpus {
+            a.epoch += 1;
+            a.policy = policy.to_string();
+            a.gpus = gpus;
         }
     }
 
@@ -150,10 +174,22 @@ impl ControllerState {
                 devices,
                 executor,
                 boot_id,
+                device_ids,
+                cache_bytes,
+                device_bytes,
+                resident_models_max,
             } => match self
                 .runtimes
                 .register(&addr, devices, &executor, boot_id, now)
-            {
+                .and_then(|reg| {
+                    let shape = RuntimeShape {
+                        device_ids,
+                        cache_bytes,
+                        device_bytes,
+                        resident_models_max,
+                    };
+                    self.runtimes.set_shape(reg.id(), shape).map(|()| reg)
+                }) {
                 Ok(reg) => {
                     let id = reg.id();
                     match reg {
@@ -180,7 +216,11 @@ impl ControllerState {
                 runtime,
                 boot_id,
                 queued,
-            } => match self.runtimes.heartbeat(runtime, boot_id, queued, now) {
+                snapshot,
+            } => match self
+                .runtimes
+                .heartbeat(runtime, boot_id, queued, snapshot, now)
+            {
                 Ok(came_back) => {
                     if came_back {
                         log::warn!(
@@ -194,6 +234,11 @@ impl ControllerState {
             },
             ControllerRequest::ListRuntimes => Outcome::Reply(ControllerReply::Runtimes {
                 runtimes: self.runtimes.list(now),
+            }),
+            ControllerRequest::Assignments => Outcome::Reply(ControllerReply::Assignments {
+                epoch: self.assignments.epoch,
+                policy: self.assignments.policy.clone(),
+                gpus: self.assignments.gpus.clone(),
             }),
         }
     }
@@ -380,6 +425,10 @@ mod tests {
             devices: 2,
             executor: "cpu".into(),
             boot_id: 4,
+            device_ids: vec![3, 5],
+            cache_bytes: 1 << 30,
+            device_bytes: 1 << 30,
+            resident_models_max: 4,
         };
         let id = match reply(&mut s, req, t0) {
             ControllerReply::RuntimeRegistered {
@@ -395,6 +444,7 @@ mod tests {
             runtime: id,
             boot_id: 4,
             queued,
+            snapshot: None,
         };
         assert_eq!(
             reply(&mut s, hb(3), t0 + ms(50)),
@@ -410,6 +460,9 @@ mod tests {
         assert_eq!(l.len(), 1);
         assert!(!l[0].alive, "3 missed intervals");
         assert_eq!((l[0].devices, l[0].queued), (2, 3));
+        assert!(s.runtimes().live(t0 + ms(351)).is_empty());
+        let live = s.runtimes().live(t0 + ms(50));
+        assert_eq!(live[0].shape.device_ids, vec![3, 5]);
         assert_eq!(
             reply(&mut s, hb(0), t0 + ms(400)),
             ControllerReply::HeartbeatOk
@@ -427,6 +480,7 @@ mod tests {
             runtime: id,
             boot_id: 5,
             queued: 0,
+            snapshot: None,
         };
         match reply(&mut s, stale, t0 + ms(400)) {
             ControllerReply::Error(e) => assert_eq!(e.code, ErrorCode::BadRequest),

@@ -16,8 +16,8 @@ use std::time::Duration;
 use distmind_common::handshake::{self, ClusterKey, HandshakeError};
 use distmind_common::limits::CONTROL_FRAME_BYTES_MAX;
 use distmind_common::proto::{
-    ErrorCode, ErrorReply, RuntimeReply, RuntimeRequest, RuntimeStats, TimingMsg, TraceEntry,
-    RUNTIME_OUTPUTS_MAX,
+    DispatchInfo, ErrorCode, ErrorReply, RuntimeReply, RuntimeRequest, RuntimeStats, ServePath,
+    TimingMsg, TraceEntry, RUNTIME_OUTPUTS_MAX,
 };
 use distmind_common::wire::{self, FrameKind, Role, WireError};
 
@@ -96,6 +96,10 @@ pub struct Inference {
     pub timing: TimingMsg,
     pub trace: Option<Vec<TraceEntry>>,
     pub trace_truncated: bool,
+    /// Models resident on the device after the request.
+    pub resident: Vec<String>,
+    /// The controller's dispatch record, when it routed the request.
+    pub dispatch: Option<DispatchInfo>,
 }
 
 /// One reply, as [`RuntimeClient::recv`] returns it.
@@ -112,6 +116,18 @@ pub enum Response {
         host_cache: bool,
         devices: u32,
     },
+    Prefetched {
+        id: u64,
+        model: String,
+        path: ServePath,
+        ms: f64,
+    },
+    Training {
+        id: u64,
+        device: u32,
+        model: Option<String>,
+        iterations: u64,
+    },
     Error {
         id: u64,
         error: ErrorReply,
@@ -124,6 +140,8 @@ impl Response {
             Response::Output(i) => i.id,
             Response::Stats { id, .. }
             | Response::Evicted { id, .. }
+            | Response::Prefetched { id, .. }
+            | Response::Training { id, .. }
             | Response::Error { id, .. } => *id,
         }
     }
@@ -344,6 +362,7 @@ impl RuntimeSender {
             model: model.to_string(),
             deadline_ms: opts.deadline_ms,
             trace: opts.trace,
+            device: None,
         };
         wire::send_message_sync(&mut self.w, &req)
             .and_then(|()| wire::write_frame_sync(&mut self.w, FrameKind::WriteChunk, &[&bytes]))
@@ -372,6 +391,8 @@ impl RuntimeReceiver {
                 outputs: names,
                 trace,
                 trace_truncated,
+                resident,
+                dispatch,
             } => {
                 if names.len() > RUNTIME_OUTPUTS_MAX {
                     return Err(self.wire_err(WireError::Malformed(format!(
@@ -407,8 +428,32 @@ impl RuntimeReceiver {
                     timing,
                     trace,
                     trace_truncated,
+                    resident,
+                    dispatch,
                 })
             }
+            RuntimeReply::Prefetched {
+                id,
+                model,
+                path,
+                ms,
+            } => Response::Prefetched {
+                id,
+                model,
+                path,
+                ms,
+            },
+            RuntimeReply::Training {
+                id,
+                device,
+                model,
+                iterations,
+            } => Response::Training {
+                id,
+                device,
+                model,
+                iterations,
+            },
             RuntimeReply::Stats { id, stats } => Response::Stats { id, stats },
             RuntimeReply::Evicted {
                 id,

@@ -273,11 +273,20 @@ async fn read_loop(
                         permit: Some(permit),
                     },
                     Ok(RuntimeRequest::Evict { id, model }) => evict(shared, id, model, permit),
+                    Ok(RuntimeRequest::Prefetch { id, .. } | RuntimeRequest::Train { id, .. }) => {
+                        error_reply(
+                            id,
+                            ErrorCode::BadRequest,
+                            format!("request {id}: prefetch and train are not served yet"),
+                            permit,
+                        )
+                    }
                     Ok(RuntimeRequest::Infer {
                         id,
                         model,
                         deadline_ms,
                         trace,
+                        device: _,
                     }) => {
                         let arrived = Instant::now();
                         let input = match read_incoming(&mut rd).await {

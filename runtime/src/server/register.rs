@@ -122,6 +122,10 @@ async fn session(
         devices: core.devices.len() as u32,
         executor: core.executor.kind().to_string(),
         boot_id,
+        device_ids: core.devices.iter().map(|d| d.id).collect(),
+        cache_bytes: core.cache.capacity_bytes(),
+        device_bytes: 0,
+        resident_models_max: 0,
     };
     let (runtime, interval_ms) = match request(&mut s, &register).await {
         Ok(ControllerReply::RuntimeRegistered {
@@ -153,6 +157,7 @@ async fn session(
             runtime,
             boot_id,
             queued: core.queued(),
+            snapshot: None,
         };
         match request(&mut s, &hb).await {
             Ok(ControllerReply::HeartbeatOk) => {}

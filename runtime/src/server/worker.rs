@@ -293,6 +293,8 @@ fn serve(core: &Core, index: usize, job: &Job) -> Outgoing {
             outputs: m.outputs.iter().map(|o| o.name.clone()).collect(),
             trace,
             trace_truncated,
+            resident: Vec::new(),
+            dispatch: None,
         },
         frames,
         permit: None,
@@ -360,6 +362,7 @@ pub(crate) fn timing_msg(t: &Timing, device: u32) -> TimingMsg {
         simulated: t.simulated,
         device,
         fetched_bytes: t.fetched_bytes,
+        train_yield_ms: 0.0,
     }
 }
 
