@@ -4,6 +4,8 @@
 
 pub mod bench;
 pub mod deploy;
+pub mod loadgen;
 pub mod logging;
 pub mod services;
 pub mod train;
+pub mod up;

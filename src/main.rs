@@ -30,12 +30,19 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// The main job: start a controller, two memory servers and a GPU server on this machine, deploy
+    /// models, run a one-minute mixed workload, print the results and stop everything.
+    #[command(alias = "demo")]
+    Up(distmind::up::UpArgs),
+    /// Send inference requests to the controller's dispatcher (closed loop, Poisson or a trace) and
+    /// report throughput, latency percentiles, SLO attainment and goodput.
+    Client(distmind::loadgen::ClientArgs),
     /// Generate or inspect model packages (manifest.json + weights.safetensors).
     #[command(subcommand)]
     Model(ModelCommand),
     /// Run a memory server: one DRAM arena serving one-sided reads of parameter slices.
     Memserver(MemserverCmd),
-    /// Run the controller (this release: the catalog and memory-server registry, i.e. the metadata endpoint).
+    /// Run the controller: catalog, registries, placement policy and the dispatcher that routes client requests.
     Controller(ControllerCmd),
     /// Shard model packages over the memory servers and register them in the catalog.
     Deploy(DeployCmd),
@@ -88,6 +95,12 @@ struct RuntimeCmd {
     /// Requests waiting per device; more are answered Busy.
     #[arg(long, default_value_t = distmind_runtime::server::QUEUE_DEPTH_MAX_DEFAULT)]
     queue_depth: usize,
+    /// Prometheus endpoint (GET /metrics, GET /health), e.g. 127.0.0.1:9102; off by default.
+    #[arg(long)]
+    metrics: Option<SocketAddr>,
+    /// Images per training iteration of a background training job (the original used 96).
+    #[arg(long, default_value_t = distmind_runtime::server::TRAIN_BATCH_DEFAULT)]
+    train_batch: usize,
 }
 
 #[derive(Args)]
@@ -165,15 +178,43 @@ struct MemserverCmd {
     /// Do not try explicit huge pages for the arena (by default they are tried, with a fallback to normal pages).
     #[arg(long)]
     no_huge_pages: bool,
+    /// Prometheus endpoint (GET /metrics, GET /health), e.g. 127.0.0.1:9101; off by default.
+    #[arg(long)]
+    metrics: Option<SocketAddr>,
 }
 
 #[derive(Args)]
 struct ControllerCmd {
     #[arg(long, default_value = "settings")]
     settings: PathBuf,
-    /// Listen address (default: the metadata endpoint, first line of storage_list.txt).
+    /// Catalog and registration address (default: the metadata endpoint, first line of storage_list.txt).
     #[arg(long)]
     listen: Option<SocketAddr>,
+    /// The dispatcher's client port (default: 127.0.0.1:GLOBAL_LOAD_BALANCER_PORT_FOR_CLIENT of config.sh).
+    #[arg(long)]
+    client_listen: Option<SocketAddr>,
+    /// Serve the catalog and registries only: no dispatcher, no client port.
+    #[arg(long)]
+    no_dispatcher: bool,
+    /// Prometheus endpoint (GET /metrics, GET /health), e.g. 127.0.0.1:9100; off by default.
+    #[arg(long)]
+    metrics: Option<SocketAddr>,
+    /// distmind (the original's Zipf reassignment, least-outstanding routing) or slo (deadline-aware
+    /// admission, EDF queues, demand-driven placement). Default: controller.json's `policy`.
+    #[arg(long)]
+    policy: Option<String>,
+    /// Balancer of the distmind policy: lor (least outstanding, cache-aware) or lfu.
+    #[arg(long)]
+    balancer: Option<String>,
+    /// Training job when training is on (a CNN model in the catalog, like the original's resnet152_train).
+    #[arg(long)]
+    train_model: Option<String>,
+    /// Share GPUs with training (overrides controller.json's use_train).
+    #[arg(long)]
+    use_train: Option<bool>,
+    /// Seed of the policy's random draws.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
 }
 
 #[derive(Args)]
@@ -206,6 +247,8 @@ enum BenchCommand {
     Transfer(bench::transfer::TransferArgs),
     /// First-request latency of a model on no device: pipelined vs load-then-run, per family.
     Coldstart(bench::coldstart::ColdstartArgs),
+    /// Controller routing decisions per second on one core, and the latency the dispatcher adds per request.
+    Dispatch(bench::dispatch::DispatchArgs),
 }
 
 /// Builds the executor named on the command line.
@@ -282,10 +325,19 @@ fn run(command: Command) -> anyhow::Result<()> {
             advertise: m.advertise,
             max_connections: m.max_connections,
             huge_pages: !m.no_huge_pages,
+            metrics: m.metrics,
         }),
         Command::Controller(c) => services::run_controller(services::ControllerArgs {
             settings: &c.settings,
             listen: c.listen,
+            client_listen: c.client_listen,
+            no_dispatcher: c.no_dispatcher,
+            metrics: c.metrics,
+            policy: c.policy,
+            balancer: c.balancer,
+            train_model: c.train_model,
+            use_train: c.use_train,
+            seed: c.seed,
         }),
         Command::Deploy(d) => {
             let settings = services::load_settings(&d.settings)?;
@@ -310,7 +362,10 @@ fn run(command: Command) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        Command::Up(a) => distmind::up::run(&a),
+        Command::Client(a) => distmind::loadgen::run(&a).map(|_| ()),
         Command::Bench(BenchCommand::Transfer(a)) => bench::transfer::run(&a),
+        Command::Bench(BenchCommand::Dispatch(a)) => bench::dispatch::run(&a),
         Command::Bench(BenchCommand::Coldstart(a)) => {
             let exec = executor(a.executor, &a.profile)?;
             bench::coldstart::run(&a, exec.as_ref())
@@ -329,6 +384,8 @@ fn run(command: Command) -> anyhow::Result<()> {
                 rate_limit_gbps: r.rate_limit_gbps,
                 max_connections: r.max_connections,
                 queue_depth: r.queue_depth,
+                metrics: r.metrics,
+                train_batch: r.train_batch,
             })
         }
         Command::Train(t) => distmind::train::run(&t),

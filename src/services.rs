@@ -56,6 +56,7 @@ pub struct MemserverArgs<'a> {
     pub advertise: Option<String>,
     pub max_connections: usize,
     pub huge_pages: bool,
+    pub metrics: Option<SocketAddr>,
 }
 
 pub fn run_memserver(args: MemserverArgs<'_>) -> anyhow::Result<()> {
@@ -72,9 +73,13 @@ pub fn run_memserver(args: MemserverArgs<'_>) -> anyhow::Result<()> {
     config.advertise = args.advertise;
     config.max_connections = args.max_connections;
     config.huge_pages = args.huge_pages;
+    config.metrics_listen = args.metrics;
     runtime()?.block_on(async move {
         let server = distmind_memserver::Memserver::bind(config).await?;
         println!("memserver listening on {}", server.local_addr());
+        if let Some(a) = server.metrics_addr() {
+            println!("metrics listening on {a}");
+        }
         server.serve(shutdown_signal()).await?;
         anyhow::Ok(())
     })
@@ -83,6 +88,63 @@ pub fn run_memserver(args: MemserverArgs<'_>) -> anyhow::Result<()> {
 pub struct ControllerArgs<'a> {
     pub settings: &'a Path,
     pub listen: Option<SocketAddr>,
+    /// The dispatcher's client port; default 127.0.0.1:<GLOBAL_LOAD_BALANCER_PORT_FOR_CLIENT>.
+    pub client_listen: Option<SocketAddr>,
+    /// Run the catalog only, no dispatcher.
+    pub no_dispatcher: bool,
+    pub metrics: Option<SocketAddr>,
+    /// Default: controller.json's `policy`.
+    pub policy: Option<String>,
+    pub balancer: Option<String>,
+    /// Training job for `use_train` (a CNN model in the catalog).
+    pub train_model: Option<String>,
+    /// Overrides controller.json's `use_train`.
+    pub use_train: Option<bool>,
+    pub seed: u64,
+}
+
+/// The dispatcher's configuration from controller.json and the flags.
+pub fn dispatch_config(
+    settings: &Settings,
+    args: &ControllerArgs<'_>,
+) -> anyhow::Result<distmind_controller::dispatch::DispatchConfig> {
+    use distmind_controller::policy::distmind::DistMindConfig;
+    use distmind_controller::policy::{Balancer, PolicyKind};
+    let c = &settings.controller;
+    let policy: PolicyKind = args
+        .policy
+        .as_deref()
+        .unwrap_or(&c.policy)
+        .parse()
+        .map_err(|e: String| anyhow::anyhow!("{e} (controller.json `policy` or --policy)"))?;
+    anyhow::ensure!(
+        c.rescheduling_period_s.is_finite() && c.rescheduling_period_s > 0.0,
+        "controller.json: rescheduling_period_s must be positive, got {}",
+        c.rescheduling_period_s
+    );
+    let mut cfg = distmind_controller::dispatch::DispatchConfig::new(
+        policy,
+        DistMindConfig {
+            period: (c.rescheduling_period_s * 1e6) as u64,
+            zipf_s: c.zipf_s,
+            inference_workload_s: c.inference_workload_s.clone(),
+            use_train: args.use_train.unwrap_or(c.use_train),
+            seed: args.seed,
+        },
+    );
+    if let Some(b) = &args.balancer {
+        cfg.balancer = b
+            .parse::<Balancer>()
+            .map_err(|e| anyhow::anyhow!("--balancer: {e}"))?;
+    }
+    cfg.slo_ms_by_family = c.slo_ms.clone().unwrap_or_default();
+    cfg.train_model = args.train_model.clone();
+    anyhow::ensure!(
+        !cfg.distmind.use_train || cfg.train_model.is_some(),
+        "use_train is on: name the training job with --train-model (a CNN model in the catalog, e.g. the \
+         original's resnet152_train)"
+    );
+    Ok(cfg)
 }
 
 pub fn run_controller(args: ControllerArgs<'_>) -> anyhow::Result<()> {
@@ -94,10 +156,26 @@ pub fn run_controller(args: ControllerArgs<'_>) -> anyhow::Result<()> {
             .socket_addr()
             .context("the metadata endpoint (first line of storage_list.txt) is not a local address to listen on; pass --listen")?,
     };
-    let config = distmind_controller::ControllerConfig::new(listen, cluster_key(&settings));
+    let mut config = distmind_controller::ControllerConfig::new(listen, cluster_key(&settings));
+    if !args.no_dispatcher {
+        let client = args.client_listen.unwrap_or_else(|| {
+            SocketAddr::from((
+                [127, 0, 0, 1],
+                settings.config.load_balancer_port_for_client,
+            ))
+        });
+        config.dispatch = Some((client, dispatch_config(&settings, &args)?));
+    }
+    config.metrics_listen = args.metrics;
     runtime()?.block_on(async move {
         let server = distmind_controller::Controller::bind(config).await?;
         println!("controller listening on {}", server.local_addr());
+        if let Some(a) = server.client_addr() {
+            println!("dispatcher listening on {a}");
+        }
+        if let Some(a) = server.metrics_addr() {
+            println!("metrics listening on {a}");
+        }
         server.serve(shutdown_signal()).await?;
         anyhow::Ok(())
     })
@@ -118,6 +196,9 @@ pub struct RuntimeArgs<'a> {
     pub rate_limit_gbps: Option<f64>,
     pub max_connections: usize,
     pub queue_depth: usize,
+    pub metrics: Option<SocketAddr>,
+    /// Images per training iteration.
+    pub train_batch: usize,
 }
 
 /// `distmind runtime`: the GPU server's request port.
@@ -155,9 +236,14 @@ pub fn run_runtime(args: RuntimeArgs<'_>) -> anyhow::Result<()> {
     config.advertise = args.advertise;
     config.max_connections = args.max_connections;
     config.queue_depth_max = args.queue_depth;
+    config.metrics_listen = args.metrics;
+    config.train_batch = args.train_batch;
     runtime()?.block_on(async move {
         let server = distmind_runtime::server::RuntimeServer::bind(config).await?;
         println!("runtime listening on {}", server.local_addr());
+        if let Some(a) = server.metrics_addr() {
+            println!("metrics listening on {a}");
+        }
         server.serve(shutdown_signal()).await?;
         anyhow::Ok(())
     })

@@ -6,6 +6,7 @@
 pub mod checksum;
 pub mod handshake;
 pub mod limits;
+pub mod metrics;
 pub mod proto;
 pub mod settings;
 pub mod wire;

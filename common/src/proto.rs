@@ -452,6 +452,18 @@ pub struct DeviceStats {
     pub hits: u64,
     pub misses: u64,
     pub evictions: u64,
+    /// Time spent computing or loading (requests, prefetches and training).
+    #[serde(default)]
+    pub busy_ms: f64,
+    /// The background training job, if any.
+    #[serde(default)]
+    pub training: Option<String>,
+    /// Training iterations this device ran, every job.
+    #[serde(default)]
+    pub train_iterations: u64,
+    /// Moving average of the current job's iteration time (0: none yet).
+    #[serde(default)]
+    pub train_iteration_ms: f64,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

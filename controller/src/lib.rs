@@ -1,6 +1,6 @@
 //! The DistMind controller.
 //!
-//! This first part is the cluster's *metadata* endpoint (the first line of
+//! The cluster's *metadata* endpoint (the first line of
 //! `settings/storage_list.txt`): the model catalog and the memory-server
 //! registry, served over the cluster protocol ([`distmind_common::proto`]),
 //! plus the pure sharding planner the deploy tool uses.
@@ -8,7 +8,10 @@
 //! Code map:
 //! * [`catalog`]: model name -> [`ModelEntry`](distmind_common::proto::ModelEntry), validated on put.
 //! * [`registry`]: memory servers, their boot ids and heartbeats; time is passed in.
-//! * [`runtimes`]: GPU servers (runtimes), same heartbeat rules; nothing routes to them yet.
+//! * [`runtimes`]: GPU servers (runtimes), same heartbeat rules, their devices and snapshots.
+//! * [`policy`]: placement and routing policies, pure, on a virtual clock.
+//! * [`dispatch`]: the dispatcher: decisions ([`dispatch::core`]), the client
+//!   port and runtime links ([`dispatch::net`]), metrics.
 //! * [`state`]: catalog + registry, one request applied at a time (no IO).
 //! * [`placement`]: how a model's groups are sharded over memory servers (pure).
 //! * [`server`]: the tokio listener, connection handling and expiry task.
@@ -22,6 +25,7 @@
 
 pub mod catalog;
 pub mod client;
+pub mod dispatch;
 pub mod placement;
 pub mod policy;
 pub mod registry;

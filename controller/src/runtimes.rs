@@ -4,8 +4,8 @@
 //! Same liveness rules as the memory-server [`Registry`](crate::registry):
 //! every method that needs the time takes `now`; a runtime that missed
 //! [`MISSED_HEARTBEATS_DEAD`] heartbeat intervals is dead and a heartbeat
-//! brings it back; the same address with a new boot id is a restart. Nothing
-//! routes requests with it yet: the dispatcher will.
+//! brings it back; the same address with a new boot id is a restart. The
+//! dispatcher reads [`RuntimeRegistry::live`] every tick.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};

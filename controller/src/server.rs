@@ -24,6 +24,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinSet;
 
+use crate::dispatch::metrics::DispatchMetrics;
+use crate::dispatch::net::DispatchNet;
+use crate::dispatch::{DispatchConfig, Dispatcher};
 use crate::registry::HEARTBEAT_INTERVAL_DEFAULT;
 use crate::state::ControllerState;
 
@@ -43,6 +46,11 @@ pub struct ControllerConfig {
     /// How often memory servers heartbeat; 3 missed intervals = dead.
     pub heartbeat_interval: Duration,
     pub max_connections: usize,
+    /// The dispatcher's client port and its policy; `None`: no dispatcher
+    /// (the controller serves the catalog and registries only).
+    pub dispatch: Option<(SocketAddr, DispatchConfig)>,
+    /// Prometheus scrape endpoint (`GET /metrics`, `GET /health`).
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl ControllerConfig {
@@ -53,6 +61,8 @@ impl ControllerConfig {
             key,
             heartbeat_interval: HEARTBEAT_INTERVAL_DEFAULT,
             max_connections: MAX_CONNECTIONS_DEFAULT,
+            dispatch: None,
+            metrics_listen: None,
         }
     }
 }
@@ -68,6 +78,13 @@ pub enum ControllerError {
     },
     #[error("invalid controller config: {0}")]
     Config(String),
+    #[error("cannot listen for {what} on {addr}: {source}")]
+    BindPort {
+        what: &'static str,
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("accepting connections on {addr} failed: {source}")]
     Accept {
         addr: SocketAddr,
@@ -79,7 +96,7 @@ pub enum ControllerError {
 /// The state shared by every connection task.
 #[derive(Debug)]
 struct Shared {
-    state: Mutex<ControllerState>,
+    state: Arc<Mutex<ControllerState>>,
     key: ClusterKey,
 }
 
@@ -92,13 +109,15 @@ impl Shared {
 }
 
 /// A bound controller, ready to [`serve`](Controller::serve).
-#[derive(Debug)]
 pub struct Controller {
     listener: TcpListener,
     local_addr: SocketAddr,
     shared: Arc<Shared>,
     heartbeat_interval: Duration,
     max_connections: usize,
+    dispatch: Option<(TcpListener, Dispatcher)>,
+    metrics: Option<TcpListener>,
+    dispatch_metrics: Arc<DispatchMetrics>,
 }
 
 impl Controller {
@@ -126,15 +145,44 @@ impl Controller {
                 addr: config.listen,
                 source,
             })?;
+        let dispatch = match config.dispatch {
+            None => None,
+            Some((addr, cfg)) => {
+                let d = Dispatcher::new(cfg).map_err(ControllerError::Config)?;
+                let l =
+                    TcpListener::bind(addr)
+                        .await
+                        .map_err(|source| ControllerError::BindPort {
+                            what: "clients (the dispatcher)",
+                            addr,
+                            source,
+                        })?;
+                Some((l, d))
+            }
+        };
+        let metrics =
+            match config.metrics_listen {
+                None => None,
+                Some(addr) => Some(TcpListener::bind(addr).await.map_err(|source| {
+                    ControllerError::BindPort {
+                        what: "metrics",
+                        addr,
+                        source,
+                    }
+                })?),
+            };
         Ok(Controller {
             listener,
             local_addr,
             shared: Arc::new(Shared {
-                state: Mutex::new(ControllerState::new(config.heartbeat_interval)),
+                state: Arc::new(Mutex::new(ControllerState::new(config.heartbeat_interval))),
                 key: config.key,
             }),
             heartbeat_interval: config.heartbeat_interval,
             max_connections: config.max_connections,
+            dispatch,
+            metrics,
+            dispatch_metrics: Arc::new(DispatchMetrics::new()),
         })
     }
 
@@ -143,8 +191,28 @@ impl Controller {
         self.local_addr
     }
 
+    /// The dispatcher's client port, when it runs.
+    pub fn client_addr(&self) -> Option<SocketAddr> {
+        self.dispatch
+            .as_ref()
+            .and_then(|(l, _)| l.local_addr().ok())
+    }
+
+    /// The metrics endpoint, when enabled.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
+    /// The Prometheus text exposition (what `GET /metrics` returns).
+    pub fn render_metrics(&self) -> String {
+        render(&self.shared, &self.dispatch_metrics)
+    }
+
     /// Serves until `shutdown` completes, then closes every connection.
-    pub async fn serve(self, shutdown: impl Future<Output = ()>) -> Result<(), ControllerError> {
+    pub async fn serve(
+        mut self,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), ControllerError> {
         log::info!("controller (metadata) listening on {}", self.local_addr);
         let (stop_tx, stop_rx) = watch::channel(false);
         let mut tasks = JoinSet::new();
@@ -153,6 +221,36 @@ impl Controller {
             self.heartbeat_interval,
             stop_rx.clone(),
         ));
+        if let Some((listener, d)) = self.dispatch.take() {
+            log::info!(
+                "dispatcher ({} policy) listening on {}",
+                d.policy(),
+                listener
+                    .local_addr()
+                    .map_or_else(|_| "?".into(), |a| a.to_string())
+            );
+            let net = DispatchNet::start(
+                d,
+                self.shared.state.clone(),
+                self.shared.key.clone(),
+                self.dispatch_metrics.clone(),
+                &mut tasks,
+                stop_rx.clone(),
+            );
+            let key = self.shared.key.clone();
+            let stop = stop_rx.clone();
+            tasks.spawn(async move { net.serve_clients(listener, key, stop).await });
+        }
+        if let Some(listener) = self.metrics.take() {
+            let shared = self.shared.clone();
+            let m = self.dispatch_metrics.clone();
+            let render = Arc::new(move || render(&shared, &m));
+            tasks.spawn(distmind_common::metrics::serve(
+                listener,
+                render,
+                stop_rx.clone(),
+            ));
+        }
         let limit = Arc::new(Semaphore::new(self.max_connections));
         let result = tokio::select! {
             r = accept_loop(&self, &limit, &mut tasks, &stop_rx) => r,
@@ -226,6 +324,18 @@ fn is_transient(e: &std::io::Error) -> bool {
         e.kind(),
         ConnectionAborted | ConnectionReset | Interrupted | WouldBlock | TimedOut
     ) || e.raw_os_error().is_some_and(|c| c == 23 || c == 24) // ENFILE, EMFILE
+}
+
+fn render(shared: &Shared, m: &DispatchMetrics) -> String {
+    {
+        let s = shared.lock();
+        let now = Instant::now();
+        m.models.set(s.catalog().len() as i64);
+        m.runtimes_alive.set(s.runtimes().live(now).len() as i64);
+        m.memservers_alive
+            .set(s.registry().list(now).iter().filter(|x| x.alive).count() as i64);
+    }
+    m.render()
 }
 
 async fn expire_loop(shared: Arc<Shared>, interval: Duration, mut stop: watch::Receiver<bool>) {

@@ -16,6 +16,7 @@ use log::{debug, info, warn};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
+use crate::metrics::Op;
 use crate::server::Shared;
 
 /// Write chunks rejected since the last commit.
@@ -47,9 +48,18 @@ pub(crate) async fn serve(
             }
             Ok(Some((FrameKind::Message, payload))) => {
                 match wire::decode_message::<MemserverRequest>(&payload) {
-                    Ok(req) => handle(shared, peer, req, &mut rejected).await,
+                    Ok(req) => {
+                        let op = op_of(&req);
+                        let reply = handle(shared, peer, req, &mut rejected).await;
+                        match &reply {
+                            MemserverReply::Error(e) => shared.metrics.error(op, e.code),
+                            _ => shared.metrics.ok(op),
+                        }
+                        reply
+                    }
                     Err(e) => {
                         warn!("control request from {peer} is not a memory server request: {e}");
+                        shared.metrics.error(Op::Invalid, ErrorCode::BadRequest);
                         error(
                             ErrorCode::BadRequest,
                             format!("not a memory server request: {e}"),
@@ -68,6 +78,7 @@ pub(crate) async fn serve(
             Err(e) => {
                 // The framing is lost: say why, then close.
                 warn!("bad frame from {peer} (closing the connection): {e}");
+                shared.metrics.error(Op::Invalid, ErrorCode::BadRequest);
                 let reply = error(ErrorCode::BadRequest, format!("bad frame: {e}"));
                 if wire::send_message(&mut stream, &reply).await.is_ok() {
                     crate::server::close_after_error(&mut stream).await;
@@ -79,6 +90,16 @@ pub(crate) async fn serve(
             debug!("control connection from {peer} closed before its reply: {e}");
             return;
         }
+    }
+}
+
+/// The metrics label of a request.
+fn op_of(req: &MemserverRequest) -> Op {
+    match req {
+        MemserverRequest::Alloc { .. } => Op::Alloc,
+        MemserverRequest::Commit { .. } => Op::Commit,
+        MemserverRequest::Free { .. } => Op::Free,
+        MemserverRequest::Stats => Op::Stats,
     }
 }
 
@@ -104,6 +125,10 @@ fn write_chunk(shared: &Shared, peer: SocketAddr, payload: &[u8], rejected: &mut
             })
         }
     };
+    match &result {
+        Ok(()) => shared.metrics.ok(Op::Write),
+        Err(e) => shared.metrics.error(Op::Write, e.code),
+    }
     if let Err(e) = result {
         if rejected.first.is_none() {
             warn!(
@@ -140,6 +165,7 @@ async fn handle(
                 }
                 Err(e) => {
                     warn!("{peer}: alloc of {bytes} bytes for {owner:?} failed: {e}");
+                    shared.metrics.alloc_failures.inc();
                     MemserverReply::Error(e.to_reply())
                 }
             }
@@ -204,7 +230,9 @@ async fn commit(shared: &Shared, peer: SocketAddr, offset: u64, want_hex: &str) 
             ),
         );
     }
+    let len = lease.bytes().len() as u64;
     lease.commit();
-    info!("{peer}: committed extent at {offset}");
+    shared.metrics.bytes_committed.inc_by(len);
+    info!("{peer}: committed extent at {offset} ({len} bytes)");
     MemserverReply::Committed { offset }
 }

@@ -7,7 +7,6 @@
 //! leased bytes, release. Nothing is allocated and no JSON is parsed.
 
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use distmind_common::limits::READ_CHUNK_BYTES_MAX;
@@ -85,6 +84,7 @@ pub(crate) async fn serve(
             Ok(req) => req,
             Err(e) => {
                 warn!("bad read request from {peer} (closing the connection): {e}");
+                shared.metrics.reads_bad_request.inc();
                 let r = ReadReply {
                     wr_id,
                     status: ReadStatus::BadRequest,
@@ -100,6 +100,7 @@ pub(crate) async fn serve(
             Ok(lease) => lease,
             Err(e) => {
                 info!("read from {peer} refused: {e}");
+                shared.metrics.reads_out_of_range.inc();
                 let r = ReadReply {
                     wr_id,
                     status: ReadStatus::OutOfRange,
@@ -132,6 +133,7 @@ pub(crate) async fn serve(
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
                 debug!("data connection from {peer} closed during a reply: {e}");
+                shared.metrics.reads_aborted.inc();
                 return;
             }
             Err(_) => {
@@ -139,10 +141,12 @@ pub(crate) async fn serve(
                     "reader {peer} did not take {} bytes in {REPLY_WRITE_TIMEOUT:?}; closing",
                     req.len
                 );
+                shared.metrics.reads_aborted.inc();
                 return;
             }
         }
-        shared.reads_served.fetch_add(1, Ordering::Relaxed);
-        shared.bytes_served.fetch_add(req.len, Ordering::Relaxed);
+        // Pre-created counters: one relaxed atomic add each.
+        shared.metrics.reads_served.inc();
+        shared.metrics.bytes_served.inc_by(req.len);
     }
 }

@@ -8,6 +8,7 @@
 //! * [`server`]: the tokio listener; `control` and `data` handle one
 //!   connection each; [`register`] keeps the controller informed.
 //! * [`client`]: the blocking control client the deploy tool uses.
+//! * [`metrics`]: the Prometheus series, served on `metrics_listen`.
 //!
 //! **Architecture invariant:** the data path (read requests) takes no lock
 //! but the extent table's short one, allocates nothing per request and parses
@@ -22,6 +23,7 @@ pub mod client;
 mod control;
 mod data;
 pub mod extents;
+pub mod metrics;
 pub mod register;
 pub mod server;
 

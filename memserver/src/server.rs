@@ -2,15 +2,18 @@
 //! allocates the arena and binds the port once; [`Memserver::serve`] accepts
 //! connections until its shutdown future resolves. Each connection is its own
 //! task (handshake, then `control` or `data` by role), bounded by a semaphore.
+//! With [`MemserverConfig::metrics_listen`] set, `bind` also binds the
+//! Prometheus endpoint and `serve` serves it ([`crate::metrics`]) until
+//! shutdown.
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use distmind_common::handshake::{self, ClusterKey};
 use distmind_common::limits::READ_CHUNK_BYTES_MAX;
+use distmind_common::metrics as scrape;
 use distmind_common::proto::MemserverStats;
 use distmind_common::wire::Role;
 use distmind_transport::MemoryError;
@@ -20,6 +23,7 @@ use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
 use crate::arena::Arena;
+use crate::metrics::{gauge_value, Metrics};
 
 /// How long in-flight requests get to finish once shutdown starts.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
@@ -31,9 +35,13 @@ pub const READ_BYTES_IN_FLIGHT_MAX_DEFAULT: u64 = 256 << 20;
 const _: () = assert!(READ_BYTES_IN_FLIGHT_MAX_DEFAULT >= READ_CHUNK_BYTES_MAX);
 const _: () = assert!(READ_CHUNK_BYTES_MAX <= u32::MAX as u64);
 
+/// How a memory server runs; [`MemserverConfig::new`] gives the defaults.
 #[derive(Debug, Clone)]
 pub struct MemserverConfig {
     pub listen: SocketAddr,
+    /// Where to serve Prometheus metrics (`GET /metrics`, `GET /health`);
+    /// `None` (the default): no metrics endpoint.
+    pub metrics_listen: Option<SocketAddr>,
     pub capacity_bytes: u64,
     pub key: ClusterKey,
     /// `host:port` of the controller's metadata port; `None`: do not register.
@@ -51,6 +59,7 @@ impl MemserverConfig {
     pub fn new(listen: SocketAddr, capacity_bytes: u64, key: ClusterKey) -> Self {
         MemserverConfig {
             listen,
+            metrics_listen: None,
             capacity_bytes,
             key,
             controller: None,
@@ -79,6 +88,12 @@ pub enum MemserverError {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot serve metrics on {addr}: {source}")]
+    MetricsBind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// State every connection task shares.
@@ -89,11 +104,10 @@ pub(crate) struct Shared {
     pub capacity_bytes: u64,
     /// Permits are bytes of read replies being written.
     pub read_bytes: Semaphore,
-    pub connections: AtomicU64,
-    pub bytes_served: AtomicU64,
-    pub reads_served: AtomicU64,
-    pub handshakes_refused: AtomicU64,
-    pub connections_refused: AtomicU64,
+    /// [`MemserverConfig::read_bytes_in_flight_max`]: all of `read_bytes`.
+    pub read_bytes_max: usize,
+    /// Every counter, the data path's included.
+    pub metrics: Metrics,
 }
 
 impl Shared {
@@ -104,10 +118,25 @@ impl Shared {
             used_bytes: t.alloc.used_bytes,
             largest_free_bytes: t.alloc.largest_free_bytes,
             extents: t.alloc.extents,
-            connections: self.connections.load(Ordering::Relaxed),
-            bytes_served: self.bytes_served.load(Ordering::Relaxed),
-            reads_served: self.reads_served.load(Ordering::Relaxed),
+            connections: u64::try_from(self.metrics.connections.get()).unwrap_or(0),
+            bytes_served: self.metrics.bytes_served.get(),
+            reads_served: self.metrics.reads_served.get(),
         }
+    }
+
+    /// Sets the gauges read at scrape time and encodes every series.
+    pub fn render_metrics(&self) -> String {
+        let s = self.stats();
+        let m = &self.metrics;
+        m.capacity_bytes.set(gauge_value(s.capacity_bytes));
+        m.used_bytes.set(gauge_value(s.used_bytes));
+        m.largest_free_bytes.set(gauge_value(s.largest_free_bytes));
+        m.extents.set(gauge_value(s.extents));
+        let in_flight = self
+            .read_bytes_max
+            .saturating_sub(self.read_bytes.available_permits());
+        m.read_bytes_in_flight.set(gauge_value(in_flight as u64));
+        m.encode()
     }
 }
 
@@ -121,16 +150,24 @@ impl StatsHandle {
     }
     /// Connections whose handshake failed (wrong key, garbage, timeout).
     pub fn handshakes_refused(&self) -> u64 {
-        self.0.handshakes_refused.load(Ordering::Relaxed)
+        self.0.metrics.handshakes_refused.get()
     }
     /// Connections closed at once because the connection bound was reached.
     pub fn connections_refused(&self) -> u64 {
-        self.0.connections_refused.load(Ordering::Relaxed)
+        self.0.metrics.connections_refused.get()
+    }
+    /// The Prometheus exposition `GET /metrics` would return now
+    /// (OpenMetrics text), with or without a metrics endpoint.
+    pub fn render_metrics(&self) -> String {
+        self.0.render_metrics()
     }
 }
 
+/// A bound memory server: [`Memserver::bind`], then [`Memserver::serve`].
 pub struct Memserver {
     listener: TcpListener,
+    /// The Prometheus endpoint, if [`MemserverConfig::metrics_listen`] is set.
+    metrics_listener: Option<TcpListener>,
     shared: Arc<Shared>,
     config: MemserverConfig,
     boot_id: u64,
@@ -163,6 +200,14 @@ impl Memserver {
                     addr: config.listen,
                     source,
                 })?;
+        let metrics_listener = match config.metrics_listen {
+            None => None,
+            Some(addr) => Some(
+                scrape::bind(addr)
+                    .await
+                    .map_err(|source| MemserverError::MetricsBind { addr, source })?,
+            ),
+        };
         let (capacity_bytes, huge) = (config.capacity_bytes, config.huge_pages);
         let started = Instant::now();
         // Faulting in gigabytes takes seconds: keep it off the async workers.
@@ -184,14 +229,12 @@ impl Memserver {
             key: config.key.clone(),
             capacity_bytes,
             read_bytes: Semaphore::new(in_flight),
-            connections: AtomicU64::new(0),
-            bytes_served: AtomicU64::new(0),
-            reads_served: AtomicU64::new(0),
-            handshakes_refused: AtomicU64::new(0),
-            connections_refused: AtomicU64::new(0),
+            read_bytes_max: in_flight,
+            metrics: Metrics::new(),
         });
         Ok(Memserver {
             listener,
+            metrics_listener,
             shared,
             config,
             boot_id: rand::random(),
@@ -202,6 +245,15 @@ impl Memserver {
         self.listener
             .local_addr()
             .expect("a bound listener has an address")
+    }
+
+    /// The bound metrics address (`None` without
+    /// [`MemserverConfig::metrics_listen`]); the CLI prints
+    /// `metrics listening on <addr>`.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_listener
+            .as_ref()
+            .map(|l| l.local_addr().expect("a bound listener has an address"))
     }
 
     pub fn stats_handle(&self) -> StatsHandle {
@@ -215,12 +267,21 @@ impl Memserver {
 
     /// Serves until `shutdown` resolves, then stops accepting, gives
     /// in-flight requests [`SHUTDOWN_GRACE`] to finish, and returns.
-    pub async fn serve(self, shutdown: impl Future<Output = ()>) -> Result<(), MemserverError> {
+    pub async fn serve(mut self, shutdown: impl Future<Output = ()>) -> Result<(), MemserverError> {
         let local = self.local_addr();
         info!("memory server listening on {local}");
         let (stop_tx, stop_rx) = watch::channel(false);
         let limit = Arc::new(Semaphore::new(self.config.max_connections));
         let mut tasks = JoinSet::new();
+        if let Some(listener) = self.metrics_listener.take() {
+            if let Ok(addr) = listener.local_addr() {
+                info!("memory server metrics on http://{addr}/metrics");
+            }
+            let shared = Arc::clone(&self.shared);
+            let render: Arc<dyn Fn() -> String + Send + Sync> =
+                Arc::new(move || shared.render_metrics());
+            tasks.spawn(scrape::serve(listener, render, stop_rx.clone()));
+        }
         if let Some(controller) = self.config.controller.clone() {
             let advertise = self
                 .config
@@ -250,7 +311,7 @@ impl Memserver {
                             tasks.spawn(handle_connection(shared, stream, peer, stop, permit));
                         }
                         Err(_) => {
-                            self.shared.connections_refused.fetch_add(1, Ordering::Relaxed);
+                            self.shared.metrics.connections_refused.inc();
                             // Once per episode of being full, not once per connection.
                             if !refusing {
                                 warn!(
@@ -303,12 +364,12 @@ fn report_join(done: Result<(), tokio::task::JoinError>) {
     }
 }
 
-/// Decrements the open-connection count when a connection ends.
-struct OpenConnection<'a>(&'a AtomicU64);
+/// Decrements the open-connection gauge when a connection ends.
+struct OpenConnection<'a>(&'a prometheus_client::metrics::gauge::Gauge);
 
 impl Drop for OpenConnection<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.0.dec();
     }
 }
 
@@ -319,13 +380,13 @@ async fn handle_connection(
     mut stop: watch::Receiver<bool>,
     _permit: OwnedSemaphorePermit,
 ) {
-    shared.connections.fetch_add(1, Ordering::Relaxed);
-    let _open = OpenConnection(&shared.connections);
+    shared.metrics.connections.inc();
+    let _open = OpenConnection(&shared.metrics.connections);
     let _ = stream.set_nodelay(true);
     let role = match handshake::server(&mut stream, &shared.key).await {
         Ok(role) => role,
         Err(e) => {
-            shared.handshakes_refused.fetch_add(1, Ordering::Relaxed);
+            shared.metrics.handshakes_refused.inc();
             warn!("refused connection from {peer}: {e}");
             return;
         }

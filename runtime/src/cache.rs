@@ -32,6 +32,7 @@
 //! bounded bytes in flight.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -147,6 +148,8 @@ pub struct CacheStats {
     pub hits: u64,
     pub misses: u64,
     pub evictions: u64,
+    /// Bytes read from memory servers by completed fills.
+    pub fetched_bytes: u64,
 }
 
 /// Whether a lookup found the model.
@@ -292,6 +295,8 @@ struct Inner {
     /// completion consumer. The lock also holds the peer connections.
     fetch: Mutex<Peers>,
     table: Mutex<Table>,
+    /// Bytes read by completed fills.
+    fetched_bytes: AtomicU64,
 }
 
 impl Inner {
@@ -369,6 +374,7 @@ impl HostCache {
                 region,
                 fetch: Mutex::new(Peers::new()),
                 table: Mutex::new(table),
+                fetched_bytes: AtomicU64::new(0),
             }),
         })
     }
@@ -400,7 +406,31 @@ impl HostCache {
             hits: t.hits,
             misses: t.misses,
             evictions: t.evictions,
+            fetched_bytes: self.inner.fetched_bytes.load(Ordering::Relaxed),
         }
+    }
+
+    /// The models whose every group is in the cache (fill complete), most
+    /// recently used first, at most `limit` of them; `true` when more were
+    /// left out. Pins nothing and counts no hit.
+    pub fn complete_models(&self, limit: usize) -> (Vec<String>, bool) {
+        // Slot locks are taken after the table lock is released.
+        let slots: Vec<(u64, Arc<Slot>)> = {
+            let t = self.inner.table();
+            t.by_name
+                .values()
+                .map(|id| (t.entries[id].last_used, t.entries[id].slot.clone()))
+                .collect()
+        };
+        let mut complete: Vec<(u64, String)> = slots
+            .into_iter()
+            .filter(|(_, slot)| slot.lock().state == FillState::Complete)
+            .map(|(used, slot)| (used, slot.name.clone()))
+            .collect();
+        complete.sort_unstable_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+        let truncated = complete.len() > limit;
+        complete.truncate(limit);
+        (complete.into_iter().map(|(_, n)| n).collect(), truncated)
     }
 
     /// Whether `model` is in the cache (any state but failed), without
@@ -656,6 +686,9 @@ impl HostCache {
         };
         match result {
             Ok(report) => {
+                self.inner
+                    .fetched_bytes
+                    .fetch_add(report.bytes, Ordering::Relaxed);
                 slot.lock().state = FillState::Complete;
                 slot.cv.notify_all();
                 Ok(report)
@@ -1001,6 +1034,7 @@ mod tests {
             })
             .unwrap();
         assert_eq!(report.bytes, 15000);
+        assert_eq!(c.stats().fetched_bytes, 15000);
         assert_eq!(seen.len(), 3);
         assert!(visible_at_callback.iter().all(|v| *v));
         assert!(m.is_complete());
@@ -1021,6 +1055,24 @@ mod tests {
             c.lookup_or_reserve("m", &[15000]).is_err(),
             "another layout"
         );
+    }
+
+    #[test]
+    fn complete_models_lists_filled_models_most_recent_first_and_bounded() {
+        let (c, fabric) = cache(16);
+        let (ea, _) = model(&fabric, "a", 1, 100);
+        let (eb, _) = model(&fabric, "b", 1, 100);
+        for e in [&ea, &eb] {
+            let (m, _) = c.lookup_or_reserve(&e.name, &[100]).unwrap();
+            c.fill(&m, e, FetchOptions::default(), &mut |_| {}).unwrap();
+        }
+        // Reserved, never filled: not complete, not listed.
+        let _pending = c.reserve("pending", &[100]).unwrap();
+        assert_eq!(c.complete_models(10), (vec!["b".into(), "a".into()], false));
+        drop(c.get("a").unwrap());
+        assert_eq!(c.complete_models(10).0, ["a", "b"]);
+        assert_eq!(c.complete_models(1), (vec!["a".into()], true));
+        assert_eq!(c.complete_models(0), (Vec::<String>::new(), true));
     }
 
     #[test]

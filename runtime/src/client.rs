@@ -84,6 +84,8 @@ pub struct InferOptions {
     pub deadline_ms: Option<u64>,
     /// Return the pipeline trace with the outputs.
     pub trace: bool,
+    /// Run on the device with this ordinal (default: the server's choice).
+    pub device: Option<u32>,
 }
 
 /// A successful inference.
@@ -293,6 +295,47 @@ impl RuntimeClient {
         }
     }
 
+    /// Cache-in of `model` without running it: into the host cache, and with
+    /// `device` onto that device. Returns the path it took (`Cold`: fetched,
+    /// `HostCached`: already in the host cache, `DeviceResident`: nothing to
+    /// do) and the milliseconds from arrival to done.
+    pub fn prefetch(
+        &mut self,
+        model: &str,
+        device: Option<u32>,
+    ) -> Result<(ServePath, f64), RuntimeClientError> {
+        let id = self.tx.send(&|id| RuntimeRequest::Prefetch {
+            id,
+            model: model.to_string(),
+            device,
+        })?;
+        match self.expect(id)? {
+            Response::Prefetched { path, ms, .. } => Ok((path, ms)),
+            other => Err(self.unexpected(id, other)),
+        }
+    }
+
+    /// Starts (`Some(model)`), switches or stops (`None`) the background
+    /// training job of `device`. Returns the job now running and the
+    /// iterations the previous job ran.
+    pub fn train(
+        &mut self,
+        device: u32,
+        model: Option<&str>,
+    ) -> Result<(Option<String>, u64), RuntimeClientError> {
+        let id = self.tx.send(&|id| RuntimeRequest::Train {
+            id,
+            device,
+            model: model.map(str::to_string),
+        })?;
+        match self.expect(id)? {
+            Response::Training {
+                model, iterations, ..
+            } => Ok((model, iterations)),
+            other => Err(self.unexpected(id, other)),
+        }
+    }
+
     /// The next reply, which must answer `id`; an error reply becomes
     /// [`RuntimeClientError::Server`].
     fn expect(&mut self, id: u64) -> Result<Response, RuntimeClientError> {
@@ -362,7 +405,7 @@ impl RuntimeSender {
             model: model.to_string(),
             deadline_ms: opts.deadline_ms,
             trace: opts.trace,
-            device: None,
+            device: opts.device,
         };
         wire::send_message_sync(&mut self.w, &req)
             .and_then(|()| wire::write_frame_sync(&mut self.w, FrameKind::WriteChunk, &[&bytes]))

@@ -188,6 +188,30 @@ impl Residency {
         }
     }
 
+    /// Most models resident at once (the `max_models` given to [`Residency::new`]).
+    pub fn max_models(&self) -> usize {
+        self.inner.max_models
+    }
+
+    /// The names of the resident models, most recently used first (a model
+    /// counts as used when a request pins it and again when it lets go).
+    /// At most [`Residency::max_models`] names; evicted models still in use
+    /// are not listed.
+    pub fn resident_mru(&self) -> Vec<String> {
+        let t = self.inner.table();
+        let mut named: Vec<(u64, &str)> = t
+            .by_name
+            .iter()
+            .map(|(name, id)| (t.entries[id].last_used, name.as_str()))
+            .collect();
+        named.sort_unstable_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(b.1)));
+        named
+            .into_iter()
+            .take(self.inner.max_models)
+            .map(|(_, name)| name.to_string())
+            .collect()
+    }
+
     /// Pins `model` if resident (possibly still uploading); counts a hit or miss.
     pub fn get(&self, model: &str) -> Option<Resident> {
         let mut t = self.inner.table();
@@ -438,6 +462,24 @@ mod tests {
         assert_eq!(r.evict("d"), Some(false), "pinned twice");
         drop(d2);
         assert_eq!(r.stats().used_bytes, 70);
+    }
+
+    #[test]
+    fn resident_mru_lists_most_recently_used_first_bounded_by_the_cap() {
+        let r = Residency::new(1000, 3);
+        assert!(r.resident_mru().is_empty());
+        drop(admit(&r, "a", 1).unwrap());
+        drop(admit(&r, "b", 1).unwrap());
+        drop(admit(&r, "c", 1).unwrap());
+        assert_eq!(r.resident_mru(), ["c", "b", "a"]);
+        drop(r.get("a").unwrap());
+        assert_eq!(r.resident_mru(), ["a", "c", "b"]);
+        // A fourth model evicts the LRU one ("b"): still at most 3 names.
+        drop(admit(&r, "d", 1).unwrap());
+        assert_eq!(r.resident_mru(), ["d", "a", "c"]);
+        assert_eq!(r.max_models(), 3);
+        r.evict("a");
+        assert_eq!(r.resident_mru(), ["d", "c"]);
     }
 
     #[test]

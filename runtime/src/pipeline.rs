@@ -18,7 +18,10 @@
 //!
 //! [`cold_start`] overlaps the stages; [`sequential`] is the load-then-run
 //! baseline over the same code: fetch everything, then upload everything,
-//! then run.
+//! then run. [`load`] runs stages 1 and 2 only (a prefetch to a device: the
+//! model ends up resident, nothing is computed), and [`cache_in`] stage 1
+//! only (a prefetch to the host cache, or the bytes a training job starts
+//! from).
 //!
 //! Every call returns the outputs with a [`Timing`] breakdown and a
 //! [`MergedTrace`]: host arrival, upload and gate events per group and the
@@ -326,7 +329,7 @@ pub fn cold_start(
     req: &Request<'_>,
     opts: &PipelineOptions,
 ) -> Result<Served, PipelineError> {
-    serve(stages, req, opts, true)
+    serve(stages, req, opts, Mode::Overlap)
 }
 
 /// The load-then-run baseline: the same stages, each finished before the
@@ -336,7 +339,58 @@ pub fn sequential(
     req: &Request<'_>,
     opts: &PipelineOptions,
 ) -> Result<Served, PipelineError> {
-    serve(stages, req, opts, false)
+    serve(stages, req, opts, Mode::Sequential)
+}
+
+/// Makes `entry`'s model resident on the device without running it: the
+/// fetch (when it is not in the host cache) and the upload overlap as in
+/// [`cold_start`], then this waits until every group is uploaded.
+/// `req.inputs` is ignored. The timing's `path` says what had to be done
+/// ([`LoadPath::DeviceResident`]: nothing); `compute` is the wait for the
+/// last upload.
+pub fn load(
+    stages: &Stages<'_>,
+    req: &Request<'_>,
+    opts: &PipelineOptions,
+) -> Result<Timing, PipelineError> {
+    serve(stages, req, opts, Mode::LoadOnly).map(|(_, timing, _)| timing)
+}
+
+/// Stage 1 alone: brings `entry`'s model into the host cache (fetching it
+/// on a miss, waiting for the fill of another request on a hit) and returns
+/// it pinned, with [`LoadPath::Cold`] when this call fetched it (and the
+/// fetch report) or [`LoadPath::HostCached`] when it was there already.
+pub fn cache_in(
+    cache: &HostCache,
+    entry: &ModelEntry,
+    manifest: &Manifest,
+    opts: &PipelineOptions,
+) -> Result<(CachedModel, LoadPath, Option<FetchReport>), PipelineError> {
+    let sizes = group_layout(entry, manifest)?;
+    let (m, lookup) = cache.lookup_or_reserve(&entry.name, &sizes)?;
+    match lookup {
+        Lookup::Miss => {
+            let report = cache.fill(&m, entry, opts.fetch, &mut |_| {})?;
+            Ok((m, LoadPath::Cold, Some(report)))
+        }
+        Lookup::Hit => {
+            for g in 0..sizes.len() {
+                m.wait_group(g, opts.gate_timeout)?;
+            }
+            Ok((m, LoadPath::HostCached, None))
+        }
+    }
+}
+
+/// How [`serve`] runs the stages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// All three stages at once ([`cold_start`]).
+    Overlap,
+    /// Each stage done before the next ([`sequential`]).
+    Sequential,
+    /// Stages 1 and 2 overlapped, no compute ([`load`]).
+    LoadOnly,
 }
 
 /// Checks that the catalog entry and the manifest describe the same packed
@@ -376,8 +430,9 @@ fn serve(
     stages: &Stages<'_>,
     req: &Request<'_>,
     opts: &PipelineOptions,
-    overlap: bool,
+    mode: Mode,
 ) -> Result<Served, PipelineError> {
+    let overlap = mode != Mode::Sequential;
     let t0 = Instant::now();
     let model = req.entry.name.as_str();
     let manifest = req.manifest;
@@ -480,22 +535,32 @@ fn serve(
             }
         }
 
-        let mut program = resident.program();
-        simulated = program.simulated();
         let gates = resident.gates();
         let timeout = opts.gate_timeout;
         let start = Instant::now();
-        let out = program.run(
-            req.inputs,
-            &mut |g| {
-                gates.wait(g, timeout)?;
-                gate_times.push((Instant::now(), g));
-                Ok(())
-            },
-            &mut trace,
-        );
+        let out = if mode == Mode::LoadOnly {
+            // No program run: wait for every group's upload instead.
+            (0..groups)
+                .try_for_each(|g| {
+                    gates.wait(g, timeout)?;
+                    gate_times.push((Instant::now(), g));
+                    Ok(())
+                })
+                .map(|()| Vec::new())
+        } else {
+            let mut program = resident.program();
+            simulated = program.simulated();
+            program.run(
+                req.inputs,
+                &mut |g| {
+                    gates.wait(g, timeout)?;
+                    gate_times.push((Instant::now(), g));
+                    Ok(())
+                },
+                &mut trace,
+            )
+        };
         run_window = (start, Instant::now());
-        drop(program);
         if out.is_err() {
             // Stop uploading a model whose request failed; the fetch runs
             // to its end and leaves the model in the host cache.

@@ -1,22 +1,38 @@
 //! The GPU server's request port, mini-redis style: [`RuntimeServer::bind`]
 //! maps the host cache, starts one worker thread per device and binds the
-//! port; [`RuntimeServer::serve`] accepts connections until its shutdown
-//! future resolves.
+//! port (and the metrics port, when configured); [`RuntimeServer::serve`]
+//! accepts connections until its shutdown future resolves.
 //!
 //! * One process per host. The host cache (one [`HostCache`], one tcp
 //!   transport over the cluster key) is shared by every device; each device
 //!   has its own [`Residency`] and one worker thread (the pipeline is
 //!   synchronous) fed by a bounded queue: a full queue is a `Busy` reply.
-//! * A request goes to the device that has its model resident, else to the
-//!   least-loaded queue.
+//! * `Infer` goes to the device it names (the controller's dispatcher
+//!   places work; an unknown ordinal is `BadRequest`), else to the device
+//!   that has its model resident, else to the least-loaded queue. The
+//!   `Output` reply lists the models resident on that device afterwards,
+//!   most recently used first.
+//! * `Prefetch` caches a model in without running it: with a device, through
+//!   that device's queue (ordered with its inference) into the host cache and
+//!   onto the device; without, into the host cache only, on a blocking
+//!   thread, at most [`PREFETCHES_IN_FLIGHT_MAX`] at once.
+//! * `Train` starts, switches or stops a device's background training job
+//!   (CNN families): the worker runs one SGD iteration whenever its queue is
+//!   empty and checks the queue again after each, so inference waits for at
+//!   most one iteration (`TimingMsg.train_yield_ms` says how long).
 //! * [`conn`]: one task per connection; requests are pipelined and replies
 //!   carry the request id, in completion order.
 //! * [`worker`]: resolves the model through the controller's catalog (cached
-//!   per name), runs [`pipeline::cold_start`](crate::pipeline::cold_start),
-//!   encodes the reply.
-//! * [`register`]: registration and heartbeats to the controller.
+//!   per name), runs [`pipeline::cold_start`](crate::pipeline::cold_start)
+//!   (or [`pipeline::load`](crate::pipeline::load) for a prefetch), runs the
+//!   training iterations, encodes the replies.
+//! * [`register`]: registration and heartbeats (with a snapshot of queues,
+//!   resident models, training jobs and the host cache) to the controller.
+//! * [`metrics`]: Prometheus metrics ([`RuntimeMonitor::render_metrics`]),
+//!   served over HTTP at `metrics_listen` when set.
 
 mod conn;
+mod metrics;
 mod register;
 mod worker;
 
@@ -25,14 +41,17 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam::channel;
 use distmind_common::handshake::ClusterKey;
-use distmind_common::proto::{DeviceStats, HostCacheStats, RuntimeStats};
+use distmind_common::proto::{
+    DeviceSnapshot, DeviceStats, HostCacheStats, RuntimeSnapshot, RuntimeStats, SNAPSHOT_MODELS_MAX,
+};
 use distmind_transport::tcp::{TcpOptions, TcpTransport};
 use distmind_transport::{HugePages, TransportError};
 use log::{info, warn};
+use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinSet;
@@ -42,6 +61,7 @@ use crate::device::{Residency, RESIDENT_MODELS_MAX_DEFAULT};
 use crate::exec::Executor;
 use crate::exec::ExecutorKind;
 use crate::pipeline::PipelineOptions;
+use crate::train::SgdConfig;
 
 pub use worker::Job;
 
@@ -56,7 +76,20 @@ pub const REQUESTS_IN_FLIGHT_PER_CONNECTION_MAX: usize = 64;
 pub const DEVICES_MAX: usize = 64;
 /// How long in-flight requests get to finish once shutdown starts.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+/// Host-cache prefetches (`Prefetch` without a device) running at once per
+/// runtime; one more is answered `Busy`.
+pub const PREFETCHES_IN_FLIGHT_MAX: usize = 4;
+/// `Train` requests waiting for one device's next iteration boundary; one
+/// more is answered `Busy`.
+pub const TRAIN_CONTROLS_MAX: usize = 4;
+/// Default images per training iteration ([`RuntimeConfig::train_batch`]).
+pub const TRAIN_BATCH_DEFAULT: usize = 8;
+/// Largest training batch accepted (a job holds its synthetic batch in memory).
+pub const TRAIN_BATCH_MAX: usize = 1024;
+/// Weight of the newest iteration in the iteration-time EWMA.
+pub const TRAIN_ITERATION_EWMA_WEIGHT: f64 = 0.2;
 
+/// How a runtime is set up; [`RuntimeConfig::new`] fills in the defaults.
 pub struct RuntimeConfig {
     pub listen: SocketAddr,
     pub key: ClusterKey,
@@ -80,11 +113,22 @@ pub struct RuntimeConfig {
     pub pipeline: PipelineOptions,
     /// Try huge pages for the host cache.
     pub huge_pages: bool,
+    /// Images (and labels) per background training iteration; at least 2
+    /// (BatchNorm in training mode needs two values per channel), at most
+    /// [`TRAIN_BATCH_MAX`]. Default [`TRAIN_BATCH_DEFAULT`].
+    pub train_batch: usize,
+    /// The background training jobs' SGD hyper-parameters; default
+    /// [`SgdConfig::default`] (torchvision's ImageNet recipe).
+    pub train_sgd: SgdConfig,
+    /// Where to serve Prometheus metrics (`GET /metrics`, `GET /health`);
+    /// `None` (the default): no metrics port.
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl RuntimeConfig {
     /// A configuration with the documented defaults: device 0, a
-    /// [`CACHE_BYTES_DEFAULT`] host cache and as much per device.
+    /// [`CACHE_BYTES_DEFAULT`] host cache and as much per device, training
+    /// batches of [`TRAIN_BATCH_DEFAULT`], no metrics port.
     pub fn new(
         listen: SocketAddr,
         key: ClusterKey,
@@ -107,6 +151,9 @@ impl RuntimeConfig {
             queue_depth_max: QUEUE_DEPTH_MAX_DEFAULT,
             pipeline: PipelineOptions::default(),
             huge_pages: true,
+            train_batch: TRAIN_BATCH_DEFAULT,
+            train_sgd: SgdConfig::default(),
+            metrics_listen: None,
         }
     }
 }
@@ -134,13 +181,52 @@ pub enum RuntimeServerError {
     },
 }
 
-/// One device: its residency and queue counters.
+/// A device's background training job, as the worker last reported it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TrainingStatus {
+    /// The model being trained (`None`: no job).
+    pub model: Option<String>,
+    /// Iterations of the current job.
+    pub iterations: u64,
+    /// Iterations of every job this device ran.
+    pub total_iterations: u64,
+    /// The last iteration's wall time.
+    pub iteration_ms_last: f64,
+    /// EWMA of the current job's iteration times (weight
+    /// [`TRAIN_ITERATION_EWMA_WEIGHT`] on the newest; the first iteration
+    /// seeds it). 0 before the first iteration.
+    pub iteration_ms_ewma: f64,
+    /// The current job's longest iteration.
+    pub iteration_ms_max: f64,
+    /// Training loss of the last iteration.
+    pub loss: f32,
+    /// Why the last job stopped on its own (a failed iteration), if it did.
+    pub last_error: Option<String>,
+}
+
+/// One device: its residency, queue counters and training state.
 pub(crate) struct DeviceState {
     pub id: u32,
     pub residency: Residency,
     /// Requests queued or running here.
     pub queued: AtomicU64,
     pub served: AtomicU64,
+    /// Nanoseconds spent loading or computing: requests, prefetches,
+    /// starting training jobs and training iterations.
+    pub busy_ns: AtomicU64,
+    pub training: Mutex<TrainingStatus>,
+}
+
+impl DeviceState {
+    pub fn training(&self) -> MutexGuard<'_, TrainingStatus> {
+        self.training.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Adds the time since `since` to the busy time.
+    pub fn add_busy(&self, since: Instant) {
+        let ns = u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.busy_ns.fetch_add(ns, Ordering::Relaxed);
+    }
 }
 
 /// What workers and connections share.
@@ -153,6 +239,13 @@ pub(crate) struct Core {
     pub served: AtomicU64,
     pub errors: AtomicU64,
     pub connections: AtomicU64,
+    /// Parameter memory per device, as configured.
+    pub device_bytes: u64,
+    pub train_batch: usize,
+    pub train_sgd: SgdConfig,
+    /// One permit per host-cache prefetch in flight.
+    pub prefetch_slots: Arc<Semaphore>,
+    pub metrics: metrics::Metrics,
 }
 
 impl Core {
@@ -161,6 +254,18 @@ impl Core {
             .iter()
             .map(|d| d.queued.load(Ordering::Relaxed))
             .sum()
+    }
+
+    /// The index of the device whose ordinal is `ordinal`, or a message
+    /// naming it and the ordinals this runtime serves.
+    pub fn device_index(&self, ordinal: u32) -> Result<usize, String> {
+        self.devices
+            .iter()
+            .position(|d| d.id == ordinal)
+            .ok_or_else(|| {
+                let known: Vec<u32> = self.devices.iter().map(|d| d.id).collect();
+                format!("this runtime has no device {ordinal} (its devices: {known:?})")
+            })
     }
 
     pub fn stats(&self) -> RuntimeStats {
@@ -180,7 +285,12 @@ impl Core {
                 .iter()
                 .map(|d| {
                     let r = d.residency.stats();
+                    let t = d.training.lock().unwrap_or_else(|p| p.into_inner()).clone();
                     DeviceStats {
+                        busy_ms: d.busy_ns.load(Ordering::Relaxed) as f64 / 1e6,
+                        training: t.model,
+                        train_iterations: t.total_iterations,
+                        train_iteration_ms: t.iteration_ms_ewma,
                         device: d.id,
                         queued: d.queued.load(Ordering::Relaxed),
                         served: d.served.load(Ordering::Relaxed),
@@ -198,53 +308,131 @@ impl Core {
             errors: self.errors.load(Ordering::Relaxed),
         }
     }
+
+    /// What the heartbeat reports: per device the queue, the resident
+    /// models (most recently used first) and the training job; the models
+    /// complete in the host cache (at most [`SNAPSHOT_MODELS_MAX`]).
+    pub fn snapshot(&self) -> RuntimeSnapshot {
+        let (host_cached, host_cached_truncated) = self.cache.complete_models(SNAPSHOT_MODELS_MAX);
+        RuntimeSnapshot {
+            devices: self
+                .devices
+                .iter()
+                .map(|d| {
+                    let t = d.training().clone();
+                    DeviceSnapshot {
+                        device: d.id,
+                        queued: d.queued.load(Ordering::Relaxed),
+                        resident: d.residency.resident_mru(),
+                        train_iteration_ms: if t.model.is_some() {
+                            t.iteration_ms_ewma
+                        } else {
+                            0.0
+                        },
+                        training: t.model,
+                    }
+                })
+                .collect(),
+            host_cached,
+            host_cached_truncated,
+        }
+    }
+}
+
+/// One device's way in: its bounded task queue and its training controls.
+struct DeviceQueue {
+    tasks: channel::Sender<worker::Task>,
+    control: channel::Sender<worker::TrainControl>,
 }
 
 /// Connections' view: the core and the device queues (closed at shutdown).
 pub(crate) struct Shared {
     pub core: Arc<Core>,
     pub key: ClusterKey,
-    queues: Mutex<Vec<channel::Sender<Job>>>,
+    queues: Mutex<Vec<DeviceQueue>>,
 }
 
-/// Why a job was not queued.
-pub(crate) enum DispatchError {
-    Busy(Box<Job>),
-    ShuttingDown(Box<Job>),
+/// Why a task was not queued.
+pub(crate) enum DispatchError<T> {
+    Busy(Box<T>),
+    ShuttingDown(Box<T>),
 }
 
 impl Shared {
-    fn queues(&self) -> MutexGuard<'_, Vec<channel::Sender<Job>>> {
+    fn queues(&self) -> MutexGuard<'_, Vec<DeviceQueue>> {
         self.queues.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Queues `job` on the device that has its model resident, else on the
     /// least-loaded one; `Busy` when every candidate queue is full.
-    pub fn dispatch(&self, mut job: Job) -> Result<(), DispatchError> {
+    pub fn dispatch(&self, job: worker::Job) -> Result<(), DispatchError<worker::Task>> {
         let queues = self.queues();
+        let mut task = worker::Task::Infer(job);
         if queues.is_empty() {
-            return Err(DispatchError::ShuttingDown(Box::new(job)));
+            return Err(DispatchError::ShuttingDown(Box::new(task)));
         }
         let devices = &self.core.devices;
         let mut order: Vec<usize> = (0..devices.len()).collect();
         order.sort_by_key(|&d| {
             (
-                !devices[d].residency.contains(&job.model),
+                !devices[d].residency.contains(task.model()),
                 devices[d].queued.load(Ordering::Relaxed),
             )
         });
         for d in order {
-            devices[d].queued.fetch_add(1, Ordering::Relaxed);
-            job.device = d;
-            match queues[d].try_send(job) {
+            match Self::try_queue(devices, &queues, d, task) {
                 Ok(()) => return Ok(()),
-                Err(e) => {
-                    devices[d].queued.fetch_sub(1, Ordering::Relaxed);
-                    job = e.into_inner();
-                }
+                Err(t) => task = *t,
             }
         }
-        Err(DispatchError::Busy(Box::new(job)))
+        Err(DispatchError::Busy(Box::new(task)))
+    }
+
+    /// Queues `task` on device `index` (an index into the core's devices).
+    pub fn dispatch_to(
+        &self,
+        index: usize,
+        task: worker::Task,
+    ) -> Result<(), DispatchError<worker::Task>> {
+        let queues = self.queues();
+        if queues.is_empty() {
+            return Err(DispatchError::ShuttingDown(Box::new(task)));
+        }
+        Self::try_queue(&self.core.devices, &queues, index, task).map_err(DispatchError::Busy)
+    }
+
+    fn try_queue(
+        devices: &[DeviceState],
+        queues: &[DeviceQueue],
+        d: usize,
+        mut task: worker::Task,
+    ) -> Result<(), Box<worker::Task>> {
+        devices[d].queued.fetch_add(1, Ordering::Relaxed);
+        task.set_queued(d, Instant::now());
+        match queues[d].tasks.try_send(task) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                devices[d].queued.fetch_sub(1, Ordering::Relaxed);
+                Err(Box::new(e.into_inner()))
+            }
+        }
+    }
+
+    /// Hands a `Train` request to device `index`'s worker, which applies it
+    /// at its next iteration boundary.
+    pub fn control(
+        &self,
+        index: usize,
+        c: worker::TrainControl,
+    ) -> Result<(), DispatchError<worker::TrainControl>> {
+        let queues = self.queues();
+        let Some(q) = queues.get(index) else {
+            return Err(DispatchError::ShuttingDown(Box::new(c)));
+        };
+        q.control.try_send(c).map_err(|e| match e {
+            channel::TrySendError::Full(c) => DispatchError::Busy(Box::new(c)),
+            channel::TrySendError::Disconnected(c) => DispatchError::ShuttingDown(Box::new(c)),
+        })
     }
 
     /// Refuses new jobs; workers finish the queued ones and exit.
@@ -253,9 +441,53 @@ impl Shared {
     }
 }
 
+/// A cloneable view of a running runtime for tests and tools: its counters,
+/// its heartbeat snapshot, its training jobs and its metrics text. Take it
+/// with [`RuntimeServer::monitor`] before [`RuntimeServer::serve`].
+#[derive(Clone)]
+pub struct RuntimeMonitor {
+    core: Arc<Core>,
+    registry: Arc<Registry>,
+}
+
+impl RuntimeMonitor {
+    /// What a `Stats` request answers.
+    pub fn stats(&self) -> RuntimeStats {
+        self.core.stats()
+    }
+
+    /// What the next heartbeat reports.
+    pub fn snapshot(&self) -> RuntimeSnapshot {
+        self.core.snapshot()
+    }
+
+    /// The training state of the device whose ordinal is `device`.
+    pub fn training(&self, device: u32) -> Option<TrainingStatus> {
+        let i = self.core.device_index(device).ok()?;
+        Some(self.core.devices[i].training().clone())
+    }
+
+    /// Time device `device` spent loading or computing (requests,
+    /// prefetches, training).
+    pub fn busy(&self, device: u32) -> Option<Duration> {
+        let i = self.core.device_index(device).ok()?;
+        Some(Duration::from_nanos(
+            self.core.devices[i].busy_ns.load(Ordering::Relaxed),
+        ))
+    }
+
+    /// The Prometheus metrics in the OpenMetrics text format (what
+    /// `GET /metrics` serves).
+    pub fn render_metrics(&self) -> String {
+        distmind_common::metrics::encode(&self.registry)
+    }
+}
+
 /// A bound runtime, ready to [`serve`](RuntimeServer::serve).
 pub struct RuntimeServer {
     listener: TcpListener,
+    metrics_listener: Option<TcpListener>,
+    registry: Arc<Registry>,
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
     controller: String,
@@ -286,6 +518,12 @@ impl RuntimeServer {
         if config.device_bytes == 0 {
             return bad("device_bytes must be positive".into());
         }
+        if !(2..=TRAIN_BATCH_MAX).contains(&config.train_batch) {
+            return bad(format!(
+                "train_batch is {}; 2..={TRAIN_BATCH_MAX} needed (BatchNorm in training mode needs two images)",
+                config.train_batch
+            ));
+        }
         let listener =
             TcpListener::bind(config.listen)
                 .await
@@ -293,6 +531,14 @@ impl RuntimeServer {
                     addr: config.listen,
                     source,
                 })?;
+        let metrics_listener = match config.metrics_listen {
+            Some(addr) => Some(
+                distmind_common::metrics::bind(addr)
+                    .await
+                    .map_err(|source| RuntimeServerError::Bind { addr, source })?,
+            ),
+            None => None,
+        };
         let transport = TcpTransport::new(TcpOptions {
             rate_limit_bytes_per_s: config.rate_limit_bytes_per_s,
             ..TcpOptions::new(config.key.clone())
@@ -324,6 +570,8 @@ impl RuntimeServer {
                     residency: Residency::new(config.device_bytes, config.resident_models_max),
                     queued: AtomicU64::new(0),
                     served: AtomicU64::new(0),
+                    busy_ns: AtomicU64::new(0),
+                    training: Mutex::new(TrainingStatus::default()),
                 })
                 .collect(),
             catalog: worker::Catalog::new(config.controller.clone(), config.key.clone()),
@@ -331,15 +579,23 @@ impl RuntimeServer {
             served: AtomicU64::new(0),
             errors: AtomicU64::new(0),
             connections: AtomicU64::new(0),
+            device_bytes: config.device_bytes,
+            train_batch: config.train_batch,
+            train_sgd: config.train_sgd,
+            prefetch_slots: Arc::new(Semaphore::new(PREFETCHES_IN_FLIGHT_MAX)),
+            metrics: metrics::Metrics::new(),
         });
+        let registry = Arc::new(metrics::registry(&core));
         let mut queues = Vec::with_capacity(config.devices.len());
         let mut workers = Vec::with_capacity(config.devices.len());
         for (index, &device) in config.devices.iter().enumerate() {
-            let (tx, rx) = channel::bounded::<Job>(config.queue_depth_max);
+            let (tx, rx) = channel::bounded::<worker::Task>(config.queue_depth_max);
+            let (control_tx, control_rx) =
+                channel::bounded::<worker::TrainControl>(TRAIN_CONTROLS_MAX);
             let core = core.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("device {device}"))
-                .spawn(move || worker::run(&core, index, rx));
+                .spawn(move || worker::run(&core, index, rx, control_rx));
             match spawned {
                 Ok(h) => workers.push(h),
                 Err(source) => {
@@ -348,7 +604,10 @@ impl RuntimeServer {
                     return Err(RuntimeServerError::Spawn { device, source });
                 }
             }
-            queues.push(tx);
+            queues.push(DeviceQueue {
+                tasks: tx,
+                control: control_tx,
+            });
         }
         info!(
             "runtime: {} devices {:?} on {}, host cache {} bytes, {} bytes per device",
@@ -360,6 +619,8 @@ impl RuntimeServer {
         );
         Ok(RuntimeServer {
             listener,
+            metrics_listener,
+            registry,
             shared: Arc::new(Shared {
                 core,
                 key: config.key,
@@ -379,20 +640,61 @@ impl RuntimeServer {
             .expect("a bound listener has an address")
     }
 
+    /// Where metrics are served (`RuntimeConfig::metrics_listen`, resolved
+    /// when its port was 0); `None` without a metrics port.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_listener
+            .as_ref()
+            .and_then(|l| l.local_addr().ok())
+    }
+
+    /// A view of the runtime's counters, training jobs and metrics that
+    /// stays valid while (and after) it serves.
+    pub fn monitor(&self) -> RuntimeMonitor {
+        RuntimeMonitor {
+            core: self.shared.core.clone(),
+            registry: self.registry.clone(),
+        }
+    }
+
+    /// The Prometheus metrics text (what `GET /metrics` serves); see
+    /// [`RuntimeMonitor::render_metrics`] for use while serving.
+    pub fn render_metrics(&self) -> String {
+        self.monitor().render_metrics()
+    }
+
     /// Changes on every process start; sent to the controller.
     pub fn boot_id(&self) -> u64 {
         self.boot_id
     }
 
-    /// Serves until `shutdown` resolves, then stops accepting, gives open
-    /// connections [`SHUTDOWN_GRACE`] to receive their replies, lets the
-    /// workers finish what they hold and returns.
-    pub async fn serve(self, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeServerError> {
+    /// Serves until `shutdown` resolves (and metrics at
+    /// [`metrics_addr`](RuntimeServer::metrics_addr), when bound), then stops
+    /// accepting, gives open connections [`SHUTDOWN_GRACE`] to receive their
+    /// replies, lets the workers finish what they hold (a training job stops
+    /// at its iteration boundary) and returns.
+    pub async fn serve(
+        mut self,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), RuntimeServerError> {
         let local = self.local_addr();
         info!("runtime listening on {local}");
         let (stop_tx, stop_rx) = watch::channel(false);
         let limit = Arc::new(Semaphore::new(self.max_connections));
         let mut tasks = JoinSet::new();
+        if let Some(listener) = self.metrics_listener.take() {
+            if let Ok(addr) = listener.local_addr() {
+                info!("runtime metrics on http://{addr}/metrics");
+            }
+            let registry = self.registry.clone();
+            let render: Arc<dyn Fn() -> String + Send + Sync> =
+                Arc::new(move || distmind_common::metrics::encode(&registry));
+            tasks.spawn(distmind_common::metrics::serve(
+                listener,
+                render,
+                stop_rx.clone(),
+            ));
+        }
         let advertise = self.advertise.clone().unwrap_or_else(|| local.to_string());
         tasks.spawn(register::run(
             self.shared.clone(),

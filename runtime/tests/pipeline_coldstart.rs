@@ -16,7 +16,8 @@ use distmind_runtime::exec::{
     Arena, ExecError, Executor, ExecutorKind, HostTensor, Program, Trace, TraceEvent,
 };
 use distmind_runtime::pipeline::{
-    cold_start, sequential, LoadPath, PipelineEvent, PipelineOptions, Request, Stages,
+    cache_in, cold_start, load, sequential, LoadPath, PipelineEvent, PipelineOptions, Request,
+    Stages,
 };
 use distmind_runtime::FetchOptions;
 use distmind_transport::{
@@ -627,4 +628,53 @@ fn pipeline_refuses_models_that_do_not_fit_or_disagree() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("disagree"), "{e}");
+}
+
+#[test]
+fn pipeline_load_makes_a_model_resident_without_running_it() {
+    let w = world(GROUP_BYTES);
+    let wk = worker(&w, Duration::ZERO, Duration::from_millis(50));
+    let opts = one_read_at_a_time();
+    let t = load(&wk.stages(), &request(&w), &opts).unwrap();
+    assert_eq!(t.path, LoadPath::Cold);
+    assert_eq!(t.fetched_bytes, w.entry.total_bytes);
+    assert!(
+        wk.residency.is_ready(&w.manifest.name),
+        "every group uploaded"
+    );
+    // The program never ran: 50 ms per layer would show.
+    assert!(t.compute < Duration::from_millis(50), "{t:?}");
+    assert_eq!(
+        load(&wk.stages(), &request(&w), &opts).unwrap().path,
+        LoadPath::DeviceResident
+    );
+    // A request after the prefetch computes on the uploaded bytes.
+    let (out, timing, _) = cold_start(&wk.stages(), &request(&w), &opts).unwrap();
+    assert_eq!(timing.path, LoadPath::DeviceResident);
+    assert_eq!(sums(&out), w.group_sums);
+    // Evicted from the device but still in host memory: only an upload.
+    wk.residency.evict(&w.manifest.name);
+    let t = load(&wk.stages(), &request(&w), &opts).unwrap();
+    assert_eq!((t.path, t.fetched_bytes), (LoadPath::HostCached, 0));
+}
+
+#[test]
+fn pipeline_cache_in_fetches_once_into_host_memory() {
+    let w = world(GROUP_BYTES);
+    let wk = worker(&w, Duration::ZERO, Duration::ZERO);
+    let opts = one_read_at_a_time();
+    let (m, path, report) = cache_in(&wk.cache, &w.entry, &w.manifest, &opts).unwrap();
+    assert_eq!(path, LoadPath::Cold);
+    assert_eq!(report.unwrap().bytes, w.entry.total_bytes);
+    assert!(m.is_complete());
+    for g in 0..m.groups() {
+        assert_eq!(checksum(m.group(g).unwrap()) as i64, w.group_sums[g]);
+    }
+    let (_, path, report) = cache_in(&wk.cache, &w.entry, &w.manifest, &opts).unwrap();
+    assert_eq!((path, report.is_none()), (LoadPath::HostCached, true));
+    assert!(
+        !wk.residency.contains(&w.manifest.name),
+        "nothing on the device"
+    );
+    assert_eq!(wk.cache.stats().fetched_bytes, w.entry.total_bytes);
 }

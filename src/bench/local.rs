@@ -12,6 +12,8 @@ use tokio::sync::watch;
 
 pub struct LocalCluster {
     pub controller: String,
+    /// The dispatcher's client port, when started with one.
+    pub dispatcher: Option<String>,
     pub memservers: Vec<String>,
     pub key: ClusterKey,
     stop: watch::Sender<bool>,
@@ -19,9 +21,35 @@ pub struct LocalCluster {
 }
 
 impl LocalCluster {
+    /// The cluster's async runtime, to run more servers on it.
+    pub fn handle(&self) -> tokio::runtime::Handle {
+        self.runtime.as_ref().expect("alive").handle().clone()
+    }
+
+    /// A future that resolves when the cluster stops.
+    pub fn stopped(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.stop.subscribe();
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }
+    }
+}
+
+impl LocalCluster {
     /// Starts the controller and `n` memory servers of `capacity_bytes` each,
     /// and waits until all are registered and alive.
     pub fn start(n: usize, capacity_bytes: u64, key: ClusterKey) -> anyhow::Result<LocalCluster> {
+        Self::start_with(n, capacity_bytes, key, None)
+    }
+
+    /// [`start`](Self::start) with the controller's dispatcher on an
+    /// ephemeral client port.
+    pub fn start_with(
+        n: usize,
+        capacity_bytes: u64,
+        key: ClusterKey,
+        dispatch: Option<distmind_controller::dispatch::DispatchConfig>,
+    ) -> anyhow::Result<LocalCluster> {
         let runtime = crate::services::runtime()?;
         let (stop, stop_rx) = watch::channel(false);
         let shutdown = move || {
@@ -30,10 +58,12 @@ impl LocalCluster {
                 let _ = rx.wait_for(|s| *s).await;
             }
         };
-        let (controller, memservers) = runtime.block_on(async {
-            let c = Controller::bind(ControllerConfig::new("127.0.0.1:0".parse()?, key.clone()))
-                .await?;
+        let (controller, dispatcher, memservers) = runtime.block_on(async {
+            let mut config = ControllerConfig::new("127.0.0.1:0".parse()?, key.clone());
+            config.dispatch = dispatch.map(|d| ("127.0.0.1:0".parse().expect("literal"), d));
+            let c = Controller::bind(config).await?;
             let controller = c.local_addr().to_string();
+            let dispatcher = c.client_addr().map(|a| a.to_string());
             tokio::spawn(c.serve(shutdown()));
             let mut memservers = Vec::new();
             for _ in 0..n {
@@ -44,10 +74,11 @@ impl LocalCluster {
                 memservers.push(m.local_addr().to_string());
                 tokio::spawn(m.serve(shutdown()));
             }
-            anyhow::Ok((controller, memservers))
+            anyhow::Ok((controller, dispatcher, memservers))
         })?;
         let cluster = LocalCluster {
             controller,
+            dispatcher,
             memservers,
             key,
             stop,

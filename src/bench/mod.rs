@@ -3,6 +3,7 @@
 //! so absolute numbers from different runs do not compare).
 
 pub mod coldstart;
+pub mod dispatch;
 pub mod local;
 pub mod transfer;
 

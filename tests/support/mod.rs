@@ -49,6 +49,12 @@ impl Drop for Proc {
 
 /// Starts `distmind <args>` and waits for its `... listening on ADDR` line.
 pub fn spawn_service(args: &[&str]) -> Proc {
+    spawn_service_lines(args, 1).0
+}
+
+/// Starts `distmind <args>` and waits for `lines` readiness lines
+/// (`<what> listening on ADDR`); returns the addresses in order.
+pub fn spawn_service_lines(args: &[&str], lines: usize) -> (Proc, Vec<String>) {
     let mut child = Command::new(bin())
         .args(args)
         .env("DISTMIND_LOG", "warn")
@@ -57,21 +63,25 @@ pub fn spawn_service(args: &[&str]) -> Proc {
         .spawn()
         .expect("spawn distmind");
     let stdout = child.stdout.take().unwrap();
-    let mut line = String::new();
     let mut reader = BufReader::new(stdout);
-    reader
-        .read_line(&mut line)
-        .expect("read the readiness line");
-    let addr = match line.trim().rsplit_once(" listening on ") {
-        Some((_, a)) => a.to_string(),
-        None => {
-            let _ = child.kill();
-            panic!("distmind {args:?} did not report readiness; first line: {line:?}");
+    let mut addrs = Vec::new();
+    for _ in 0..lines {
+        let mut line = String::new();
+        reader
+            .read_line(&mut line)
+            .expect("read the readiness line");
+        match line.trim().rsplit_once(" listening on ") {
+            Some((_, a)) => addrs.push(a.to_string()),
+            None => {
+                let _ = child.kill();
+                panic!("distmind {args:?} did not report readiness; line: {line:?}");
+            }
         }
-    };
+    }
     // Keep draining stdout so the child never blocks on a full pipe.
     std::thread::spawn(move || for _ in reader.lines() {});
-    Proc { child, addr }
+    let addr = addrs[0].clone();
+    (Proc { child, addr }, addrs)
 }
 
 pub fn spawn_controller() -> Proc {
@@ -82,7 +92,43 @@ pub fn spawn_controller() -> Proc {
         s.to_str().unwrap(),
         "--listen",
         "127.0.0.1:0",
+        "--client-listen",
+        "127.0.0.1:0",
     ])
+}
+
+/// A controller with its dispatcher (`policy`) and metrics on ephemeral
+/// ports: (process, metadata addr, client addr, metrics addr).
+pub fn spawn_dispatching_controller(
+    policy: &str,
+    extra: &[&str],
+) -> (Proc, String, String, String) {
+    let s = settings_dir();
+    let mut args = vec![
+        "controller",
+        "--settings",
+        s.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+        "--client-listen",
+        "127.0.0.1:0",
+        "--metrics",
+        "127.0.0.1:0",
+        "--policy",
+        policy,
+    ];
+    args.extend_from_slice(extra);
+    let (p, a) = spawn_service_lines(&args, 3);
+    (p, a[0].clone(), a[1].clone(), a[2].clone())
+}
+
+/// Resident memory of a process, from /proc (bytes).
+pub fn rss_bytes(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
 }
 
 pub fn spawn_memserver(controller: &str, capacity: &str) -> Proc {

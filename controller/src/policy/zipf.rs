@@ -74,7 +74,7 @@ mod tests {
         let z = Zipf::new(20, 0.9).unwrap();
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         let n = 200_000;
-        let mut counts = vec![0u32; 20];
+        let mut counts = [0u32; 20];
         for _ in 0..n {
             counts[z.sample(&mut rng)] += 1;
         }

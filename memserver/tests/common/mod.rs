@@ -22,6 +22,8 @@ pub fn key() -> ClusterKey {
 
 pub struct TestServer {
     pub addr: SocketAddr,
+    /// The metrics endpoint, when the config asked for one.
+    pub metrics: Option<SocketAddr>,
     pub stats: StatsHandle,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
@@ -46,7 +48,11 @@ pub fn start_with(capacity_bytes: u64, tweak: impl FnOnce(&mut MemserverConfig))
         rt.block_on(async move {
             let server = Memserver::bind(config).await.expect("bind");
             ready_tx
-                .send((server.local_addr(), server.stats_handle()))
+                .send((
+                    server.local_addr(),
+                    server.metrics_addr(),
+                    server.stats_handle(),
+                ))
                 .unwrap();
             server
                 .serve(async {
@@ -56,9 +62,10 @@ pub fn start_with(capacity_bytes: u64, tweak: impl FnOnce(&mut MemserverConfig))
                 .unwrap();
         });
     });
-    let (addr, stats) = ready_rx.recv().expect("server started");
+    let (addr, metrics, stats) = ready_rx.recv().expect("server started");
     TestServer {
         addr,
+        metrics,
         stats,
         stop: Some(stop_tx),
         thread: Some(thread),

@@ -1,6 +1,8 @@
 //! One client connection: the cluster-key handshake, then a reader that
-//! parses requests and queues inference on a device, and a writer that sends
-//! replies as they complete (any order; each carries its request id).
+//! parses requests and queues inference and prefetches on a device (or a
+//! host-cache prefetch on a blocking thread, or a training control), and a
+//! writer that sends replies as they complete (any order; each carries its
+//! request id).
 //!
 //! Every length is checked before allocation. A frame longer than the bound
 //! is skipped (its bytes read and discarded) and answered with an error; a
@@ -23,8 +25,11 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 
-use super::worker::{Job, Outgoing};
-use super::{DispatchError, Shared, REQUESTS_IN_FLIGHT_PER_CONNECTION_MAX};
+use super::worker::{self, Job, Outgoing, PrefetchJob, Task, TrainControl};
+use super::{
+    DispatchError, Shared, PREFETCHES_IN_FLIGHT_MAX, REQUESTS_IN_FLIGHT_PER_CONNECTION_MAX,
+    TRAIN_CONTROLS_MAX,
+};
 
 /// How long a closing connection keeps discarding input so that the peer
 /// reads our last reply (instead of a reset).
@@ -273,20 +278,24 @@ async fn read_loop(
                         permit: Some(permit),
                     },
                     Ok(RuntimeRequest::Evict { id, model }) => evict(shared, id, model, permit),
-                    Ok(RuntimeRequest::Prefetch { id, .. } | RuntimeRequest::Train { id, .. }) => {
-                        error_reply(
-                            id,
-                            ErrorCode::BadRequest,
-                            format!("request {id}: prefetch and train are not served yet"),
-                            permit,
-                        )
+                    Ok(RuntimeRequest::Prefetch { id, model, device }) => {
+                        match prefetch(shared, &tx, id, model, device, permit) {
+                            Some(out) => out,
+                            None => continue,
+                        }
+                    }
+                    Ok(RuntimeRequest::Train { id, device, model }) => {
+                        match train(shared, &tx, id, device, model, permit) {
+                            Some(out) => out,
+                            None => continue,
+                        }
                     }
                     Ok(RuntimeRequest::Infer {
                         id,
                         model,
                         deadline_ms,
                         trace,
-                        device: _,
+                        device,
                     }) => {
                         let arrived = Instant::now();
                         let input = match read_incoming(&mut rd).await {
@@ -325,12 +334,15 @@ async fn read_loop(
                         match infer(
                             shared,
                             &tx,
-                            id,
-                            model,
-                            deadline_ms,
-                            trace,
-                            arrived,
-                            input,
+                            Infer {
+                                id,
+                                model,
+                                deadline_ms,
+                                trace,
+                                device,
+                                arrived,
+                                input,
+                            },
                             permit,
                         ) {
                             Some(out) => out,
@@ -346,58 +358,226 @@ async fn read_loop(
     }
 }
 
-/// Queues an inference; returns the reply to send at once when it was not queued.
-#[allow(clippy::too_many_arguments)]
-fn infer(
-    shared: &Shared,
-    tx: &mpsc::Sender<Outgoing>,
+/// An inference request as read from the connection.
+struct Infer {
     id: u64,
     model: String,
     deadline_ms: Option<u64>,
     trace: bool,
+    device: Option<u32>,
     arrived: Instant,
     input: Vec<u8>,
-    permit: OwnedSemaphorePermit,
-) -> Option<Outgoing> {
+}
+
+/// The name check every request naming a model gets.
+fn check_model_name(id: u64, model: &str) -> Result<(), String> {
     if model.is_empty() || model.len() > NAME_BYTES_MAX {
-        return Some(error_reply(
-            id,
-            ErrorCode::BadRequest,
-            format!(
-                "request {id}: a model name is 1..={NAME_BYTES_MAX} bytes, got {}",
-                model.len()
-            ),
-            permit,
+        return Err(format!(
+            "request {id}: a model name is 1..={NAME_BYTES_MAX} bytes, got {}",
+            model.len()
         ));
     }
+    Ok(())
+}
+
+/// Queues an inference (on the device it names, else where dispatch puts
+/// it); returns the reply to send at once when it was not queued.
+fn infer(
+    shared: &Shared,
+    tx: &mpsc::Sender<Outgoing>,
+    req: Infer,
+    permit: OwnedSemaphorePermit,
+) -> Option<Outgoing> {
+    let id = req.id;
+    let metrics = &shared.core.metrics;
+    let refuse = |code: ErrorCode, message: String, permit| {
+        metrics.observe_request(&req.model, Some(code), req.arrived.elapsed());
+        Some(error_reply(id, code, message, permit))
+    };
+    if let Err(why) = check_model_name(id, &req.model) {
+        return refuse(ErrorCode::BadRequest, why, permit);
+    }
+    let index = match req.device.map(|d| shared.core.device_index(d)) {
+        None => None,
+        Some(Ok(i)) => Some(i),
+        Some(Err(why)) => {
+            return refuse(
+                ErrorCode::BadRequest,
+                format!("request {id} for {}: {why}", req.model),
+                permit,
+            )
+        }
+    };
     let job = Job {
         id,
-        model,
-        input,
-        deadline: deadline_ms.map(Duration::from_millis),
-        trace,
-        arrived,
+        model: req.model.clone(),
+        input: req.input,
+        deadline: req.deadline_ms.map(Duration::from_millis),
+        trace: req.trace,
+        arrived: req.arrived,
         device: 0,
+        queued_at: req.arrived,
         reply: tx.clone(),
         permit: Some(permit),
     };
-    match shared.dispatch(job) {
+    let queued = match index {
+        Some(i) => shared.dispatch_to(i, Task::Infer(job)),
+        None => shared.dispatch(job),
+    };
+    match queued {
         Ok(()) => None,
-        Err(DispatchError::Busy(mut job)) => Some(error_reply(
+        Err(DispatchError::Busy(mut task)) => {
+            let message = match req.device {
+                Some(d) => format!(
+                    "request {id} for {}: the queue of device {d} is full; retry later",
+                    req.model
+                ),
+                None => format!(
+                    "request {id} for {}: every device queue is full ({} devices); retry later",
+                    req.model,
+                    shared.core.devices.len()
+                ),
+            };
+            let permit = task.take_permit().expect("the task holds its permit");
+            refuse(ErrorCode::Busy, message, permit)
+        }
+        Err(DispatchError::ShuttingDown(mut task)) => refuse(
+            ErrorCode::ShuttingDown,
+            format!("request {id}: the runtime is shutting down"),
+            task.take_permit().expect("the task holds its permit"),
+        ),
+    }
+}
+
+/// Cache-in without running. With a device: queued there (ordered with
+/// its inference). Without: a host-cache fetch on a blocking thread, at
+/// most [`PREFETCHES_IN_FLIGHT_MAX`] at once per runtime. Returns the reply
+/// to send at once when nothing was started.
+fn prefetch(
+    shared: &Shared,
+    tx: &mpsc::Sender<Outgoing>,
+    id: u64,
+    model: String,
+    device: Option<u32>,
+    permit: OwnedSemaphorePermit,
+) -> Option<Outgoing> {
+    let arrived = Instant::now();
+    if let Err(why) = check_model_name(id, &model) {
+        return Some(error_reply(id, ErrorCode::BadRequest, why, permit));
+    }
+    let core = &shared.core;
+    let Some(d) = device else {
+        let Ok(slot) = core.prefetch_slots.clone().try_acquire_owned() else {
+            return Some(error_reply(
+                id,
+                ErrorCode::Busy,
+                format!(
+                    "request {id}: prefetch of {model}: {PREFETCHES_IN_FLIGHT_MAX} host-cache \
+                     prefetches are in flight (the bound); retry later"
+                ),
+                permit,
+            ));
+        };
+        let core = core.clone();
+        let tx = tx.clone();
+        tokio::task::spawn_blocking(move || {
+            let out = worker::prefetch_host(&core, id, &model, arrived);
+            drop(slot);
+            let out = Outgoing {
+                permit: Some(permit),
+                ..out
+            };
+            // The connection may be gone; its reply goes nowhere then.
+            let _ = tx.blocking_send(out);
+        });
+        return None;
+    };
+    let index = match core.device_index(d) {
+        Ok(i) => i,
+        Err(why) => {
+            return Some(error_reply(
+                id,
+                ErrorCode::BadRequest,
+                format!("request {id}: prefetch of {model}: {why}"),
+                permit,
+            ))
+        }
+    };
+    let task = Task::Prefetch(PrefetchJob {
+        id,
+        model: model.clone(),
+        arrived,
+        queued_at: arrived,
+        reply: tx.clone(),
+        permit: Some(permit),
+    });
+    match shared.dispatch_to(index, task) {
+        Ok(()) => None,
+        Err(DispatchError::Busy(mut task)) => Some(error_reply(
             id,
             ErrorCode::Busy,
             format!(
-                "request {id} for {}: every device queue is full ({} devices); retry later",
-                job.model,
-                shared.core.devices.len()
+                "request {id}: prefetch of {model}: the queue of device {d} is full; retry later"
             ),
-            job.permit.take().expect("the job holds its permit"),
+            task.take_permit().expect("the task holds its permit"),
         )),
-        Err(DispatchError::ShuttingDown(mut job)) => Some(error_reply(
+        Err(DispatchError::ShuttingDown(mut task)) => Some(error_reply(
             id,
             ErrorCode::ShuttingDown,
             format!("request {id}: the runtime is shutting down"),
-            job.permit.take().expect("the job holds its permit"),
+            task.take_permit().expect("the task holds its permit"),
+        )),
+    }
+}
+
+/// Hands a training start/switch/stop to the device's worker, which
+/// applies it at its next iteration boundary and replies.
+fn train(
+    shared: &Shared,
+    tx: &mpsc::Sender<Outgoing>,
+    id: u64,
+    device: u32,
+    model: Option<String>,
+    permit: OwnedSemaphorePermit,
+) -> Option<Outgoing> {
+    if let Some(m) = &model {
+        if let Err(why) = check_model_name(id, m) {
+            return Some(error_reply(id, ErrorCode::BadRequest, why, permit));
+        }
+    }
+    let index = match shared.core.device_index(device) {
+        Ok(i) => i,
+        Err(why) => {
+            return Some(error_reply(
+                id,
+                ErrorCode::BadRequest,
+                format!("request {id}: train: {why}"),
+                permit,
+            ))
+        }
+    };
+    let control = TrainControl {
+        id,
+        model,
+        reply: tx.clone(),
+        permit: Some(permit),
+    };
+    match shared.control(index, control) {
+        Ok(()) => None,
+        Err(DispatchError::Busy(mut c)) => Some(error_reply(
+            id,
+            ErrorCode::Busy,
+            format!(
+                "request {id}: device {device} already has {TRAIN_CONTROLS_MAX} train requests \
+                 waiting for its next iteration boundary; retry later"
+            ),
+            c.permit.take().expect("the control holds its permit"),
+        )),
+        Err(DispatchError::ShuttingDown(mut c)) => Some(error_reply(
+            id,
+            ErrorCode::ShuttingDown,
+            format!("request {id}: the runtime is shutting down"),
+            c.permit.take().expect("the control holds its permit"),
         )),
     }
 }

@@ -1,6 +1,9 @@
 //! Keeps the controller informed: `RegisterRuntime` once per connection
-//! (with this process's boot id), then a `RuntimeHeartbeat` carrying the
-//! queued requests every interval the controller asked for. If the
+//! (with this process's boot id, device ordinals and memory budgets), then a
+//! `RuntimeHeartbeat` every interval the controller asked for, carrying the
+//! queued requests and a [`RuntimeSnapshot`](distmind_common::proto::RuntimeSnapshot):
+//! per device its queue, resident models (most recently used first) and
+//! training job, and the models complete in the host cache. If the
 //! controller is down, restarts or refuses a heartbeat: reconnect and
 //! register again with capped exponential backoff (requests keep being
 //! served meanwhile). An outage is logged once when it starts and once when
@@ -124,8 +127,13 @@ async fn session(
         boot_id,
         device_ids: core.devices.iter().map(|d| d.id).collect(),
         cache_bytes: core.cache.capacity_bytes(),
-        device_bytes: 0,
-        resident_models_max: 0,
+        device_bytes: core.device_bytes,
+        resident_models_max: core
+            .devices
+            .first()
+            .map_or(0, |d| d.residency.max_models())
+            .try_into()
+            .unwrap_or(u32::MAX),
     };
     let (runtime, interval_ms) = match request(&mut s, &register).await {
         Ok(ControllerReply::RuntimeRegistered {
@@ -157,7 +165,7 @@ async fn session(
             runtime,
             boot_id,
             queued: core.queued(),
-            snapshot: None,
+            snapshot: Some(core.snapshot()),
         };
         match request(&mut s, &hb).await {
             Ok(ControllerReply::HeartbeatOk) => {}

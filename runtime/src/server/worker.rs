@@ -1,7 +1,15 @@
-//! One device's worker thread: takes jobs from the device's bounded queue,
-//! resolves the model through the controller's catalog, runs the pipeline
-//! and sends the reply (message and output frames, already encoded) back to
-//! the connection that asked.
+//! One device's worker thread: takes tasks (inference, prefetch) from the
+//! device's bounded queue, resolves the model through the controller's
+//! catalog, runs the pipeline and sends the reply (message and output
+//! frames, already encoded) back to the connection that asked.
+//!
+//! Between tasks it runs the device's background training job, if one is
+//! set: ONE SGD iteration whenever the queue is empty, then it looks at the
+//! queue again, so a request waits for at most the iteration in progress
+//! (never preempted inside). Without a job it blocks on the queue. `Train`
+//! requests arrive on a separate bounded control channel that is checked at
+//! every boundary (before the queue), so they never wait behind the
+//! background loop or behind queued inference.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -9,7 +17,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crossbeam::channel;
+use crossbeam::channel::{self, TryRecvError};
 use distmind_common::handshake::ClusterKey;
 use distmind_common::limits::CONTROL_FRAME_BYTES_MAX;
 use distmind_common::proto::{
@@ -18,15 +26,17 @@ use distmind_common::proto::{
 };
 use distmind_controller::{ClientError, ControllerClient};
 use distmind_models::{Dtype, Manifest};
+use rand::Rng;
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
-use super::Core;
+use super::{Core, TrainingStatus, TRAIN_ITERATION_EWMA_WEIGHT};
 use crate::cache::CacheError;
 use crate::device::DeviceError;
 use crate::exec::{ExecError, HostTensor, TraceEvent};
 use crate::npy::{encode_npy, parse_npy};
-use crate::pipeline::{cold_start, LoadPath, MergedTrace, PipelineError, PipelineEvent, Request};
-use crate::pipeline::{Stages, Timing};
+use crate::pipeline::{cache_in, cold_start, load, LoadPath, MergedTrace, PipelineError};
+use crate::pipeline::{PipelineEvent, Request, Stages, Timing};
+use crate::train::{check_trainable, sgd_step_with_state, SgdState};
 
 /// A reply ready to write: the message and the frames that follow it. The
 /// permit is the connection's in-flight slot, released once written.
@@ -47,8 +57,62 @@ pub struct Job {
     pub(crate) arrived: Instant,
     /// Index into the runtime's devices, set by dispatch.
     pub(crate) device: usize,
+    /// When it entered the device queue (its arrival at the worker), set by dispatch.
+    pub(crate) queued_at: Instant,
     pub(crate) reply: mpsc::Sender<Outgoing>,
     pub(crate) permit: Option<OwnedSemaphorePermit>,
+}
+
+/// A prefetch to a device: cache-in and upload, no compute.
+pub(crate) struct PrefetchJob {
+    pub id: u64,
+    pub model: String,
+    pub arrived: Instant,
+    pub queued_at: Instant,
+    pub reply: mpsc::Sender<Outgoing>,
+    pub permit: Option<OwnedSemaphorePermit>,
+}
+
+/// What a device queue carries, served in order.
+pub(crate) enum Task {
+    Infer(Job),
+    Prefetch(PrefetchJob),
+}
+
+impl Task {
+    pub fn model(&self) -> &str {
+        match self {
+            Task::Infer(j) => &j.model,
+            Task::Prefetch(p) => &p.model,
+        }
+    }
+
+    pub fn take_permit(&mut self) -> Option<OwnedSemaphorePermit> {
+        match self {
+            Task::Infer(j) => j.permit.take(),
+            Task::Prefetch(p) => p.permit.take(),
+        }
+    }
+
+    /// Records the device it is queued on and when.
+    pub fn set_queued(&mut self, device: usize, at: Instant) {
+        match self {
+            Task::Infer(j) => {
+                j.device = device;
+                j.queued_at = at;
+            }
+            Task::Prefetch(p) => p.queued_at = at,
+        }
+    }
+}
+
+/// A `Train` request for one device: start or switch to `model`, or stop
+/// (`None`).
+pub(crate) struct TrainControl {
+    pub id: u64,
+    pub model: Option<String>,
+    pub reply: mpsc::Sender<Outgoing>,
+    pub permit: Option<OwnedSemaphorePermit>,
 }
 
 /// Most catalog entries kept resolved; the table is cleared when full.
@@ -154,34 +218,153 @@ impl Catalog {
     }
 }
 
-/// The worker loop of device `index`: runs until the queue is closed and empty.
-pub(crate) fn run(core: &Core, index: usize, rx: channel::Receiver<Job>) {
+/// A device's background training job: a private working copy of the
+/// model's packed bytes (fetched through the host cache, as for inference)
+/// that every SGD step updates, the momentum buffers and one synthetic batch
+/// of random images and labels.
+///
+/// Trained weights are NOT written back to the memory servers (as in the
+/// original, whose `resnet152_train` jobs only share the GPU): stopping or
+/// switching the job drops them.
+struct Trainer {
+    resolved: Arc<Resolved>,
+    packed: Vec<u8>,
+    state: SgdState,
+    images: HostTensor,
+    labels: Vec<i64>,
+    iterations: u64,
+}
+
+impl Trainer {
+    fn name(&self) -> &str {
+        &self.resolved.manifest.name
+    }
+}
+
+/// One iteration's span, for the yield time of the requests that waited.
+#[derive(Clone, Copy)]
+struct Iteration {
+    start: Instant,
+    end: Instant,
+}
+
+/// The worker loop of device `index`: runs until the task queue is closed
+/// and empty. Controls first, then tasks; with a training job and nothing
+/// queued, one iteration; with neither, block.
+pub(crate) fn run(
+    core: &Core,
+    index: usize,
+    rx: channel::Receiver<Task>,
+    control: channel::Receiver<TrainControl>,
+) {
     let device = &core.devices[index];
-    for mut job in rx {
-        let out = serve(core, index, &job);
-        match &out.reply {
-            RuntimeReply::Output { .. } => {
-                core.served.fetch_add(1, Ordering::Relaxed);
-                device.served.fetch_add(1, Ordering::Relaxed);
+    let mut trainer: Option<Trainer> = None;
+    let mut last: Option<Iteration> = None;
+    let mut controls_open = true;
+    loop {
+        if controls_open {
+            match control.try_recv() {
+                Ok(c) => {
+                    apply_control(core, index, &mut trainer, c);
+                    continue;
+                }
+                Err(TryRecvError::Disconnected) => controls_open = false,
+                Err(TryRecvError::Empty) => {}
             }
-            RuntimeReply::Error { error, .. } => {
-                core.errors.fetch_add(1, Ordering::Relaxed);
-                log::debug!("device {}: request {} failed: {error}", device.id, job.id);
-            }
-            _ => {}
         }
-        device.queued.fetch_sub(1, Ordering::Relaxed);
-        let out = Outgoing {
-            permit: job.permit.take(),
-            ..out
+        let task = if trainer.is_some() {
+            match rx.try_recv() {
+                Ok(t) => t,
+                Err(TryRecvError::Empty) => {
+                    last = Some(iterate(core, index, &mut trainer));
+                    continue;
+                }
+                Err(TryRecvError::Disconnected) => break,
+            }
+        } else if controls_open {
+            crossbeam::select! {
+                recv(control) -> c => {
+                    match c {
+                        Ok(c) => apply_control(core, index, &mut trainer, c),
+                        Err(_) => controls_open = false,
+                    }
+                    continue;
+                }
+                recv(rx) -> t => match t {
+                    Ok(t) => t,
+                    Err(_) => break,
+                },
+            }
+        } else {
+            match rx.recv() {
+                Ok(t) => t,
+                Err(_) => break,
+            }
         };
-        // The connection may be gone; its reply goes nowhere then.
-        let _ = job.reply.blocking_send(out);
+        handle(core, index, task, last);
+    }
+    if let Some(t) = trainer.take() {
+        log::info!(
+            "device {}: training of {} stopped at shutdown after {} iterations (weights not written back)",
+            device.id,
+            t.name(),
+            t.iterations
+        );
+        let mut s = device.training();
+        s.model = None;
     }
     log::debug!("device {} worker stopped", device.id);
 }
 
-fn error(id: u64, code: ErrorCode, message: String) -> Outgoing {
+/// Serves one queued task and sends its reply.
+fn handle(core: &Core, index: usize, task: Task, last: Option<Iteration>) {
+    let device = &core.devices[index];
+    // Time from its arrival at the worker until the iteration it found
+    // running ended; 0 when it arrived while no iteration ran.
+    let yield_of = |queued_at: Instant| match last {
+        Some(it) if queued_at >= it.start && queued_at <= it.end => it.end - queued_at,
+        _ => Duration::ZERO,
+    };
+    let (out, mut permit, reply) = match task {
+        Task::Infer(mut job) => {
+            let train_yield = yield_of(job.queued_at);
+            let out = serve(core, index, &job, train_yield);
+            let status = match &out.reply {
+                RuntimeReply::Output { timing, .. } => {
+                    core.served.fetch_add(1, Ordering::Relaxed);
+                    device.served.fetch_add(1, Ordering::Relaxed);
+                    core.metrics.observe_path(timing.path);
+                    None
+                }
+                RuntimeReply::Error { error, .. } => {
+                    core.errors.fetch_add(1, Ordering::Relaxed);
+                    log::debug!("device {}: request {} failed: {error}", device.id, job.id);
+                    Some(error.code)
+                }
+                _ => None,
+            };
+            core.metrics
+                .observe_request(&job.model, status, job.arrived.elapsed());
+            (out, job.permit.take(), job.reply)
+        }
+        Task::Prefetch(mut p) => {
+            let out = prefetch_device(core, index, &p);
+            if let RuntimeReply::Error { error, .. } = &out.reply {
+                log::debug!("device {}: prefetch {} failed: {error}", device.id, p.id);
+            }
+            (out, p.permit.take(), p.reply)
+        }
+    };
+    device.queued.fetch_sub(1, Ordering::Relaxed);
+    let out = Outgoing {
+        permit: permit.take(),
+        ..out
+    };
+    // The connection may be gone; its reply goes nowhere then.
+    let _ = reply.blocking_send(out);
+}
+
+pub(crate) fn error(id: u64, code: ErrorCode, message: String) -> Outgoing {
     Outgoing {
         reply: RuntimeReply::Error {
             id,
@@ -192,7 +375,22 @@ fn error(id: u64, code: ErrorCode, message: String) -> Outgoing {
     }
 }
 
-fn serve(core: &Core, index: usize, job: &Job) -> Outgoing {
+/// Answers a pipeline failure, forgetting a catalog entry that may be stale.
+fn pipeline_error(core: &Core, id: u64, model: &str, e: &PipelineError) -> Outgoing {
+    let e = pipeline_error_reply(core, id, model, e);
+    error(id, e.code, e.message)
+}
+
+fn pipeline_error_reply(core: &Core, id: u64, model: &str, e: &PipelineError) -> ErrorReply {
+    let code = error_code(e);
+    if code == ErrorCode::Internal {
+        // A stale entry (the model moved) is re-read next time.
+        core.catalog.forget(model);
+    }
+    ErrorReply::new(code, format!("request {id}: {e}"))
+}
+
+fn serve(core: &Core, index: usize, job: &Job, train_yield: Duration) -> Outgoing {
     let device = &core.devices[index];
     let waited = job.arrived.elapsed();
     if let Some(deadline) = job.deadline.filter(|d| waited > *d) {
@@ -239,16 +437,12 @@ fn serve(core: &Core, index: usize, job: &Job) -> Outgoing {
         inputs: &inputs,
         arrived: job.arrived,
     };
-    let (outputs, timing, trace) = match cold_start(&stages, &request, &core.pipeline) {
+    let busy = Instant::now();
+    let served = cold_start(&stages, &request, &core.pipeline);
+    device.add_busy(busy);
+    let (outputs, timing, trace) = match served {
         Ok(v) => v,
-        Err(e) => {
-            let code = error_code(&e);
-            if code == ErrorCode::Internal {
-                // A stale entry (the model moved) is re-read next time.
-                core.catalog.forget(&job.model);
-            }
-            return error(job.id, code, format!("request {}: {e}", job.id));
-        }
+        Err(e) => return pipeline_error(core, job.id, &job.model, &e),
     };
     if outputs.len() > RUNTIME_OUTPUTS_MAX || outputs.len() != m.outputs.len() {
         return error(
@@ -286,19 +480,288 @@ fn serve(core: &Core, index: usize, job: &Job) -> Outgoing {
     } else {
         (None, false)
     };
+    let mut timing = timing_msg(&timing, device.id);
+    timing.train_yield_ms = ms(train_yield);
     Outgoing {
         reply: RuntimeReply::Output {
             id: job.id,
-            timing: timing_msg(&timing, device.id),
+            timing,
             outputs: m.outputs.iter().map(|o| o.name.clone()).collect(),
             trace,
             trace_truncated,
-            resident: Vec::new(),
+            resident: device.residency.resident_mru(),
             dispatch: None,
         },
         frames,
         permit: None,
     }
+}
+
+fn serve_path(p: LoadPath) -> ServePath {
+    match p {
+        LoadPath::Cold => ServePath::Cold,
+        LoadPath::HostCached => ServePath::HostCached,
+        LoadPath::DeviceResident => ServePath::DeviceResident,
+    }
+}
+
+/// A prefetch to device `index`: fetch into the host cache if missing,
+/// upload, leave the model resident; nothing runs.
+fn prefetch_device(core: &Core, index: usize, p: &PrefetchJob) -> Outgoing {
+    let device = &core.devices[index];
+    let resolved = match core.catalog.resolve(&p.model) {
+        Ok(r) => r,
+        Err(e) => return error(p.id, e.code, e.message),
+    };
+    let stages = Stages {
+        cache: &core.cache,
+        executor: &*core.executor,
+        residency: &device.residency,
+    };
+    let request = Request {
+        entry: &resolved.entry,
+        manifest: &resolved.manifest,
+        inputs: &[],
+        arrived: p.arrived,
+    };
+    let busy = Instant::now();
+    let loaded = load(&stages, &request, &core.pipeline);
+    device.add_busy(busy);
+    match loaded {
+        Ok(timing) => {
+            log::debug!(
+                "device {}: prefetched {} ({:?}) in {:?}",
+                device.id,
+                p.model,
+                timing.path,
+                timing.total
+            );
+            Outgoing {
+                reply: RuntimeReply::Prefetched {
+                    id: p.id,
+                    model: p.model.clone(),
+                    path: serve_path(timing.path),
+                    ms: ms(p.arrived.elapsed()),
+                },
+                frames: Vec::new(),
+                permit: None,
+            }
+        }
+        Err(e) => pipeline_error(core, p.id, &p.model, &e),
+    }
+}
+
+/// A prefetch into the host cache only (no device), on a blocking thread:
+/// `Cold` when this fetched it, `HostCached` when it was there already (or
+/// being filled by another request, which it waited for).
+pub(crate) fn prefetch_host(core: &Core, id: u64, model: &str, arrived: Instant) -> Outgoing {
+    let resolved = match core.catalog.resolve(model) {
+        Ok(r) => r,
+        Err(e) => return error(id, e.code, e.message),
+    };
+    match cache_in(
+        &core.cache,
+        &resolved.entry,
+        &resolved.manifest,
+        &core.pipeline,
+    ) {
+        Ok((_pinned, path, _)) => Outgoing {
+            reply: RuntimeReply::Prefetched {
+                id,
+                model: model.to_string(),
+                path: serve_path(path),
+                ms: ms(arrived.elapsed()),
+            },
+            frames: Vec::new(),
+            permit: None,
+        },
+        Err(e) => pipeline_error(core, id, model, &e),
+    }
+}
+
+/// Applies a `Train` request at an iteration boundary and replies.
+fn apply_control(core: &Core, index: usize, trainer: &mut Option<Trainer>, mut c: TrainControl) {
+    let device = &core.devices[index];
+    let busy = Instant::now();
+    let out = match c.model.take() {
+        None => {
+            let iterations = stop(core, index, trainer.take());
+            training_reply(c.id, device.id, None, iterations)
+        }
+        Some(model) if trainer.as_ref().is_some_and(|t| t.name() == model) => {
+            // Already running: it keeps its weights and momentum; no job ended.
+            training_reply(c.id, device.id, Some(model), 0)
+        }
+        Some(model) => match start(core, index, c.id, &model) {
+            Ok(t) => {
+                let iterations = stop(core, index, trainer.take());
+                log::info!(
+                    "device {}: training {model} between requests ({} bytes of weights, batch {})",
+                    device.id,
+                    t.packed.len(),
+                    t.labels.len()
+                );
+                *trainer = Some(t);
+                let mut s = device.training();
+                *s = TrainingStatus {
+                    model: Some(model.clone()),
+                    total_iterations: s.total_iterations,
+                    ..TrainingStatus::default()
+                };
+                drop(s);
+                training_reply(c.id, device.id, Some(model), iterations)
+            }
+            Err(e) => error(c.id, e.code, e.message),
+        },
+    };
+    device.add_busy(busy);
+    let out = Outgoing {
+        permit: c.permit.take(),
+        ..out
+    };
+    let _ = c.reply.blocking_send(out);
+}
+
+fn training_reply(id: u64, device: u32, model: Option<String>, iterations: u64) -> Outgoing {
+    Outgoing {
+        reply: RuntimeReply::Training {
+            id,
+            device,
+            model,
+            iterations,
+        },
+        frames: Vec::new(),
+        permit: None,
+    }
+}
+
+/// Ends a job (its weights are dropped); returns its iteration count.
+fn stop(core: &Core, index: usize, trainer: Option<Trainer>) -> u64 {
+    let device = &core.devices[index];
+    let Some(t) = trainer else {
+        return 0;
+    };
+    log::info!(
+        "device {}: training of {} stopped after {} iterations (weights not written back)",
+        device.id,
+        t.name(),
+        t.iterations
+    );
+    let mut s = device.training();
+    s.model = None;
+    t.iterations
+}
+
+/// Validates `model` for training and builds its job: resolve, check that
+/// every op trains, fetch the packed bytes through the host cache, copy them.
+fn start(core: &Core, index: usize, id: u64, model: &str) -> Result<Trainer, ErrorReply> {
+    let device = &core.devices[index];
+    let resolved = core.catalog.resolve(model)?;
+    let m = &resolved.manifest;
+    let refuse = |why: String| {
+        ErrorReply::new(
+            ErrorCode::BadRequest,
+            format!(
+                "request {id}: model {model} ({}) cannot train on device {}: {why}; only the CNN \
+                 families (resnet152, inception_v3, densenet201) train",
+                m.family.as_str(),
+                device.id
+            ),
+        )
+    };
+    check_trainable(m).map_err(|e| refuse(e.to_string()))?;
+    let classes = match (m.inputs.as_slice(), m.outputs.last()) {
+        ([input], Some(out))
+            if input.dtype == Dtype::F32 && !input.shape.is_empty() && out.shape.len() == 2 =>
+        {
+            out.shape[1]
+        }
+        _ => {
+            return Err(refuse(
+                "it needs one f32 image input and [N, classes] logits as its last output".into(),
+            ))
+        }
+    };
+    if classes == 0 {
+        return Err(refuse("its logits have no classes".into()));
+    }
+    let (cached, _, _) = cache_in(&core.cache, &resolved.entry, m, &core.pipeline)
+        .map_err(|e| pipeline_error_reply(core, id, model, &e))?;
+    let mut packed = Vec::with_capacity(m.stored_bytes as usize);
+    for g in 0..cached.groups() {
+        let bytes = cached
+            .wait_group(g, core.pipeline.gate_timeout)
+            .map_err(|e| ErrorReply::new(ErrorCode::Internal, format!("request {id}: {e}")))?;
+        packed.extend_from_slice(bytes);
+    }
+    drop(cached);
+    let batch = core.train_batch;
+    let mut shape = m.inputs[0].shape.clone();
+    shape[0] = batch;
+    let n: usize = shape.iter().product();
+    let mut rng = rand::thread_rng();
+    let images = HostTensor::f32(shape, (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect());
+    let labels = (0..batch)
+        .map(|_| rng.gen_range(0..classes as i64))
+        .collect();
+    Ok(Trainer {
+        resolved,
+        packed,
+        state: SgdState::new(),
+        images,
+        labels,
+        iterations: 0,
+    })
+}
+
+/// One SGD iteration of the device's job; a failed one ends the job.
+fn iterate(core: &Core, index: usize, trainer: &mut Option<Trainer>) -> Iteration {
+    let device = &core.devices[index];
+    let start = Instant::now();
+    let Some(t) = trainer.as_mut() else {
+        return Iteration { start, end: start };
+    };
+    let step = sgd_step_with_state(
+        &t.resolved.manifest,
+        &mut t.packed,
+        &t.images,
+        &t.labels,
+        &core.train_sgd,
+        &mut t.state,
+    );
+    let end = Instant::now();
+    device.add_busy(start);
+    match step {
+        Ok(report) => {
+            t.iterations += 1;
+            let took = ms(end - start);
+            let mut s = device.training();
+            s.iterations = t.iterations;
+            s.total_iterations += 1;
+            s.iteration_ms_last = took;
+            s.iteration_ms_ewma = if t.iterations == 1 {
+                took
+            } else {
+                TRAIN_ITERATION_EWMA_WEIGHT * took
+                    + (1.0 - TRAIN_ITERATION_EWMA_WEIGHT) * s.iteration_ms_ewma
+            };
+            s.iteration_ms_max = s.iteration_ms_max.max(took);
+            s.loss = report.loss;
+        }
+        Err(e) => {
+            let why = format!(
+                "training of {} failed at iteration {}: {e}",
+                t.name(),
+                t.iterations + 1
+            );
+            log::warn!("device {}: {why}; the job stopped", device.id);
+            let mut s = device.training();
+            s.model = None;
+            s.last_error = Some(why);
+            *trainer = None;
+        }
+    }
+    Iteration { start, end }
 }
 
 /// The executors' rule, checked before anything is fetched: one input of
@@ -354,11 +817,7 @@ pub(crate) fn timing_msg(t: &Timing, device: u32) -> TimingMsg {
         h2d_ms: ms(t.h2d),
         compute_ms: ms(t.compute),
         total_ms: ms(t.total),
-        path: match t.path {
-            LoadPath::Cold => ServePath::Cold,
-            LoadPath::HostCached => ServePath::HostCached,
-            LoadPath::DeviceResident => ServePath::DeviceResident,
-        },
+        path: serve_path(t.path),
         simulated: t.simulated,
         device,
         fetched_bytes: t.fetched_bytes,

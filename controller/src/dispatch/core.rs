@@ -1,0 +1,1140 @@
+//! The dispatcher's decisions, with no IO: requests in, actions out.
+//!
+//! [`Dispatcher`] owns the view of every GPU (what is resident, what each
+//! host caches, what is queued and outstanding, whether it trains), the
+//! cost model and the policy. The network layer ([`super::net`]) feeds it
+//! arrivals, replies, runtime changes and ticks, and carries out the
+//! [`Action`]s it returns: send a request to a GPU, fail one with an
+//! explicit status, prefetch, evict, start or stop training.
+//!
+//! **Invariant:** every submitted request ends in exactly one `Send` that
+//! is later `complete`d or failed by [`Dispatcher::runtime_down`], or in
+//! exactly one `Fail`. Nothing is dropped silently.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+
+use distmind_common::proto::{
+    DispatchInfo, ErrorCode, ErrorReply, GpuAssignment, GpuRole, RuntimeSnapshot, ServePath,
+    TimingMsg,
+};
+
+use crate::policy::cost::{CostModel, ModelMeta, Priors};
+use crate::policy::distmind::{DistMindConfig, DistMindPolicy};
+use crate::policy::edf::EdfQueue;
+use crate::policy::training::TrainingJob;
+use crate::policy::{Balancer, Ewma, Gpu, Micros, PolicyKind, Where};
+
+/// A request's handle inside the dispatcher.
+pub type ReqId = u64;
+
+/// FxHash-style hashing for the dispatcher's own integer ids (request and
+/// model ids it assigns itself, so not attacker-chosen): SipHash is a
+/// measurable share of a routing decision.
+#[derive(Debug, Default, Clone, Copy)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+    fn write_u32(&mut self, n: u32) {
+        self.write_u64(u64::from(n));
+    }
+}
+
+type IdMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<IdHasher>>;
+
+/// Requests one GPU has outstanding at its runtime under the `slo` policy:
+/// enough to keep the device busy across a reply's round trip, few enough
+/// that the order is the dispatcher's (EDF), not the runtime's FIFO.
+pub const SLO_WINDOW_DEFAULT: u32 = 2;
+/// The original load balancer's bound on outstanding requests per GPU.
+pub const LOR_OUTSTANDING_MAX: u32 = 8;
+/// Most requests queued at the dispatcher for one GPU.
+pub const GPU_QUEUE_MAX: usize = 256;
+/// Most requests the `distmind` policy holds waiting for a free GPU.
+pub const PENDING_MAX: usize = 4096;
+/// Most requests alive in the dispatcher at once (queued + outstanding).
+pub const REQUESTS_MAX: usize = 65_536;
+/// Most models the dispatcher tracks.
+pub const MODELS_MAX: usize = 65_536;
+/// Default latency objective when neither the request nor controller.json
+/// gives one.
+pub const SLO_MS_DEFAULT: f64 = 1000.0;
+/// The cache-aware balancer frees this multiple of a model's size.
+const CACHE_OUT_FACTOR: f64 = 1.2;
+
+#[derive(Debug, Clone)]
+pub struct DispatchConfig {
+    pub policy: PolicyKind,
+    pub balancer: Balancer,
+    /// Latency objective per model family, ms (controller.json `slo_ms`).
+    pub slo_ms_by_family: BTreeMap<String, f64>,
+    pub slo_ms_default: f64,
+    pub window: u32,
+    pub distmind: DistMindConfig,
+    pub priors: Priors,
+    /// Training job for GPUs that train (`use_train`).
+    pub train_model: Option<String>,
+}
+
+impl DispatchConfig {
+    pub fn new(policy: PolicyKind, distmind: DistMindConfig) -> Self {
+        DispatchConfig {
+            policy,
+            balancer: Balancer::LeastOutstanding,
+            slo_ms_by_family: BTreeMap::new(),
+            slo_ms_default: SLO_MS_DEFAULT,
+            window: SLO_WINDOW_DEFAULT,
+            distmind,
+            priors: Priors::default(),
+            train_model: None,
+        }
+    }
+}
+
+/// What the network layer must do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// Send request `req` (its input is held by the network layer) to a GPU;
+    /// `budget_ms`: the time left before its deadline.
+    Send {
+        req: ReqId,
+        gpu: Gpu,
+        model: String,
+        budget_ms: u64,
+    },
+    /// Answer `req` with this error; it is finished.
+    Fail {
+        req: ReqId,
+        error: ErrorReply,
+    },
+    Prefetch {
+        gpu: Gpu,
+        model: String,
+    },
+    Evict {
+        runtime: u32,
+        model: String,
+    },
+    Train {
+        gpu: Gpu,
+        model: Option<String>,
+    },
+}
+
+/// A runtime's reply to a request the dispatcher sent.
+#[derive(Debug, Clone, Default)]
+pub struct Completion<'a> {
+    /// Present when it ran (an `Output` reply).
+    pub timing: Option<&'a TimingMsg>,
+    /// The device's resident models after it ran.
+    pub resident: &'a [String],
+}
+
+/// Counters the metrics endpoint exports.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DispatchCounters {
+    pub submitted: u64,
+    pub sent: u64,
+    pub completed: u64,
+    pub completed_within_slo: u64,
+    pub rejected: u64,
+    pub deadline_exceeded: u64,
+    pub failed_other: u64,
+    pub busy: u64,
+    pub prefetches: u64,
+    pub evictions: u64,
+}
+
+#[derive(Debug)]
+struct Req {
+    model: u32,
+    arrival: Micros,
+    deadline: Micros,
+    slo_ms: f64,
+    est_finish: Micros,
+    service: Micros,
+    at: Where,
+    gpu: Option<usize>,
+    sent_at: Option<Micros>,
+}
+
+#[derive(Debug)]
+struct GpuState {
+    gpu: Gpu,
+    role: GpuRole,
+    /// Resident model ids, most recently used first.
+    resident: Vec<u32>,
+    resident_max: usize,
+    outstanding: u32,
+    busy_until: Micros,
+    queue: EdfQueue<ReqId>,
+    training: Option<TrainingJob>,
+    /// A prefetch was sent and not yet confirmed by a snapshot.
+    prefetching: bool,
+    /// The model the `distmind` policy assigned it.
+    assigned: Option<u32>,
+    /// Its runtime's link is up (a copy of the host's flag, read per decision).
+    link_up: bool,
+}
+
+#[derive(Debug, Default)]
+struct HostState {
+    boot_id: u64,
+    cached: HashSet<u32>,
+    cache_bytes: u64,
+    link_up: bool,
+}
+
+#[derive(Debug)]
+struct Model {
+    meta: ModelMeta,
+    /// Requests in the last rate window and the smoothed rate (req/s).
+    recent: u64,
+    rate: Ewma,
+    /// Cluster-wide request count (LFU).
+    uses: u64,
+}
+
+/// The dispatcher's state and decisions.
+#[derive(Debug)]
+pub struct Dispatcher {
+    cfg: DispatchConfig,
+    models: Vec<Model>,
+    by_name: HashMap<String, u32>,
+    gpus: Vec<GpuState>,
+    hosts: BTreeMap<u32, HostState>,
+    cost: CostModel,
+    distmind: DistMindPolicy,
+    /// Requests waiting for a GPU under the `distmind` policy, FIFO.
+    pending: VecDeque<ReqId>,
+    reqs: IdMap<ReqId, Req>,
+    next_req: ReqId,
+    counters: DispatchCounters,
+    last_rate_at: Micros,
+    training_started: HashSet<Gpu>,
+    /// Requests routed to each (runtime, model), queued or outstanding: a
+    /// model with any is never cached out.
+    active: IdMap<(u32, u32), u32>,
+}
+
+impl Dispatcher {
+    pub fn new(cfg: DispatchConfig) -> Result<Self, String> {
+        let distmind = DistMindPolicy::new(cfg.distmind.clone())?;
+        if cfg.window == 0 {
+            return Err("the dispatch window must be at least 1".into());
+        }
+        if cfg.slo_ms_default.is_nan() || cfg.slo_ms_default <= 0.0 {
+            return Err("the default SLO must be positive".into());
+        }
+        Ok(Dispatcher {
+            cost: CostModel::new(cfg.priors),
+            cfg,
+            models: Vec::new(),
+            by_name: HashMap::new(),
+            gpus: Vec::new(),
+            hosts: BTreeMap::new(),
+            distmind,
+            pending: VecDeque::new(),
+            reqs: IdMap::default(),
+            next_req: 1,
+            counters: DispatchCounters::default(),
+            last_rate_at: 0,
+            training_started: HashSet::new(),
+            active: IdMap::default(),
+        })
+    }
+
+    pub fn policy(&self) -> PolicyKind {
+        self.cfg.policy
+    }
+
+    pub fn counters(&self) -> &DispatchCounters {
+        &self.counters
+    }
+
+    /// Requests alive (queued, pending or outstanding).
+    pub fn in_flight(&self) -> usize {
+        self.reqs.len()
+    }
+
+    /// Requests waiting at the dispatcher, per GPU queue and pending.
+    pub fn queued(&self) -> usize {
+        self.pending.len() + self.gpus.iter().map(|g| g.queue.len()).sum::<usize>()
+    }
+
+    /// The id of a model, registering (or updating) its metadata.
+    pub fn model(&mut self, meta: ModelMeta) -> Result<u32, ErrorReply> {
+        if let Some(&id) = self.by_name.get(&meta.name) {
+            let m = &mut self.models[id as usize];
+            if m.meta != meta {
+                self.cost.register(id, &meta.family);
+                m.meta = meta;
+                self.cost.forget(id);
+            }
+            return Ok(id);
+        }
+        if self.models.len() >= MODELS_MAX {
+            return Err(ErrorReply::new(
+                ErrorCode::Full,
+                format!("the dispatcher tracks {MODELS_MAX} models already"),
+            ));
+        }
+        let id = self.models.len() as u32;
+        self.by_name.insert(meta.name.clone(), id);
+        self.cost.register(id, &meta.family);
+        self.models.push(Model {
+            meta,
+            recent: 0,
+            rate: Ewma::default(),
+            uses: 0,
+        });
+        let n = self.models.len();
+        self.distmind
+            .set_models(n)
+            .map_err(|e| ErrorReply::new(ErrorCode::Internal, e.to_string()))?;
+        Ok(id)
+    }
+
+    pub fn model_id(&self, name: &str) -> Option<u32> {
+        self.by_name.get(name).copied()
+    }
+
+    pub fn model_name(&self, id: u32) -> &str {
+        &self.models[id as usize].meta.name
+    }
+
+    /// The SLO a request gets: its own, else its family's, else the default.
+    pub fn slo_ms(&self, model: u32, requested: Option<f64>) -> f64 {
+        requested.filter(|s| *s > 0.0).unwrap_or_else(|| {
+            self.cfg
+                .slo_ms_by_family
+                .get(&self.models[model as usize].meta.family)
+                .copied()
+                .unwrap_or(self.cfg.slo_ms_default)
+        })
+    }
+
+    // ------------------------------------------------------------------
+    // Runtimes.
+    // ------------------------------------------------------------------
+
+    /// Adds or updates a runtime's devices and state. A new boot id means
+    /// it restarted: its caches are empty and whatever was outstanding there
+    /// is failed.
+    #[allow(clippy::too_many_arguments)]
+    pub fn runtime_seen(
+        &mut self,
+        now: Micros,
+        runtime: u32,
+        boot_id: u64,
+        device_ids: &[u32],
+        cache_bytes: u64,
+        resident_models_max: u32,
+        snapshot: Option<&RuntimeSnapshot>,
+        out: &mut Vec<Action>,
+    ) {
+        let restarted = self
+            .hosts
+            .get(&runtime)
+            .is_some_and(|h| h.boot_id != boot_id);
+        if restarted {
+            self.runtime_down(now, runtime, "it restarted", out);
+            self.hosts.remove(&runtime);
+        }
+        let host = self.hosts.entry(runtime).or_insert_with(|| HostState {
+            boot_id,
+            ..HostState::default()
+        });
+        host.cache_bytes = cache_bytes;
+        let mut added = false;
+        for &device in device_ids {
+            let gpu = Gpu { runtime, device };
+            if !self.gpus.iter().any(|g| g.gpu == gpu) {
+                self.gpus.push(GpuState {
+                    gpu,
+                    role: GpuRole::Inference,
+                    resident: Vec::new(),
+                    resident_max: if resident_models_max == 0 {
+                        usize::MAX
+                    } else {
+                        resident_models_max as usize
+                    },
+                    outstanding: 0,
+                    busy_until: now,
+                    queue: EdfQueue::new(GPU_QUEUE_MAX),
+                    training: None,
+                    prefetching: false,
+                    assigned: None,
+                    link_up: self.hosts.get(&runtime).is_some_and(|h| h.link_up),
+                });
+                added = true;
+            }
+        }
+        if added {
+            // GPUs are only ever appended: requests hold their index.
+            let all: Vec<Gpu> = self.gpus.iter().map(|g| g.gpu).collect();
+            self.distmind.set_gpus(&all);
+        }
+        if let Some(s) = snapshot {
+            self.apply_snapshot(runtime, s);
+        }
+    }
+
+    fn apply_snapshot(&mut self, runtime: u32, s: &RuntimeSnapshot) {
+        let ids = |names: &[String], by: &HashMap<String, u32>| -> Vec<u32> {
+            names.iter().filter_map(|n| by.get(n).copied()).collect()
+        };
+        if !s.host_cached_truncated {
+            let cached: HashSet<u32> = ids(&s.host_cached, &self.by_name).into_iter().collect();
+            if let Some(h) = self.hosts.get_mut(&runtime) {
+                h.cached = cached;
+            }
+        }
+        for d in &s.devices {
+            let resident = ids(&d.resident, &self.by_name);
+            let Some(g) = self
+                .gpus
+                .iter_mut()
+                .find(|g| g.gpu.runtime == runtime && g.gpu.device == d.device)
+            else {
+                continue;
+            };
+            // Only trust the snapshot when nothing is in flight there (a
+            // reply would be fresher).
+            if g.outstanding == 0 {
+                g.resident = resident;
+            }
+            g.prefetching = false;
+            g.training = d.training.as_ref().map(|_| TrainingJob {
+                started_at: 0,
+                iteration: (d.train_iteration_ms * 1e3) as Micros,
+            });
+        }
+    }
+
+    /// The link to `runtime` is up (requests may be sent).
+    pub fn link_up(&mut self, runtime: u32) {
+        if let Some(h) = self.hosts.get_mut(&runtime) {
+            h.link_up = true;
+        }
+        for g in self.gpus.iter_mut().filter(|g| g.gpu.runtime == runtime) {
+            g.link_up = true;
+        }
+    }
+
+    /// The runtime is gone (dead, restarted, its link broke): requests
+    /// outstanding there fail explicitly; requests queued for its GPUs are
+    /// routed again.
+    pub fn runtime_down(&mut self, now: Micros, runtime: u32, why: &str, out: &mut Vec<Action>) {
+        if let Some(h) = self.hosts.get_mut(&runtime) {
+            h.link_up = false;
+            h.cached.clear();
+        }
+        let mut requeue = Vec::new();
+        for g in self.gpus.iter_mut().filter(|g| g.gpu.runtime == runtime) {
+            g.link_up = false;
+            requeue.extend(g.queue.drain());
+            g.outstanding = 0;
+            g.busy_until = now;
+            g.resident.clear();
+            g.training = None;
+        }
+        let gpu_idx: HashSet<usize> = self
+            .gpus
+            .iter()
+            .enumerate()
+            .filter(|(_, g)| g.gpu.runtime == runtime)
+            .map(|(i, _)| i)
+            .collect();
+        let lost: Vec<ReqId> = self
+            .reqs
+            .iter()
+            .filter(|(_, r)| r.sent_at.is_some() && r.gpu.is_some_and(|i| gpu_idx.contains(&i)))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in lost {
+            let r = self.reqs.remove(&id).expect("listed above");
+            if let Some(gi) = r.gpu {
+                self.unbind_gpu(gi, r.model);
+            }
+            self.counters.failed_other += 1;
+            out.push(Action::Fail {
+                req: id,
+                error: ErrorReply::new(
+                    ErrorCode::Internal,
+                    format!(
+                        "request for {} was running on runtime {runtime} and is lost: {why}; retry it",
+                        self.models[r.model as usize].meta.name
+                    ),
+                ),
+            });
+        }
+        self.training_started.retain(|g| g.runtime != runtime);
+        for id in requeue {
+            if let Some(mut r) = self.reqs.remove(&id) {
+                if let Some(gi) = r.gpu.take() {
+                    self.unbind_gpu(gi, r.model);
+                }
+                self.route(now, id, r, out);
+            }
+        }
+    }
+
+    // ------------------------------------------------------------------
+    // Requests.
+    // ------------------------------------------------------------------
+
+    fn bind_gpu(&mut self, gi: usize, model: u32) {
+        *self
+            .active
+            .entry((self.gpus[gi].gpu.runtime, model))
+            .or_insert(0) += 1;
+    }
+
+    fn unbind_gpu(&mut self, gi: usize, model: u32) {
+        let k = (self.gpus[gi].gpu.runtime, model);
+        if let Some(n) = self.active.get_mut(&k) {
+            *n -= 1;
+            if *n == 0 {
+                self.active.remove(&k);
+            }
+        }
+    }
+
+    /// A request for `model` arrived at `now`. Returns its id; `out` gets a
+    /// `Send` (now or later, as GPUs free up) or a `Fail`.
+    pub fn submit(
+        &mut self,
+        now: Micros,
+        model: u32,
+        slo_ms: Option<f64>,
+        out: &mut Vec<Action>,
+    ) -> ReqId {
+        let id = self.next_req;
+        self.next_req += 1;
+        self.counters.submitted += 1;
+        let slo = self.slo_ms(model, slo_ms);
+        let m = &mut self.models[model as usize];
+        m.recent += 1;
+        m.uses += 1;
+        if self.reqs.len() >= REQUESTS_MAX {
+            self.counters.busy += 1;
+            out.push(Action::Fail {
+                req: id,
+                error: ErrorReply::new(
+                    ErrorCode::Busy,
+                    format!("the dispatcher holds {REQUESTS_MAX} requests already; retry later"),
+                ),
+            });
+            return id;
+        }
+        let r = Req {
+            model,
+            arrival: now,
+            deadline: now + (slo * 1e3) as Micros,
+            slo_ms: slo,
+            est_finish: 0,
+            service: 0,
+            at: Where::Remote,
+            gpu: None,
+            sent_at: None,
+        };
+        self.route(now, id, r, out);
+        id
+    }
+
+    fn where_is(&self, gi: usize, model: u32) -> Where {
+        let g = &self.gpus[gi];
+        if g.resident.contains(&model) {
+            Where::Resident
+        } else if self
+            .hosts
+            .get(&g.gpu.runtime)
+            .is_some_and(|h| h.cached.contains(&model))
+        {
+            Where::HostCached
+        } else {
+            Where::Remote
+        }
+    }
+
+    fn routable(&self, gi: usize) -> bool {
+        let g = &self.gpus[gi];
+        g.link_up && (self.cfg.policy == PolicyKind::Slo || g.role == GpuRole::Inference)
+    }
+
+    fn route(&mut self, now: Micros, id: ReqId, r: Req, out: &mut Vec<Action>) {
+        match self.cfg.policy {
+            PolicyKind::Slo => self.route_slo(now, id, r, out),
+            PolicyKind::DistMind => {
+                self.reqs.insert(id, r);
+                if !self.route_balanced(now, id, out) {
+                    if self.pending.len() >= PENDING_MAX {
+                        let r = self.reqs.remove(&id).expect("inserted above");
+                        self.counters.busy += 1;
+                        out.push(Action::Fail {
+                            req: id,
+                            error: ErrorReply::new(
+                                ErrorCode::Busy,
+                                format!(
+                                    "request for {}: {PENDING_MAX} requests already wait for a GPU; retry later",
+                                    self.models[r.model as usize].meta.name
+                                ),
+                            ),
+                        });
+                    } else {
+                        self.pending.push_back(id);
+                    }
+                }
+            }
+        }
+    }
+
+    /// When GPU `gi` can start new work: after what it has outstanding and,
+    /// when it trains and is otherwise idle, after one training iteration.
+    fn free_at(&self, now: Micros, gi: usize) -> Micros {
+        let g = &self.gpus[gi];
+        let mut t = g.busy_until.max(now);
+        if g.outstanding == 0 && g.queue.is_empty() {
+            if let Some(job) = &g.training {
+                t += job.worst_case_delay();
+            }
+        }
+        t
+    }
+
+    /// The `slo` policy: the GPU that finishes the request earliest among
+    /// those that meet its deadline without making a queued request late;
+    /// none = rejected at once.
+    fn route_slo(&mut self, now: Micros, id: ReqId, mut r: Req, out: &mut Vec<Action>) {
+        let meta = &self.models[r.model as usize].meta;
+        let est = [Where::Resident, Where::HostCached, Where::Remote]
+            .map(|at| self.cost.estimate(r.model, meta, at));
+        let mut best: Option<(Micros, Where, usize, Micros)> = None;
+        let mut earliest: Option<Micros> = None;
+        for gi in 0..self.gpus.len() {
+            if !self.routable(gi) || self.gpus[gi].queue.is_full() {
+                continue;
+            }
+            let at = self.where_is(gi, r.model);
+            let service = est[at as usize];
+            let adm = self.gpus[gi]
+                .queue
+                .admit(self.free_at(now, gi), r.deadline, service);
+            earliest = Some(earliest.map_or(adm.finish, |e: Micros| e.min(adm.finish)));
+            if adm.feasible && best.is_none_or(|(f, w, _, _)| (adm.finish, at) < (f, w)) {
+                best = Some((adm.finish, at, gi, service));
+                // Nothing beats an idle GPU that holds the model.
+                if at == Where::Resident && adm.finish == now + service {
+                    break;
+                }
+            }
+        }
+        let Some((finish, at, gi, service)) = best else {
+            self.counters.rejected += 1;
+            let why = match earliest {
+                None => "no GPU server is available".to_string(),
+                Some(f) => format!(
+                    "the earliest any GPU could finish it is {:.1} ms after arrival",
+                    (f - now) as f64 / 1e3
+                ),
+            };
+            out.push(Action::Fail {
+                req: id,
+                error: ErrorReply::new(
+                    ErrorCode::Rejected,
+                    format!(
+                        "request for {} rejected: it cannot meet its {:.0} ms SLO ({why})",
+                        meta.name, r.slo_ms
+                    ),
+                ),
+            });
+            return;
+        };
+        r.est_finish = finish;
+        r.service = service;
+        r.at = at;
+        r.gpu = Some(gi);
+        let model = r.model;
+        let deadline = r.deadline;
+        self.reqs.insert(id, r);
+        self.bind_gpu(gi, model);
+        self.gpus[gi]
+            .queue
+            .push(deadline, service, id)
+            .expect("admission skipped full queues");
+        self.expect_resident(gi, model);
+        self.pump(now, gi, out);
+    }
+
+    /// Records that `model` will be resident on GPU `gi` (and cached on its
+    /// host) once the request sent there runs; replies correct it.
+    fn expect_resident(&mut self, gi: usize, model: u32) {
+        let g = &mut self.gpus[gi];
+        if let Some(p) = g.resident.iter().position(|&m| m == model) {
+            g.resident.remove(p);
+        }
+        g.resident.insert(0, model);
+        g.resident.truncate(g.resident_max);
+        if let Some(h) = self.hosts.get_mut(&g.gpu.runtime) {
+            h.cached.insert(model);
+        }
+    }
+
+    /// Sends queued requests to GPU `gi` while it has room in its window.
+    fn pump(&mut self, now: Micros, gi: usize, out: &mut Vec<Action>) {
+        while self.gpus[gi].outstanding < self.cfg.window {
+            let Some((deadline, service, id)) = self.gpus[gi].queue.pop() else {
+                return;
+            };
+            let start = self.gpus[gi].busy_until.max(now);
+            if start + service > deadline {
+                // The estimate moved since admission; say so rather than
+                // run a request that will be late anyway.
+                let r = self.reqs.remove(&id).expect("queued requests are alive");
+                self.unbind_gpu(gi, r.model);
+                self.counters.deadline_exceeded += 1;
+                out.push(Action::Fail {
+                    req: id,
+                    error: ErrorReply::new(
+                        ErrorCode::DeadlineExceeded,
+                        format!(
+                            "request for {} can no longer meet its {:.0} ms SLO: dropped before it ran",
+                            self.models[r.model as usize].meta.name, r.slo_ms
+                        ),
+                    ),
+                });
+                continue;
+            }
+            self.send(now, gi, id, service, out);
+        }
+    }
+
+    fn send(&mut self, now: Micros, gi: usize, id: ReqId, service: Micros, out: &mut Vec<Action>) {
+        let r = self.reqs.get_mut(&id).expect("sent requests are alive");
+        let g = &mut self.gpus[gi];
+        g.busy_until = g.busy_until.max(now) + service;
+        g.outstanding += 1;
+        r.sent_at = Some(now);
+        r.gpu = Some(gi);
+        self.counters.sent += 1;
+        out.push(Action::Send {
+            req: id,
+            gpu: g.gpu,
+            model: self.models[r.model as usize].meta.name.clone(),
+            budget_ms: r.deadline.saturating_sub(now).div_ceil(1000),
+        });
+    }
+
+    /// The `distmind` policy's balancer: sends the request now if a GPU has
+    /// room, else returns false (it waits in `pending`).
+    fn route_balanced(&mut self, now: Micros, id: ReqId, out: &mut Vec<Action>) -> bool {
+        let model = self.reqs[&id].model;
+        // Least outstanding (< 8) in three tiers: GPUs holding the model
+        // (resident or assigned; `lor` only), hosts caching it, any GPU.
+        let mut best = [None::<(u32, usize)>; 3];
+        for gi in 0..self.gpus.len() {
+            let g = &self.gpus[gi];
+            if g.outstanding >= LOR_OUTSTANDING_MAX || !self.routable(gi) {
+                continue;
+            }
+            let holds = self.cfg.balancer == Balancer::LeastOutstanding
+                && (g.assigned == Some(model) || g.resident.contains(&model));
+            let tier = if holds {
+                0
+            } else if self.where_is(gi, model) != Where::Remote {
+                1
+            } else {
+                2
+            };
+            let key = (g.outstanding, gi);
+            if best[tier].is_none_or(|b| key < b) {
+                best[tier] = Some(key);
+            }
+        }
+        // A model some GPU holds waits for it rather than spreading (the
+        // original's behaviour); otherwise the first tier with room wins.
+        let held_somewhere = self.cfg.balancer == Balancer::LeastOutstanding
+            && self.gpus.iter().enumerate().any(|(gi, g)| {
+                self.routable(gi) && (g.assigned == Some(model) || g.resident.contains(&model))
+            });
+        let target = if held_somewhere {
+            best[0].map(|(_, gi)| gi)
+        } else {
+            best[1].or(best[2]).map(|(_, gi)| gi)
+        };
+        let Some(gi) = target else {
+            return false;
+        };
+        self.cache_out_for(gi, model, out);
+        let at = self.where_is(gi, model);
+        let service = self
+            .cost
+            .estimate(model, &self.models[model as usize].meta, at);
+        {
+            let r = self.reqs.get_mut(&id).expect("alive");
+            r.at = at;
+            r.service = service;
+            r.est_finish = self.gpus[gi].busy_until.max(now) + service;
+        }
+        self.expect_resident(gi, model);
+        self.bind_gpu(gi, model);
+        self.send(now, gi, id, service, out);
+        true
+    }
+
+    /// Cache-aware cache-out: before a model is pulled into a host cache
+    /// that lacks it, evict models there until 1.2x its size fits: idle
+    /// ones least recently cached first (`lor`), or the least frequently
+    /// used cluster-wide (`lfu`).
+    fn cache_out_for(&mut self, gi: usize, model: u32, out: &mut Vec<Action>) {
+        let runtime = self.gpus[gi].gpu.runtime;
+        let Some(h) = self.hosts.get(&runtime) else {
+            return;
+        };
+        if h.cache_bytes == 0 || h.cached.contains(&model) {
+            return;
+        }
+        let need = (self.models[model as usize].meta.bytes as f64 * CACHE_OUT_FACTOR) as u64;
+        let used: u64 = h
+            .cached
+            .iter()
+            .map(|&m| self.models[m as usize].meta.bytes)
+            .sum();
+        if used + need <= h.cache_bytes {
+            return;
+        }
+        let mut victims: Vec<u32> = h
+            .cached
+            .iter()
+            .copied()
+            .filter(|&m| !self.active.contains_key(&(runtime, m)))
+            .collect();
+        match self.cfg.balancer {
+            Balancer::LeastOutstanding => victims
+                .sort_by_key(|&m| (self.models[m as usize].rate.get().unwrap_or(0.0) * 1e6) as u64),
+            Balancer::Lfu => victims.sort_by_key(|&m| self.models[m as usize].uses),
+        }
+        let mut freed = 0;
+        let mut evict = Vec::new();
+        for m in victims {
+            if used - freed + need <= h.cache_bytes {
+                break;
+            }
+            freed += self.models[m as usize].meta.bytes;
+            evict.push(m);
+        }
+        let h = self.hosts.get_mut(&runtime).expect("looked up above");
+        for m in evict {
+            h.cached.remove(&m);
+            for g in self.gpus.iter_mut().filter(|g| g.gpu.runtime == runtime) {
+                g.resident.retain(|&x| x != m);
+            }
+            self.counters.evictions += 1;
+            out.push(Action::Evict {
+                runtime,
+                model: self.models[m as usize].meta.name.clone(),
+            });
+        }
+    }
+
+    /// A reply to `req` arrived at `now`. Returns the dispatch record for
+    /// the client, or `None` for an unknown id (already failed).
+    pub fn complete(
+        &mut self,
+        now: Micros,
+        req: ReqId,
+        c: &Completion<'_>,
+        out: &mut Vec<Action>,
+    ) -> Option<DispatchInfo> {
+        let r = self.reqs.remove(&req)?;
+        let gi = r.gpu?;
+        self.unbind_gpu(gi, r.model);
+        {
+            let g = &mut self.gpus[gi];
+            g.outstanding = g.outstanding.saturating_sub(1);
+            if g.outstanding == 0 && g.queue.is_empty() {
+                g.busy_until = now;
+            }
+        }
+        let total_ms = (now - r.arrival) as f64 / 1e3;
+        if let Some(t) = c.timing {
+            let at = match t.path {
+                ServePath::DeviceResident => Where::Resident,
+                ServePath::HostCached => Where::HostCached,
+                ServePath::Cold => Where::Remote,
+            };
+            let rtt = r.sent_at.map(|s| (now - s) as f64 / 1e3);
+            self.cost.observe(
+                r.model,
+                &self.models[r.model as usize].meta,
+                at,
+                t.total_ms - t.queue_ms,
+                rtt,
+                t.total_ms,
+            );
+            let resident: Vec<u32> = c
+                .resident
+                .iter()
+                .filter_map(|n| self.by_name.get(n).copied())
+                .collect();
+            if !c.resident.is_empty() {
+                self.gpus[gi].resident = resident;
+            }
+            self.counters.completed += 1;
+            if total_ms <= r.slo_ms {
+                self.counters.completed_within_slo += 1;
+            }
+        }
+        let gpu = self.gpus[gi].gpu;
+        match self.cfg.policy {
+            PolicyKind::Slo => self.pump(now, gi, out),
+            PolicyKind::DistMind => self.drain_pending(now, out),
+        }
+        Some(DispatchInfo {
+            runtime: gpu.runtime,
+            device: gpu.device,
+            slo_ms: r.slo_ms,
+            estimated_ms: r.est_finish.saturating_sub(r.arrival) as f64 / 1e3,
+            dispatch_queue_ms: r.sent_at.map_or(0.0, |s| (s - r.arrival) as f64 / 1e3),
+            total_ms,
+        })
+    }
+
+    /// Routes waiting requests (FIFO) while GPUs have room; fails those
+    /// whose deadline passed.
+    fn drain_pending(&mut self, now: Micros, out: &mut Vec<Action>) {
+        let mut still = VecDeque::new();
+        while let Some(id) = self.pending.pop_front() {
+            let Some(r) = self.reqs.get(&id) else {
+                continue;
+            };
+            if now > r.deadline {
+                let r = self.reqs.remove(&id).expect("looked up");
+                self.counters.deadline_exceeded += 1;
+                out.push(Action::Fail {
+                    req: id,
+                    error: ErrorReply::new(
+                        ErrorCode::DeadlineExceeded,
+                        format!(
+                            "request for {} waited {:.0} ms for a GPU, past its {:.0} ms SLO",
+                            self.models[r.model as usize].meta.name,
+                            (now - r.arrival) as f64 / 1e3,
+                            r.slo_ms
+                        ),
+                    ),
+                });
+                continue;
+            }
+            if !self.route_balanced(now, id, out) {
+                still.push_back(id);
+            }
+        }
+        self.pending = still;
+    }
+
+    /// Periodic work at `now`: the policy's placement, training roles,
+    /// demand tracking, expiry of waiting requests.
+    pub fn tick(&mut self, now: Micros, out: &mut Vec<Action>) {
+        // Demand: requests per second per model, smoothed.
+        let window = now.saturating_sub(self.last_rate_at);
+        if window >= 100_000 {
+            for m in &mut self.models {
+                m.rate.observe(m.recent as f64 * 1e6 / window as f64);
+                m.recent = 0;
+            }
+            self.last_rate_at = now;
+        }
+        match self.cfg.policy {
+            PolicyKind::DistMind => {
+                self.distmind.tick(now);
+                self.apply_distmind(out);
+                self.drain_pending(now, out);
+            }
+            PolicyKind::Slo => {
+                self.start_training_everywhere(out);
+                self.prefetch_hot(out);
+            }
+        }
+    }
+
+    fn train_model(&self) -> Option<&str> {
+        if !self.cfg.distmind.use_train {
+            return None;
+        }
+        self.cfg.train_model.as_deref()
+    }
+
+    /// `distmind`: roles and placements as the policy says; training GPUs
+    /// get the training job, inference GPUs prefetch their model.
+    fn apply_distmind(&mut self, out: &mut Vec<Action>) {
+        let train = self.train_model().map(str::to_string);
+        for gi in 0..self.gpus.len() {
+            let gpu = self.gpus[gi].gpu;
+            let Some(a) = self.distmind.assignment(gpu) else {
+                continue;
+            };
+            if !self.hosts.get(&gpu.runtime).is_some_and(|h| h.link_up) {
+                continue;
+            }
+            if self.gpus[gi].role != a.role {
+                self.gpus[gi].role = a.role;
+                let job = match a.role {
+                    GpuRole::Training => train.clone(),
+                    GpuRole::Inference => None,
+                };
+                if job.is_some() || self.training_started.remove(&gpu) {
+                    if job.is_some() {
+                        self.training_started.insert(gpu);
+                    }
+                    out.push(Action::Train { gpu, model: job });
+                }
+            }
+            self.gpus[gi].assigned = a.model.map(|m| m as u32);
+            if a.role == GpuRole::Inference {
+                if let Some(m) = a.model {
+                    let m = m as u32;
+                    if !self.gpus[gi].resident.contains(&m) && !self.gpus[gi].prefetching {
+                        self.gpus[gi].prefetching = true;
+                        self.cache_out_for(gi, m, out);
+                        self.expect_resident(gi, m);
+                        self.counters.prefetches += 1;
+                        out.push(Action::Prefetch {
+                            gpu,
+                            model: self.models[m as usize].meta.name.clone(),
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    /// `slo` with training on: every GPU runs the training job between
+    /// requests (the runtime yields at iteration boundaries).
+    fn start_training_everywhere(&mut self, out: &mut Vec<Action>) {
+        let Some(train) = self.train_model().map(str::to_string) else {
+            return;
+        };
+        for g in &self.gpus {
+            if self.hosts.get(&g.gpu.runtime).is_some_and(|h| h.link_up)
+                && self.training_started.insert(g.gpu)
+            {
+                out.push(Action::Train {
+                    gpu: g.gpu,
+                    model: Some(train.clone()),
+                });
+            }
+        }
+    }
+
+    /// `slo` demand-driven placement: an idle GPU prefetches the most
+    /// requested model that is resident nowhere.
+    fn prefetch_hot(&mut self, out: &mut Vec<Action>) {
+        let resident: HashSet<u32> = self
+            .gpus
+            .iter()
+            .flat_map(|g| g.resident.iter().copied())
+            .collect();
+        let mut hot: Vec<(u64, u32)> = self
+            .models
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !resident.contains(&(*i as u32)))
+            .filter_map(|(i, m)| {
+                let r = m.rate.get()?;
+                (r >= 0.5).then_some(((r * 1e3) as u64, i as u32))
+            })
+            .collect();
+        hot.sort_unstable_by(|a, b| b.cmp(a));
+        let mut hot = hot.into_iter();
+        for gi in 0..self.gpus.len() {
+            let idle = {
+                let g = &self.gpus[gi];
+                g.outstanding == 0 && g.queue.is_empty() && !g.prefetching
+            };
+            if !idle || !self.routable(gi) {
+                continue;
+            }
+            let Some((_, m)) = hot.next() else {
+                return;
+            };
+            let gpu = self.gpus[gi].gpu;
+            self.gpus[gi].prefetching = true;
+            self.expect_resident(gi, m);
+            self.counters.prefetches += 1;
+            out.push(Action::Prefetch {
+                gpu,
+                model: self.models[m as usize].meta.name.clone(),
+            });
+        }
+    }
+
+    /// A prefetch finished (or failed): the GPU may prefetch again.
+    pub fn prefetch_done(&mut self, gpu: Gpu, resident: Option<&[String]>) {
+        let by_name = &self.by_name;
+        if let Some(g) = self.gpus.iter_mut().find(|g| g.gpu == gpu) {
+            g.prefetching = false;
+            if let Some(names) = resident {
+                g.resident = names
+                    .iter()
+                    .filter_map(|n| by_name.get(n).copied())
+                    .collect();
+            }
+        }
+    }
+
+    /// What every GPU does, for subscribers.
+    pub fn assignments(&self) -> Vec<GpuAssignment> {
+        self.gpus
+            .iter()
+            .map(|g| {
+                let models = match self.cfg.policy {
+                    PolicyKind::DistMind => match self.distmind.assignment(g.gpu) {
+                        Some(a) if a.role == GpuRole::Training => {
+                            self.train_model().map(str::to_string).into_iter().collect()
+                        }
+                        Some(a) => a
+                            .model
+                            .map(|m| self.models[m].meta.name.clone())
+                            .into_iter()
+                            .collect(),
+                        None => Vec::new(),
+                    },
+                    PolicyKind::Slo => g
+                        .resident
+                        .iter()
+                        .map(|&m| self.models[m as usize].meta.name.clone())
+                        .collect(),
+                };
+                GpuAssignment {
+                    runtime: g.gpu.runtime,
+                    device: g.gpu.device,
+                    role: g.role,
+                    models,
+                }
+            })
+            .collect()
+    }
+
+    /// Outstanding requests and queue length per GPU (for metrics).
+    pub fn gpu_load(&self) -> Vec<(Gpu, u32, usize)> {
+        self.gpus
+            .iter()
+            .map(|g| (g.gpu, g.outstanding, g.queue.len()))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+#[path = "core_tests.rs"]
+mod tests;

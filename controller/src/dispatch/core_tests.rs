@@ -1,0 +1,345 @@
+//! The dispatcher on a virtual clock: admission, EDF order, routing by
+//! where models are, training, runtime loss, the original's balancer.
+
+use super::*;
+use crate::policy::distmind::DistMindConfig;
+use distmind_common::proto::{DeviceSnapshot, ServePath, TimingMsg};
+
+const MS: Micros = 1_000;
+
+fn cfg(policy: PolicyKind) -> DispatchConfig {
+    let mut c = DispatchConfig::new(
+        policy,
+        DistMindConfig {
+            period: 1_000 * MS,
+            zipf_s: 0.9,
+            inference_workload_s: vec![1],
+            use_train: false,
+            seed: 1,
+        },
+    );
+    // 10 ms compute, uploads at 1 GB/s, a 100 MB/s link: a 10 MB model is
+    // 10 ms resident, 20 ms host-cached, 120 ms remote.
+    c.priors = Priors {
+        net_bytes_per_s: 1e8,
+        h2d_bytes_per_s: 1e9,
+        compute_ms: 10.0,
+    };
+    c
+}
+
+/// A dispatcher with `gpus` single-device runtimes, links up.
+fn dispatcher(policy: PolicyKind, gpus: u32) -> Dispatcher {
+    let mut d = Dispatcher::new(cfg(policy)).unwrap();
+    let mut out = Vec::new();
+    for r in 0..gpus {
+        d.runtime_seen(0, r, 1, &[0], 1 << 30, 4, None, &mut out);
+        d.link_up(r);
+    }
+    assert!(out.is_empty());
+    d
+}
+
+fn model(d: &mut Dispatcher, name: &str) -> u32 {
+    d.model(ModelMeta {
+        name: name.into(),
+        family: "resnet152".into(),
+        bytes: 10_000_000,
+    })
+    .unwrap()
+}
+
+fn sent(out: &[Action]) -> Vec<(ReqId, Gpu)> {
+    out.iter()
+        .filter_map(|a| match a {
+            Action::Send { req, gpu, .. } => Some((*req, *gpu)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn failed(out: &[Action]) -> Vec<(ReqId, ErrorCode)> {
+    out.iter()
+        .filter_map(|a| match a {
+            Action::Fail { req, error } => Some((*req, error.code)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn timing(path: ServePath, service_ms: f64) -> TimingMsg {
+    TimingMsg {
+        queue_ms: 0.0,
+        fetch_ms: 0.0,
+        h2d_ms: 0.0,
+        compute_ms: service_ms,
+        total_ms: service_ms,
+        path,
+        simulated: false,
+        device: 0,
+        fetched_bytes: 0,
+        train_yield_ms: 0.0,
+    }
+}
+
+fn gpu(runtime: u32) -> Gpu {
+    Gpu { runtime, device: 0 }
+}
+
+/// Marks `model` resident on runtime `r`'s device through a snapshot.
+fn make_resident(d: &mut Dispatcher, r: u32, name: &str) {
+    let snap = RuntimeSnapshot {
+        devices: vec![DeviceSnapshot {
+            device: 0,
+            resident: vec![name.into()],
+            ..Default::default()
+        }],
+        host_cached: vec![name.into()],
+        host_cached_truncated: false,
+    };
+    d.runtime_seen(0, r, 1, &[0], 1 << 30, 4, Some(&snap), &mut Vec::new());
+}
+
+#[test]
+fn admission_rejects_exactly_the_infeasible_requests() {
+    let mut d = dispatcher(PolicyKind::Slo, 1);
+    let m = model(&mut d, "a");
+    make_resident(&mut d, 0, "a");
+    let mut out = Vec::new();
+    // 10 ms each; window 2: two are sent at once, busy until 20 ms.
+    let r1 = d.submit(0, m, Some(25.0), &mut out);
+    let r2 = d.submit(0, m, Some(25.0), &mut out);
+    assert_eq!(sent(&out), vec![(r1, gpu(0)), (r2, gpu(0))]);
+    out.clear();
+    // A third would finish at 30 ms: infeasible under 25, feasible under 30.
+    let r3 = d.submit(0, m, Some(25.0), &mut out);
+    assert_eq!(failed(&out), vec![(r3, ErrorCode::Rejected)]);
+    out.clear();
+    let r4 = d.submit(0, m, Some(30.0), &mut out);
+    assert!(
+        out.is_empty(),
+        "queued at the dispatcher, window full: {out:?}"
+    );
+    // Now 40 ms is the earliest; a request with 35 ms is refused, and one
+    // that would fit itself but make r4 late (deadline 30) is refused too.
+    let r5 = d.submit(0, m, Some(35.0), &mut out);
+    assert_eq!(failed(&out), vec![(r5, ErrorCode::Rejected)]);
+    out.clear();
+    let r6 = d.submit(0, m, Some(21.0), &mut out);
+    assert_eq!(
+        failed(&out),
+        vec![(r6, ErrorCode::Rejected)],
+        "r6 would push r4 to 40 ms"
+    );
+    out.clear();
+    // r1 finishes at 10 ms: r4 goes out.
+    let t = timing(ServePath::DeviceResident, 10.0);
+    let resident = vec!["a".to_string()];
+    let c = Completion {
+        timing: Some(&t),
+        resident: &resident,
+    };
+    let info = d.complete(10 * MS, r1, &c, &mut out).unwrap();
+    assert_eq!((info.runtime, info.device, info.slo_ms), (0, 0, 25.0));
+    assert_eq!(sent(&out), vec![(r4, gpu(0))]);
+    assert_eq!(d.counters().rejected, 3);
+    assert_eq!(d.counters().completed_within_slo, 1);
+}
+
+#[test]
+fn edf_sends_the_earliest_deadline_first() {
+    let mut d = dispatcher(PolicyKind::Slo, 1);
+    let m = model(&mut d, "a");
+    make_resident(&mut d, 0, "a");
+    let mut out = Vec::new();
+    let r1 = d.submit(0, m, Some(500.0), &mut out);
+    let _r2 = d.submit(0, m, Some(500.0), &mut out);
+    out.clear();
+    let late = d.submit(0, m, Some(400.0), &mut out);
+    let early = d.submit(0, m, Some(100.0), &mut out);
+    let middle = d.submit(0, m, Some(200.0), &mut out);
+    assert!(out.is_empty());
+    let t = timing(ServePath::DeviceResident, 10.0);
+    let mut order = Vec::new();
+    let mut done = vec![r1];
+    for step in 1..=3 {
+        let id = done.remove(0);
+        let c = Completion {
+            timing: Some(&t),
+            resident: &[],
+        };
+        d.complete(step * 10 * MS, id, &c, &mut out);
+        for (req, _) in sent(&out) {
+            order.push(req);
+            done.push(req);
+        }
+        out.clear();
+    }
+    assert_eq!(order, vec![early, middle, late]);
+}
+
+#[test]
+fn routes_to_the_gpu_that_finishes_earliest() {
+    let mut d = dispatcher(PolicyKind::Slo, 2);
+    let m = model(&mut d, "a");
+    make_resident(&mut d, 1, "a");
+    let mut out = Vec::new();
+    // Resident on GPU 1 (10 ms each) beats remote on GPU 0 (120 ms) until
+    // GPU 1's backlog makes it finish later than a cold start on GPU 0:
+    // the 12th request finishes at 120 ms either way (ties go to the
+    // resident copy), the 13th at 130 ms on GPU 1 or 120 ms on GPU 0.
+    let ids: Vec<ReqId> = (0..13)
+        .map(|_| d.submit(0, m, Some(10_000.0), &mut out))
+        .collect();
+    assert!(failed(&out).is_empty());
+    let on_gpu0: Vec<ReqId> = sent(&out)
+        .into_iter()
+        .filter(|(_, g)| *g == gpu(0))
+        .map(|(r, _)| r)
+        .collect();
+    assert_eq!(on_gpu0, vec![ids[12]], "{out:?}");
+    // GPU 1 got two at once (its window) and queued the other ten.
+    assert_eq!(sent(&out).len(), 3);
+    assert_eq!(d.queued(), 10);
+}
+
+#[test]
+fn a_training_gpu_costs_one_iteration_to_yield() {
+    let mut d = dispatcher(PolicyKind::Slo, 1);
+    let m = model(&mut d, "a");
+    let snap = RuntimeSnapshot {
+        devices: vec![DeviceSnapshot {
+            device: 0,
+            resident: vec!["a".into()],
+            training: Some("resnet152_train".into()),
+            train_iteration_ms: 50.0,
+            ..Default::default()
+        }],
+        host_cached: vec!["a".into()],
+        host_cached_truncated: false,
+    };
+    d.runtime_seen(0, 0, 1, &[0], 1 << 30, 4, Some(&snap), &mut Vec::new());
+    let mut out = Vec::new();
+    // 10 ms of compute after up to 50 ms of training iteration.
+    let r = d.submit(0, m, Some(55.0), &mut out);
+    assert_eq!(failed(&out), vec![(r, ErrorCode::Rejected)]);
+    out.clear();
+    let r = d.submit(0, m, Some(60.0), &mut out);
+    assert_eq!(sent(&out), vec![(r, gpu(0))]);
+}
+
+#[test]
+fn a_lost_runtime_fails_its_requests_and_requeues_the_rest() {
+    let mut d = dispatcher(PolicyKind::Slo, 2);
+    let m = model(&mut d, "a");
+    make_resident(&mut d, 0, "a");
+    let mut out = Vec::new();
+    let mut on0 = Vec::new();
+    for _ in 0..3 {
+        on0.push(d.submit(0, m, Some(10_000.0), &mut out));
+    }
+    // Two went to GPU 0 (resident), one to GPU 0's queue or to GPU 1.
+    let sent0: Vec<ReqId> = sent(&out)
+        .into_iter()
+        .filter(|(_, g)| *g == gpu(0))
+        .map(|(r, _)| r)
+        .collect();
+    out.clear();
+    d.runtime_down(5 * MS, 0, "killed", &mut out);
+    let f = failed(&out);
+    assert_eq!(f.len(), sent0.len());
+    assert!(f
+        .iter()
+        .all(|(r, c)| sent0.contains(r) && *c == ErrorCode::Internal));
+    // Nothing is left routed to runtime 0; every request is accounted for.
+    assert!(sent(&out).iter().all(|(_, g)| *g == gpu(1)));
+    let accounted = f.len() + d.in_flight();
+    assert_eq!(accounted, 3);
+}
+
+#[test]
+fn least_outstanding_balancer_bounds_each_gpu_at_eight() {
+    let mut d = dispatcher(PolicyKind::DistMind, 2);
+    let m = model(&mut d, "a");
+    let mut out = Vec::new();
+    d.tick(0, &mut out);
+    out.clear();
+    make_resident(&mut d, 0, "a");
+    make_resident(&mut d, 1, "a");
+    let ids: Vec<ReqId> = (0..20)
+        .map(|_| d.submit(0, m, Some(1e6), &mut out))
+        .collect();
+    let s = sent(&out);
+    assert_eq!(s.len(), 16, "8 per GPU");
+    let per0 = s.iter().filter(|(_, g)| *g == gpu(0)).count();
+    assert_eq!(per0, 8);
+    out.clear();
+    // A completion lets one waiting request through, in arrival order.
+    let t = timing(ServePath::DeviceResident, 10.0);
+    let c = Completion {
+        timing: Some(&t),
+        resident: &[],
+    };
+    d.complete(10 * MS, ids[0], &c, &mut out);
+    assert_eq!(
+        sent(&out).iter().map(|(r, _)| *r).collect::<Vec<_>>(),
+        vec![ids[16]]
+    );
+}
+
+#[test]
+fn distmind_policy_places_models_and_trains_the_rest() {
+    let mut c = cfg(PolicyKind::DistMind);
+    c.distmind.use_train = true;
+    c.distmind.inference_workload_s = vec![1, 2];
+    c.train_model = Some("resnet152_train".into());
+    let mut d = Dispatcher::new(c).unwrap();
+    let mut out = Vec::new();
+    for r in 0..2 {
+        d.runtime_seen(0, r, 1, &[0], 1 << 30, 4, None, &mut out);
+        d.link_up(r);
+    }
+    for k in 0..5 {
+        model(&mut d, &format!("m{k}"));
+    }
+    d.tick(0, &mut out);
+    // Second 0: one inference GPU (prefetching its model), one training.
+    let trains: Vec<_> = out
+        .iter()
+        .filter(|a| matches!(a, Action::Train { model: Some(_), .. }))
+        .collect();
+    assert_eq!(trains.len(), 1, "{out:?}");
+    assert_eq!(
+        out.iter()
+            .filter(|a| matches!(a, Action::Prefetch { .. }))
+            .count(),
+        1
+    );
+    let a = d.assignments();
+    assert_eq!(a.iter().filter(|g| g.role == GpuRole::Training).count(), 1);
+    out.clear();
+    // Second 1: both infer; the trainer is told to stop.
+    d.tick(1_000 * MS, &mut out);
+    assert!(
+        out.iter()
+            .any(|a| matches!(a, Action::Train { model: None, .. })),
+        "{out:?}"
+    );
+    assert!(d.assignments().iter().all(|g| g.role == GpuRole::Inference));
+}
+
+#[test]
+fn bounded_pending_and_request_table() {
+    let mut d = dispatcher(PolicyKind::DistMind, 1);
+    let m = model(&mut d, "a");
+    let mut out = Vec::new();
+    for _ in 0..(LOR_OUTSTANDING_MAX as usize + PENDING_MAX + 10) {
+        d.submit(0, m, Some(1e6), &mut out);
+    }
+    let busy = failed(&out)
+        .iter()
+        .filter(|(_, c)| *c == ErrorCode::Busy)
+        .count();
+    assert_eq!(busy, 10);
+    assert_eq!(d.queued(), PENDING_MAX);
+}

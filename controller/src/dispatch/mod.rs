@@ -1,0 +1,11 @@
+//! The dispatcher: routes every client request to a GPU so that it meets
+//! its latency SLO, or rejects it at once.
+//!
+//! * [`core`]: the decisions, pure (time passed in, actions out).
+//! * [`net`]: the client port, one link per runtime, the tick task.
+
+pub mod core;
+pub mod metrics;
+pub mod net;
+
+pub use self::core::{Action, Completion, DispatchConfig, DispatchCounters, Dispatcher, ReqId};

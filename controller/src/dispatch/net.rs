@@ -1,0 +1,912 @@
+//! The dispatcher's IO: the client port, one link per runtime, and the task
+//! that owns the [`Dispatcher`] and turns its actions into messages.
+//!
+//! ```text
+//!  client conn tasks --Event::Request--> core task --LinkMsg--> link task --> runtime
+//!        ^                                  |   ^                   |
+//!        +------------ Outgoing ------------+   +---Event::Reply----+
+//! ```
+//!
+//! * The core task is the only owner of the dispatcher state: no locks on
+//!   the decision path. It holds each request's input bytes and its
+//!   client's reply channel until the request is sent or answered.
+//! * Clients speak the runtime protocol (`RuntimeRequest::Infer` + one
+//!   input frame; `RuntimeReply::Output` + output frames), so the same
+//!   client talks to a runtime or to the dispatcher; replies carry the
+//!   client's id and a [`DispatchInfo`](distmind_common::proto::DispatchInfo).
+//! * Bounded everywhere: connections, requests in flight per connection,
+//!   the event channel, each link's send queue, requests in the dispatcher.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use distmind_common::handshake::{self, ClusterKey};
+use distmind_common::limits::{CONTROL_FRAME_BYTES_MAX, NAME_BYTES_MAX};
+use distmind_common::proto::{
+    ErrorCode, ErrorReply, RuntimeReply, RuntimeRequest, RUNTIME_OUTPUTS_MAX,
+};
+use distmind_common::wire::{self, FrameKind, Role, WireError};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+
+use super::core::{Action, Completion, Dispatcher, ReqId};
+use super::metrics::DispatchMetrics;
+use crate::policy::cost::ModelMeta;
+use crate::policy::{Gpu, Micros};
+use crate::state::ControllerState;
+
+/// Most client connections at once.
+pub const CLIENT_CONNECTIONS_MAX: usize = 1024;
+/// Requests one client connection may have outstanding; the dispatcher
+/// stops reading from it at this bound.
+pub const CLIENT_IN_FLIGHT_MAX: usize = 256;
+/// Events waiting for the core task.
+const EVENTS_MAX: usize = 16_384;
+/// Messages waiting to be written to one runtime.
+const LINK_QUEUE_MAX: usize = 4096;
+/// Input bytes the dispatcher holds for requests not yet sent.
+pub const HELD_INPUT_BYTES_MAX: u64 = 1 << 30;
+/// How often the core re-reads the runtime registry and runs the policy.
+const TICK: Duration = Duration::from_millis(50);
+/// Connecting (and the handshake) to a runtime.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Control requests on a link (prefetch, evict, train) have ids with this
+/// bit set, so their replies are told apart from requests'.
+const CONTROL_ID_BIT: u64 = 1 << 63;
+
+type Shared = Arc<Mutex<ControllerState>>;
+
+fn lock(s: &Shared) -> std::sync::MutexGuard<'_, ControllerState> {
+    s.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A reply to a client: a message and its output frames.
+pub struct Outgoing {
+    pub reply: RuntimeReply,
+    pub frames: Vec<Vec<u8>>,
+    /// Released when the reply is written (the connection's in-flight bound).
+    pub permit: Option<OwnedSemaphorePermit>,
+}
+
+enum Event {
+    Request {
+        client: mpsc::Sender<Outgoing>,
+        client_id: u64,
+        model: String,
+        slo_ms: Option<u64>,
+        trace: bool,
+        input: Vec<u8>,
+        permit: OwnedSemaphorePermit,
+    },
+    Reply {
+        runtime: u32,
+        boot_id: u64,
+        reply: RuntimeReply,
+        frames: Vec<Vec<u8>>,
+    },
+    LinkUp {
+        runtime: u32,
+        boot_id: u64,
+    },
+    LinkDown {
+        runtime: u32,
+        boot_id: u64,
+        why: String,
+    },
+}
+
+enum LinkMsg {
+    Request(RuntimeRequest, Option<Vec<u8>>),
+}
+
+struct Inflight {
+    client: mpsc::Sender<Outgoing>,
+    client_id: u64,
+    trace: bool,
+    input: Option<Vec<u8>>,
+    permit: Option<OwnedSemaphorePermit>,
+    model: String,
+}
+
+struct Link {
+    boot_id: u64,
+    tx: mpsc::Sender<LinkMsg>,
+}
+
+/// The dispatcher's tasks; see the module docs.
+pub struct DispatchNet {
+    events: mpsc::Sender<Event>,
+}
+
+impl DispatchNet {
+    /// Starts the core task; `serve_clients` then accepts on the client port.
+    pub fn start(
+        dispatcher: Dispatcher,
+        state: Shared,
+        key: ClusterKey,
+        metrics: Arc<DispatchMetrics>,
+        tasks: &mut JoinSet<()>,
+        stop: watch::Receiver<bool>,
+    ) -> DispatchNet {
+        let (tx, rx) = mpsc::channel(EVENTS_MAX);
+        let core = CoreTask {
+            d: dispatcher,
+            state,
+            key,
+            metrics,
+            epoch: Instant::now(),
+            inflight: HashMap::new(),
+            links: HashMap::new(),
+            controls: HashMap::new(),
+            next_control: 0,
+            held_bytes: 0,
+            events: tx.clone(),
+            actions: Vec::new(),
+        };
+        tasks.spawn(core.run(rx, stop));
+        DispatchNet { events: tx }
+    }
+
+    /// Accepts client connections until `stop`.
+    pub async fn serve_clients(
+        &self,
+        listener: tokio::net::TcpListener,
+        key: ClusterKey,
+        mut stop: watch::Receiver<bool>,
+    ) {
+        let limit = Arc::new(Semaphore::new(CLIENT_CONNECTIONS_MAX));
+        let mut conns = JoinSet::new();
+        let mut refusing = false;
+        let conn_stop = stop.clone();
+        loop {
+            while conns.try_join_next().is_some() {}
+            let accepted = tokio::select! {
+                _ = stop.wait_for(|s| *s) => break,
+                accepted = listener.accept() => accepted,
+            };
+            match accepted {
+                Ok((stream, peer)) => match limit.clone().try_acquire_owned() {
+                    Ok(permit) => {
+                        refusing = false;
+                        let events = self.events.clone();
+                        let key = key.clone();
+                        let stop = conn_stop.clone();
+                        conns.spawn(async move {
+                            client_conn(stream, peer, key, events, stop).await;
+                            drop(permit);
+                        });
+                    }
+                    Err(_) => {
+                        if !refusing {
+                            log::warn!("refusing client {peer}: {CLIENT_CONNECTIONS_MAX} connections open (the bound)");
+                            refusing = true;
+                        }
+                    }
+                },
+                Err(e) => {
+                    log::warn!("dispatcher accept failed: {e}; retrying in 50 ms");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+        conns.shutdown().await;
+    }
+}
+
+struct CoreTask {
+    d: Dispatcher,
+    state: Shared,
+    key: ClusterKey,
+    metrics: Arc<DispatchMetrics>,
+    epoch: Instant,
+    inflight: HashMap<ReqId, Inflight>,
+    links: HashMap<u32, Link>,
+    /// Control requests in flight on links: id -> (gpu, what).
+    controls: HashMap<u64, (Gpu, &'static str)>,
+    next_control: u64,
+    held_bytes: u64,
+    events: mpsc::Sender<Event>,
+    actions: Vec<Action>,
+}
+
+impl CoreTask {
+    fn now(&self) -> Micros {
+        self.epoch.elapsed().as_micros() as Micros
+    }
+
+    async fn run(mut self, mut rx: mpsc::Receiver<Event>, mut stop: watch::Receiver<bool>) {
+        let mut tick = tokio::time::interval(TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = stop.wait_for(|s| *s) => break,
+                _ = tick.tick() => self.on_tick(),
+                ev = rx.recv() => match ev {
+                    Some(ev) => self.on_event(ev),
+                    None => break,
+                },
+            }
+            self.flush();
+        }
+        // Answer whatever is still here: nothing is dropped silently.
+        for (_, f) in self.inflight.drain() {
+            let _ = f.client.try_send(Outgoing {
+                reply: RuntimeReply::Error {
+                    id: f.client_id,
+                    error: ErrorReply::new(
+                        ErrorCode::ShuttingDown,
+                        format!("request for {}: the controller is shutting down", f.model),
+                    ),
+                },
+                frames: Vec::new(),
+                permit: f.permit,
+            });
+        }
+    }
+
+    fn on_tick(&mut self) {
+        let now = self.now();
+        let wall = Instant::now();
+        let views = lock(&self.state).runtimes().live(wall);
+        let live: HashMap<u32, u64> = views.iter().map(|v| (v.id, v.boot_id)).collect();
+        // Runtimes that died or restarted: their links go.
+        let gone: Vec<u32> = self
+            .links
+            .iter()
+            .filter(|(id, l)| live.get(id) != Some(&l.boot_id))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            self.links.remove(&id);
+            self.d.runtime_down(
+                now,
+                id,
+                "it stopped heartbeating or restarted",
+                &mut self.actions,
+            );
+        }
+        for v in &views {
+            self.d.runtime_seen(
+                now,
+                v.id,
+                v.boot_id,
+                &v.shape.device_ids,
+                v.shape.cache_bytes,
+                v.shape.resident_models_max,
+                v.snapshot.as_ref(),
+                &mut self.actions,
+            );
+            if let std::collections::hash_map::Entry::Vacant(slot) = self.links.entry(v.id) {
+                let (tx, rx) = mpsc::channel(LINK_QUEUE_MAX);
+                slot.insert(Link {
+                    boot_id: v.boot_id,
+                    tx,
+                });
+                tokio::spawn(link(
+                    v.id,
+                    v.boot_id,
+                    v.addr.clone(),
+                    self.key.clone(),
+                    rx,
+                    self.events.clone(),
+                ));
+            }
+        }
+        self.d.tick(now, &mut self.actions);
+        let assignments = self.d.assignments();
+        lock(&self.state).publish_assignments(self.d.policy().as_str(), assignments);
+        self.metrics.observe_dispatcher(&self.d, self.held_bytes);
+    }
+
+    fn on_event(&mut self, ev: Event) {
+        let now = self.now();
+        match ev {
+            Event::Request {
+                client,
+                client_id,
+                model,
+                slo_ms,
+                trace,
+                input,
+                permit,
+            } => {
+                let fail = |code, message: String, permit| {
+                    let _ = client.try_send(Outgoing {
+                        reply: RuntimeReply::Error {
+                            id: client_id,
+                            error: ErrorReply::new(code, message),
+                        },
+                        frames: Vec::new(),
+                        permit: Some(permit),
+                    });
+                };
+                let id = match self.resolve(&model) {
+                    Ok(id) => id,
+                    Err(e) => {
+                        self.metrics.finished(&model, e.code, None);
+                        return fail(e.code, e.message, permit);
+                    }
+                };
+                if self.held_bytes + input.len() as u64 > HELD_INPUT_BYTES_MAX {
+                    self.metrics.finished(&model, ErrorCode::Busy, None);
+                    return fail(
+                        ErrorCode::Busy,
+                        format!(
+                            "request {client_id} for {model}: the dispatcher holds {HELD_INPUT_BYTES_MAX} bytes of inputs \
+                             already; retry later"
+                        ),
+                        permit,
+                    );
+                }
+                self.held_bytes += input.len() as u64;
+                let t0 = Instant::now();
+                let req = self
+                    .d
+                    .submit(now, id, slo_ms.map(|s| s as f64), &mut self.actions);
+                self.metrics.decision(t0.elapsed());
+                self.inflight.insert(
+                    req,
+                    Inflight {
+                        client,
+                        client_id,
+                        trace,
+                        input: Some(input),
+                        permit: Some(permit),
+                        model,
+                    },
+                );
+            }
+            Event::Reply {
+                runtime,
+                boot_id,
+                reply,
+                frames,
+            } => {
+                if self.links.get(&runtime).map(|l| l.boot_id) != Some(boot_id) {
+                    return; // a reply from a link already given up
+                }
+                self.on_reply(now, runtime, reply, frames);
+            }
+            Event::LinkUp { runtime, boot_id } => {
+                if self.links.get(&runtime).map(|l| l.boot_id) == Some(boot_id) {
+                    log::info!("dispatcher: link to runtime {runtime} up");
+                    self.d.link_up(runtime);
+                }
+            }
+            Event::LinkDown {
+                runtime,
+                boot_id,
+                why,
+            } => {
+                if self.links.get(&runtime).map(|l| l.boot_id) == Some(boot_id) {
+                    log::warn!("dispatcher: link to runtime {runtime} down: {why}");
+                    self.links.remove(&runtime);
+                    self.controls.retain(|_, (g, _)| g.runtime != runtime);
+                    self.d.runtime_down(now, runtime, &why, &mut self.actions);
+                }
+            }
+        }
+    }
+
+    /// The dispatcher's id of `model`, from the catalog on first use.
+    fn resolve(&mut self, model: &str) -> Result<u32, ErrorReply> {
+        if let Some(id) = self.d.model_id(model) {
+            return Ok(id);
+        }
+        if model.is_empty() || model.len() > NAME_BYTES_MAX {
+            return Err(ErrorReply::new(
+                ErrorCode::BadRequest,
+                format!(
+                    "a model name is 1..={NAME_BYTES_MAX} bytes, got {}",
+                    model.len()
+                ),
+            ));
+        }
+        let entry = lock(&self.state).catalog().get(model)?;
+        self.d.model(ModelMeta {
+            name: entry.name.clone(),
+            family: entry.family.clone(),
+            bytes: entry.total_bytes,
+        })
+    }
+
+    fn on_reply(&mut self, now: Micros, runtime: u32, reply: RuntimeReply, frames: Vec<Vec<u8>>) {
+        let id = reply.id();
+        if id & CONTROL_ID_BIT != 0 {
+            let Some((gpu, what)) = self.controls.remove(&id) else {
+                return;
+            };
+            match &reply {
+                RuntimeReply::Error { error, .. } => {
+                    log::warn!("dispatcher: {what} on {gpu} failed: {error}")
+                }
+                r => log::debug!("dispatcher: {what} on {gpu}: {r:?}"),
+            }
+            if what == "prefetch" {
+                self.d.prefetch_done(gpu, None);
+            }
+            return;
+        }
+        let Some(mut f) = self.inflight.remove(&id) else {
+            log::debug!("dispatcher: reply for unknown request {id} from runtime {runtime}");
+            return;
+        };
+        let (completion, code) = match &reply {
+            RuntimeReply::Output {
+                timing, resident, ..
+            } => (
+                Completion {
+                    timing: Some(timing),
+                    resident,
+                },
+                None,
+            ),
+            RuntimeReply::Error { error, .. } => (Completion::default(), Some(error.code)),
+            _ => (Completion::default(), Some(ErrorCode::Internal)),
+        };
+        let info = self.d.complete(now, id, &completion, &mut self.actions);
+        let reply = match reply {
+            RuntimeReply::Output {
+                timing,
+                outputs,
+                trace,
+                trace_truncated,
+                resident,
+                ..
+            } => RuntimeReply::Output {
+                id: f.client_id,
+                timing,
+                outputs,
+                trace: if f.trace { trace } else { None },
+                trace_truncated,
+                resident,
+                dispatch: info.clone(),
+            },
+            RuntimeReply::Error { error, .. } => RuntimeReply::Error {
+                id: f.client_id,
+                error,
+            },
+            other => RuntimeReply::Error {
+                id: f.client_id,
+                error: ErrorReply::new(
+                    ErrorCode::Internal,
+                    format!("runtime {runtime} answered an inference with {other:?}"),
+                ),
+            },
+        };
+        self.metrics.finished(
+            &f.model,
+            code.unwrap_or(ErrorCode::BadRequest),
+            info.as_ref().filter(|_| code.is_none()),
+        );
+        let _ = f.client.try_send(Outgoing {
+            reply,
+            frames: if code.is_none() { frames } else { Vec::new() },
+            permit: f.permit.take(),
+        });
+    }
+
+    /// Carries out the dispatcher's actions.
+    fn flush(&mut self) {
+        let actions = std::mem::take(&mut self.actions);
+        for a in actions {
+            match a {
+                Action::Send {
+                    req,
+                    gpu,
+                    model,
+                    budget_ms,
+                } => {
+                    let Some(f) = self.inflight.get_mut(&req) else {
+                        continue;
+                    };
+                    let input = f.input.take().unwrap_or_default();
+                    self.held_bytes -= input.len() as u64;
+                    let msg = LinkMsg::Request(
+                        RuntimeRequest::Infer {
+                            id: req,
+                            model,
+                            deadline_ms: Some(budget_ms),
+                            trace: f.trace,
+                            device: Some(gpu.device),
+                        },
+                        Some(input),
+                    );
+                    if let Err(why) = self.send_link(gpu.runtime, msg) {
+                        let now = self.now();
+                        self.d
+                            .complete(now, req, &Completion::default(), &mut self.actions);
+                        self.fail(req, ErrorReply::new(ErrorCode::Internal, why));
+                    }
+                }
+                Action::Fail { req, error } => self.fail(req, error),
+                Action::Prefetch { gpu, model } => {
+                    let id = self.control_id(gpu, "prefetch");
+                    let msg = LinkMsg::Request(
+                        RuntimeRequest::Prefetch {
+                            id,
+                            model,
+                            device: Some(gpu.device),
+                        },
+                        None,
+                    );
+                    if self.send_link(gpu.runtime, msg).is_err() {
+                        self.controls.remove(&id);
+                        self.d.prefetch_done(gpu, None);
+                    }
+                }
+                Action::Evict { runtime, model } => {
+                    let gpu = Gpu { runtime, device: 0 };
+                    let id = self.control_id(gpu, "evict");
+                    let msg = LinkMsg::Request(RuntimeRequest::Evict { id, model }, None);
+                    if self.send_link(runtime, msg).is_err() {
+                        self.controls.remove(&id);
+                    }
+                }
+                Action::Train { gpu, model } => {
+                    let id = self.control_id(gpu, "train");
+                    let msg = LinkMsg::Request(
+                        RuntimeRequest::Train {
+                            id,
+                            device: gpu.device,
+                            model,
+                        },
+                        None,
+                    );
+                    if self.send_link(gpu.runtime, msg).is_err() {
+                        self.controls.remove(&id);
+                    }
+                }
+            }
+        }
+        if !self.actions.is_empty() {
+            // Failing a send can queue more actions (the next request).
+            self.flush();
+        }
+    }
+
+    fn control_id(&mut self, gpu: Gpu, what: &'static str) -> u64 {
+        self.next_control += 1;
+        let id = CONTROL_ID_BIT | self.next_control;
+        self.controls.insert(id, (gpu, what));
+        id
+    }
+
+    fn send_link(&mut self, runtime: u32, msg: LinkMsg) -> Result<(), String> {
+        let Some(l) = self.links.get(&runtime) else {
+            return Err(format!("no link to runtime {runtime}"));
+        };
+        l.tx.try_send(msg).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => format!(
+                "the link to runtime {runtime} has {LINK_QUEUE_MAX} messages waiting; it is not keeping up"
+            ),
+            mpsc::error::TrySendError::Closed(_) => format!("the link to runtime {runtime} is closed"),
+        })
+    }
+
+    fn fail(&mut self, req: ReqId, error: ErrorReply) {
+        let Some(mut f) = self.inflight.remove(&req) else {
+            return;
+        };
+        if let Some(input) = f.input.take() {
+            self.held_bytes -= input.len() as u64;
+        }
+        self.metrics.finished(&f.model, error.code, None);
+        let _ = f.client.try_send(Outgoing {
+            reply: RuntimeReply::Error {
+                id: f.client_id,
+                error,
+            },
+            frames: Vec::new(),
+            permit: f.permit.take(),
+        });
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Links to runtimes.
+// ---------------------------------------------------------------------------
+
+async fn link(
+    runtime: u32,
+    boot_id: u64,
+    addr: String,
+    key: ClusterKey,
+    mut rx: mpsc::Receiver<LinkMsg>,
+    events: mpsc::Sender<Event>,
+) {
+    let down = |why: String| Event::LinkDown {
+        runtime,
+        boot_id,
+        why,
+    };
+    let stream = match tokio::time::timeout(CONNECT_TIMEOUT, async {
+        let mut s = TcpStream::connect(&addr).await.map_err(|e| e.to_string())?;
+        let _ = s.set_nodelay(true);
+        handshake::client(&mut s, &key, Role::Control)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok::<_, String>(s)
+    })
+    .await
+    {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            let _ = events
+                .send(down(format!("cannot connect to {addr}: {e}")))
+                .await;
+            return;
+        }
+        Err(_) => {
+            let _ = events
+                .send(down(format!(
+                    "connecting to {addr} took over {CONNECT_TIMEOUT:?}"
+                )))
+                .await;
+            return;
+        }
+    };
+    if events
+        .send(Event::LinkUp { runtime, boot_id })
+        .await
+        .is_err()
+    {
+        return;
+    }
+    let (mut rd, mut wr) = stream.into_split();
+    let reader_events = events.clone();
+    let mut reader = tokio::spawn(async move {
+        loop {
+            match read_reply(&mut rd).await {
+                Ok((reply, frames)) => {
+                    let ev = Event::Reply {
+                        runtime,
+                        boot_id,
+                        reply,
+                        frames,
+                    };
+                    if reader_events.send(ev).await.is_err() {
+                        return String::from("the dispatcher stopped");
+                    }
+                }
+                Err(e) => return e,
+            }
+        }
+    });
+    let why = loop {
+        tokio::select! {
+            r = &mut reader => break r.unwrap_or_else(|e| format!("reader task failed: {e}")),
+            msg = rx.recv() => {
+                let Some(LinkMsg::Request(req, input)) = msg else {
+                    reader.abort();
+                    return; // the dispatcher dropped the link
+                };
+                if let Err(e) = write_request(&mut wr, &req, input.as_deref()).await {
+                    reader.abort();
+                    break format!("cannot write to {addr}: {e}");
+                }
+            }
+        }
+    };
+    let _ = events.send(down(why)).await;
+}
+
+async fn write_request<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    req: &RuntimeRequest,
+    input: Option<&[u8]>,
+) -> Result<(), WireError> {
+    wire::send_message(w, req).await?;
+    if let Some(input) = input {
+        wire::write_frame(w, FrameKind::WriteChunk, &[input]).await?;
+    }
+    Ok(())
+}
+
+async fn read_reply<R: AsyncRead + Unpin>(
+    r: &mut R,
+) -> Result<(RuntimeReply, Vec<Vec<u8>>), String> {
+    let reply: RuntimeReply = match wire::read_frame(r, CONTROL_FRAME_BYTES_MAX).await {
+        Ok(Some((FrameKind::Message, payload))) => {
+            wire::decode_message(&payload).map_err(|e| format!("not a runtime reply: {e}"))?
+        }
+        Ok(Some((kind, _))) => {
+            return Err(format!("expected a reply message, got a {kind:?} frame"))
+        }
+        Ok(None) => return Err("the runtime closed the connection".into()),
+        Err(e) => return Err(e.to_string()),
+    };
+    let mut frames = Vec::new();
+    if let RuntimeReply::Output { outputs, .. } = &reply {
+        if outputs.len() > RUNTIME_OUTPUTS_MAX {
+            return Err(format!(
+                "{} outputs announced, at most {RUNTIME_OUTPUTS_MAX}",
+                outputs.len()
+            ));
+        }
+        for name in outputs {
+            match wire::read_frame(r, CONTROL_FRAME_BYTES_MAX).await {
+                Ok(Some((FrameKind::WriteChunk, b))) => frames.push(b),
+                Ok(Some((kind, _))) => {
+                    return Err(format!(
+                        "expected output frame {name}, got a {kind:?} frame"
+                    ))
+                }
+                Ok(None) => return Err("the runtime closed the connection mid-reply".into()),
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+    }
+    Ok((reply, frames))
+}
+
+// ---------------------------------------------------------------------------
+// Client connections.
+// ---------------------------------------------------------------------------
+
+async fn client_conn(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    key: ClusterKey,
+    events: mpsc::Sender<Event>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let _ = stream.set_nodelay(true);
+    match handshake::server(&mut stream, &key).await {
+        Ok(Role::Control) => {}
+        Ok(role) => {
+            log::warn!("refused client {peer}: asked for a {role:?} connection; the dispatcher serves control");
+            return;
+        }
+        Err(e) => {
+            log::warn!("refused client {peer}: {e}");
+            return;
+        }
+    }
+    let (mut rd, mut wr) = stream.into_split();
+    let (tx, mut rx) = mpsc::channel::<Outgoing>(CLIENT_IN_FLIGHT_MAX);
+    let writer = tokio::spawn(async move {
+        while let Some(out) = rx.recv().await {
+            let mut ok = wire::send_message(&mut wr, &out.reply).await.is_ok();
+            for f in &out.frames {
+                ok = ok
+                    && wire::write_frame(&mut wr, FrameKind::WriteChunk, &[f])
+                        .await
+                        .is_ok();
+            }
+            drop(out.permit);
+            if !ok {
+                return;
+            }
+        }
+    });
+    let in_flight = Arc::new(Semaphore::new(CLIENT_IN_FLIGHT_MAX));
+    let reply_now = |tx: &mpsc::Sender<Outgoing>, id: u64, code, message: String| {
+        let _ = tx.try_send(Outgoing {
+            reply: RuntimeReply::Error {
+                id,
+                error: ErrorReply::new(code, message),
+            },
+            frames: Vec::new(),
+            permit: None,
+        });
+    };
+    loop {
+        let permit = tokio::select! {
+            _ = stop.wait_for(|s| *s) => break,
+            p = in_flight.clone().acquire_owned() => p.expect("never closed"),
+        };
+        let frame = tokio::select! {
+            _ = stop.wait_for(|s| *s) => break,
+            f = wire::read_frame(&mut rd, CONTROL_FRAME_BYTES_MAX) => f,
+        };
+        let payload = match frame {
+            Ok(None) => break,
+            Ok(Some((FrameKind::Message, p))) => p,
+            Ok(Some((kind, p))) => {
+                reply_now(
+                    &tx,
+                    0,
+                    ErrorCode::BadRequest,
+                    format!(
+                        "expected a request message, got a {kind:?} frame of {} bytes",
+                        p.len()
+                    ),
+                );
+                continue;
+            }
+            Err(e) => {
+                log::warn!("closing client {peer}: {e}");
+                reply_now(&tx, 0, ErrorCode::BadRequest, format!("{e}; closing"));
+                break;
+            }
+        };
+        let req = match wire::decode_message::<RuntimeRequest>(&payload) {
+            Ok(r) => r,
+            Err(e) => {
+                reply_now(&tx, 0, ErrorCode::BadRequest, format!("not a request: {e}"));
+                continue;
+            }
+        };
+        let RuntimeRequest::Infer {
+            id,
+            model,
+            deadline_ms,
+            trace,
+            device,
+        } = req
+        else {
+            reply_now(
+                &tx,
+                req_id(&req),
+                ErrorCode::BadRequest,
+                "the dispatcher's client port takes infer requests only; stats, evict, prefetch and train go to a runtime"
+                    .into(),
+            );
+            continue;
+        };
+        // The input frame follows every Infer, whatever we make of it.
+        let input = match wire::read_frame(&mut rd, CONTROL_FRAME_BYTES_MAX).await {
+            Ok(Some((FrameKind::WriteChunk, b))) => b,
+            Ok(Some((kind, _))) => {
+                reply_now(
+                    &tx,
+                    id,
+                    ErrorCode::BadRequest,
+                    format!(
+                        "request {id}: expected its input frame, got a {kind:?} frame; closing"
+                    ),
+                );
+                break;
+            }
+            Ok(None) => break,
+            Err(e) => {
+                reply_now(
+                    &tx,
+                    id,
+                    ErrorCode::BadRequest,
+                    format!("request {id}: {e}; closing"),
+                );
+                break;
+            }
+        };
+        if device.is_some() {
+            reply_now(
+                &tx,
+                id,
+                ErrorCode::BadRequest,
+                format!("request {id}: `device` is chosen by the dispatcher; leave it out"),
+            );
+            continue;
+        }
+        let ev = Event::Request {
+            client: tx.clone(),
+            client_id: id,
+            model,
+            slo_ms: deadline_ms,
+            trace,
+            input,
+            permit,
+        };
+        if events.send(ev).await.is_err() {
+            break;
+        }
+    }
+    drop(tx);
+    // Let replies still owed reach the client, briefly.
+    let _ = tokio::time::timeout(Duration::from_secs(5), writer).await;
+}
+
+fn req_id(r: &RuntimeRequest) -> u64 {
+    match r {
+        RuntimeRequest::Infer { id, .. }
+        | RuntimeRequest::Prefetch { id, .. }
+        | RuntimeRequest::Train { id, .. }
+        | RuntimeRequest::Stats { id }
+        | RuntimeRequest::Evict { id, .. } => *id,
+    }
+}

@@ -1,0 +1,510 @@
+//! The runtime server in-process: a controller and a memory server on
+//! 127.0.0.1 ephemeral ports (real sockets, real handshakes), tiny packages
+//! deployed one slice per group, and a `RuntimeServer` with the cpu
+//! executor. Covers placement on a named device, the resident list in
+//! replies, prefetch (host cache and device), background training that
+//! yields to inference at iteration boundaries, the heartbeat snapshot and
+//! the Prometheus metrics.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use distmind_common::checksum::{checksum, to_hex};
+use distmind_common::handshake::ClusterKey;
+use distmind_common::proto::{ErrorCode, GroupLocation, Location, ModelEntry, ServePath, Slice};
+use distmind_controller::{Controller, ControllerClient, ControllerConfig};
+use distmind_memserver::{Memserver, MemserverClient, MemserverConfig};
+use distmind_models::{generate, Family, GenOptions, Package, Scale};
+use distmind_runtime::client::{InferOptions, RuntimeClient};
+use distmind_runtime::exec::cpu::CpuExecutor;
+use distmind_runtime::exec::HostTensor;
+use distmind_runtime::server::{RuntimeConfig, RuntimeMonitor, RuntimeServer};
+use tokio::sync::watch;
+
+const TIMEOUT: Duration = Duration::from_secs(60);
+const GROUP_BYTES: u64 = 16 << 10;
+
+fn key() -> ClusterKey {
+    ClusterKey::from_secret(b"runtime server tests")
+}
+
+fn tiny_package(dir: &Path, family: Family) -> Package {
+    let opts = GenOptions {
+        scale: Scale::Tiny,
+        group_bytes: GROUP_BYTES,
+        ..GenOptions::new(family, dir)
+    };
+    Package::open(&generate(&opts).expect("generate")[0]).expect("open")
+}
+
+/// A controller, one memory server and one runtime, all in this process.
+struct Cluster {
+    stop: watch::Sender<bool>,
+    controller: String,
+    runtime: String,
+    metrics: Option<std::net::SocketAddr>,
+    monitor: RuntimeMonitor,
+    packages: Vec<Package>,
+    _dir: tempfile::TempDir,
+    /// Last: dropped after `stop` told the servers to finish.
+    _rt: tokio::runtime::Runtime,
+}
+
+impl Cluster {
+    /// Generates and deploys one tiny package per family, then starts a
+    /// runtime on `devices` with `train_batch` images per iteration.
+    fn start(families: &[Family], devices: Vec<u32>, train_batch: usize) -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let packages: Vec<Package> = families
+            .iter()
+            .map(|&f| tiny_package(dir.path(), f))
+            .collect();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (stop, stop_rx) = watch::channel(false);
+        let shutdown = move || {
+            let mut rx = stop_rx.clone();
+            async move {
+                let _ = rx.wait_for(|s| *s).await;
+            }
+        };
+        let (controller, memserver) = rt.block_on(async {
+            let c = Controller::bind(ControllerConfig::new("127.0.0.1:0".parse().unwrap(), key()))
+                .await
+                .unwrap();
+            let controller = c.local_addr().to_string();
+            tokio::spawn(c.serve(shutdown()));
+            let mut cfg = MemserverConfig::new("127.0.0.1:0".parse().unwrap(), 64 << 20, key());
+            cfg.controller = Some(controller.clone());
+            cfg.huge_pages = false;
+            let m = Memserver::bind(cfg).await.unwrap();
+            let memserver = m.local_addr().to_string();
+            tokio::spawn(m.serve(shutdown()));
+            (controller, memserver)
+        });
+        let mut cluster_controller =
+            ControllerClient::connect(&controller, &key(), TIMEOUT).unwrap();
+        let deadline = Instant::now() + TIMEOUT;
+        while !cluster_controller
+            .list_memservers()
+            .unwrap()
+            .iter()
+            .any(|m| m.alive)
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the memory server never registered"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        for pkg in &packages {
+            deploy(&mut cluster_controller, &memserver, pkg);
+        }
+        let mut config = RuntimeConfig::new(
+            "127.0.0.1:0".parse().unwrap(),
+            key(),
+            controller.clone(),
+            Arc::new(CpuExecutor::new()),
+        );
+        config.devices = devices;
+        config.cache_bytes = 32 << 20;
+        config.cache_block_bytes = 64 << 10;
+        config.device_bytes = 32 << 20;
+        config.huge_pages = false;
+        config.train_batch = train_batch;
+        config.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
+        let server = rt.block_on(RuntimeServer::bind(config)).unwrap();
+        let runtime = server.local_addr().to_string();
+        let metrics = server.metrics_addr();
+        let monitor = server.monitor();
+        rt.spawn(server.serve(shutdown()));
+        Cluster {
+            stop,
+            controller,
+            runtime,
+            metrics,
+            monitor,
+            packages,
+            _dir: dir,
+            _rt: rt,
+        }
+    }
+
+    fn client(&self) -> RuntimeClient {
+        RuntimeClient::connect(&self.runtime, &key(), TIMEOUT).unwrap()
+    }
+
+    fn name(&self, i: usize) -> &str {
+        &self.packages[i].manifest.name
+    }
+
+    /// A random-ish input of batch 1 for package `i`.
+    fn input(&self, i: usize) -> HostTensor {
+        let spec = &self.packages[i].manifest.inputs[0];
+        let mut shape = spec.shape.clone();
+        shape[0] = 1;
+        let n: usize = shape.iter().product();
+        HostTensor::f32(
+            shape,
+            (0..n)
+                .map(|k| ((k * 37 % 101) as f32 / 50.0) - 1.0)
+                .collect(),
+        )
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+    }
+}
+
+/// Writes every group of `pkg` as one slice on `memserver` and registers it.
+fn deploy(controller: &mut ControllerClient, memserver: &str, pkg: &Package) {
+    let m = &pkg.manifest;
+    let mut ms = MemserverClient::connect(memserver, &key(), TIMEOUT).unwrap();
+    let id = controller
+        .list_memservers()
+        .unwrap()
+        .iter()
+        .find(|s| s.addr == memserver)
+        .expect("registered")
+        .id;
+    let groups = (0..m.groups.len())
+        .map(|g| {
+            let bytes = pkg.group_bytes(g).unwrap();
+            let offset = ms.alloc(bytes.len() as u64, &m.name).unwrap();
+            ms.write(offset, &bytes).unwrap();
+            ms.commit(offset, checksum(&bytes)).unwrap();
+            GroupLocation {
+                index: g as u32,
+                bytes: bytes.len() as u64,
+                checksum: to_hex(checksum(&bytes)),
+                slices: vec![Slice {
+                    group_offset: 0,
+                    len: bytes.len() as u64,
+                    checksum: to_hex(checksum(&bytes)),
+                    replicas: vec![Location {
+                        memserver: id,
+                        addr: memserver.to_string(),
+                        offset,
+                    }],
+                }],
+            }
+        })
+        .collect();
+    controller
+        .put_model(ModelEntry {
+            name: m.name.clone(),
+            family: m.family.to_string(),
+            total_bytes: m.stored_bytes,
+            strategy: "test".into(),
+            replication: 1,
+            groups,
+            manifest: serde_json::to_value(m).unwrap(),
+        })
+        .unwrap();
+}
+
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + TIMEOUT;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn infer_on_a_named_device_lists_resident_models_and_prefetches() {
+    let c = Cluster::start(
+        &[Family::Resnet152, Family::InceptionV3, Family::Densenet201],
+        vec![0, 3],
+        8,
+    );
+    let (a, b, d) = (
+        c.name(0).to_string(),
+        c.name(1).to_string(),
+        c.name(2).to_string(),
+    );
+    let mut client = c.client();
+    let on = |device| InferOptions {
+        device: Some(device),
+        ..InferOptions::default()
+    };
+
+    // Placement follows the request's device.
+    let r = client.infer_with(&a, &c.input(0), on(3)).unwrap();
+    assert_eq!((r.timing.device, r.timing.path), (3, ServePath::Cold));
+    assert_eq!(r.resident, [a.as_str()]);
+    assert_eq!(r.timing.train_yield_ms, 0.0, "no training job");
+    let e = client.infer_with(&a, &c.input(0), on(7)).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::BadRequest));
+    let text = e.to_string();
+    assert!(
+        text.contains("no device 7") && text.contains("[0, 3]"),
+        "{text}"
+    );
+
+    // Host-cache prefetch: fetched once, then found.
+    assert_eq!(client.prefetch(&b, None).unwrap().0, ServePath::Cold);
+    assert_eq!(client.prefetch(&b, None).unwrap().0, ServePath::HostCached);
+    // Device prefetch: only an upload now, then nothing to do.
+    assert_eq!(
+        client.prefetch(&b, Some(0)).unwrap().0,
+        ServePath::HostCached
+    );
+    assert_eq!(
+        client.prefetch(&b, Some(0)).unwrap().0,
+        ServePath::DeviceResident
+    );
+    // A cold device prefetch fetches and uploads.
+    assert_eq!(client.prefetch(&d, Some(0)).unwrap().0, ServePath::Cold);
+    let r = client.infer_with(&b, &c.input(1), on(0)).unwrap();
+    assert_eq!(r.timing.path, ServePath::DeviceResident, "prefetched");
+    assert_eq!(r.timing.fetched_bytes, 0);
+    assert_eq!(
+        r.resident,
+        [b.clone(), d.clone()],
+        "most recently used first"
+    );
+    let r = client.infer_with(&a, &c.input(0), on(0)).unwrap();
+    assert_eq!(r.timing.path, ServePath::HostCached);
+    assert_eq!(r.resident, [a.clone(), b.clone(), d.clone()]);
+
+    // Errors name what was wrong.
+    let e = client.prefetch("no_such_model", None).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::UnknownModel), "{e}");
+    let e = client.prefetch("no_such_model", Some(0)).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::UnknownModel), "{e}");
+    let e = client.prefetch(&b, Some(9)).unwrap_err();
+    assert!(
+        e.code() == Some(ErrorCode::BadRequest) && e.to_string().contains("no device 9"),
+        "{e}"
+    );
+
+    // The heartbeat snapshot: queues, resident models, the host cache.
+    let snap = c.monitor.snapshot();
+    assert_eq!(snap.devices.len(), 2);
+    assert_eq!(snap.devices[0].device, 0);
+    assert_eq!(snap.devices[0].resident, [a.clone(), b.clone(), d.clone()]);
+    assert_eq!(snap.devices[1].resident, [a.as_str()]);
+    assert!(snap
+        .devices
+        .iter()
+        .all(|d| d.queued == 0 && d.training.is_none()));
+    let mut cached = snap.host_cached.clone();
+    cached.sort();
+    let mut want = vec![a.clone(), b.clone(), d.clone()];
+    want.sort();
+    assert_eq!(cached, want);
+    assert!(!snap.host_cached_truncated);
+    assert_eq!(snap.host_cached[0], a, "most recently used first");
+
+    // The runtime registered with its budgets.
+    let mut ctl = ControllerClient::connect(&c.controller, &key(), TIMEOUT).unwrap();
+    wait_until("the runtime to register", || {
+        ctl.list_runtimes()
+            .unwrap()
+            .iter()
+            .any(|r| r.addr == c.runtime && r.alive)
+    });
+}
+
+#[test]
+fn training_yields_to_inference_at_iteration_boundaries() {
+    let c = Cluster::start(&[Family::Resnet152, Family::BertBase], vec![0], 4);
+    let (resnet, bert) = (c.name(0).to_string(), c.name(1).to_string());
+    let mut client = c.client();
+
+    // Only CNN families train; devices must exist.
+    let e = client.train(0, Some(&bert)).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::BadRequest), "{e}");
+    assert!(e.to_string().contains("cannot train on device 0"), "{e}");
+    let e = client.train(5, Some(&resnet)).unwrap_err();
+    assert!(
+        e.code() == Some(ErrorCode::BadRequest) && e.to_string().contains("no device 5"),
+        "{e}"
+    );
+    let e = client.train(0, Some("no_such_model")).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::UnknownModel), "{e}");
+    assert_eq!(client.train(0, None).unwrap(), (None, 0), "nothing to stop");
+
+    assert_eq!(
+        client.train(0, Some(&resnet)).unwrap(),
+        (Some(resnet.clone()), 0)
+    );
+    let iterations = || c.monitor.training(0).unwrap().iterations;
+    wait_until("two training iterations", || iterations() >= 2);
+    assert_eq!(
+        c.monitor.snapshot().devices[0].training.as_deref(),
+        Some(resnet.as_str())
+    );
+
+    let mut yields = Vec::new();
+    for _ in 0..6 {
+        let r = client
+            .infer_with(&resnet, &c.input(0), InferOptions::default())
+            .unwrap();
+        let served_at = iterations();
+        let status = c.monitor.training(0).unwrap();
+        // A request waits for at most the iteration in progress: never more
+        // than the longest iteration seen (a ratio, not an absolute time).
+        assert!(
+            r.timing.train_yield_ms <= 1.5 * status.iteration_ms_max,
+            "waited {} ms for training; the longest iteration took {} ms",
+            r.timing.train_yield_ms,
+            status.iteration_ms_max
+        );
+        assert!(r.timing.queue_ms >= r.timing.train_yield_ms);
+        yields.push(r.timing.train_yield_ms);
+        // Training resumes once the request is served.
+        wait_until("training to continue after a request", || {
+            iterations() > served_at
+        });
+    }
+    let status = c.monitor.training(0).unwrap();
+    eprintln!(
+        "train_yield_ms per request {yields:?}; iterations {} (last {:.2} ms, EWMA {:.2} ms, max {:.2} ms, loss {})",
+        status.iterations,
+        status.iteration_ms_last,
+        status.iteration_ms_ewma,
+        status.iteration_ms_max,
+        status.loss
+    );
+    assert!(
+        yields.iter().any(|y| *y > 0.0),
+        "requests sent while training found an iteration running: {yields:?}"
+    );
+
+    // Re-asserting the job keeps it; stopping reports its iterations.
+    assert_eq!(
+        client.train(0, Some(&resnet)).unwrap(),
+        (Some(resnet.clone()), 0)
+    );
+    let ran = iterations();
+    let (now, stopped_after) = client.train(0, None).unwrap();
+    assert_eq!(now, None);
+    assert!(
+        stopped_after >= ran && stopped_after >= 8,
+        "{stopped_after}"
+    );
+    let status = c.monitor.training(0).unwrap();
+    assert_eq!(status.model, None);
+    assert!(status.total_iterations >= stopped_after);
+    let snap = c.monitor.snapshot();
+    assert_eq!(snap.devices[0].training, None);
+    assert_eq!(snap.devices[0].train_iteration_ms, 0.0);
+
+    // Without a job the worker blocks: no busy time accrues while idle.
+    let busy = c.monitor.busy(0).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(
+        c.monitor.busy(0).unwrap(),
+        busy,
+        "an idle worker does nothing"
+    );
+    assert!(busy > Duration::ZERO);
+    assert_eq!(
+        c.monitor.training(0).unwrap().total_iterations,
+        status.total_iterations
+    );
+}
+
+#[test]
+fn metrics_count_requests_by_model_and_status() {
+    let c = Cluster::start(&[Family::Resnet152], vec![0], 8);
+    let name = c.name(0).to_string();
+    let mut client = c.client();
+    client.infer(&name, &c.input(0)).unwrap();
+    client.infer(&name, &c.input(0)).unwrap();
+    let e = client.infer("no_such_model", &c.input(0)).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::UnknownModel));
+
+    let addr = c.metrics.expect("a metrics port").to_string();
+    let (status, text) =
+        distmind_common::metrics::scrape(&addr, "/metrics", TIMEOUT).expect("scrape");
+    assert_eq!(status, 200, "{text}");
+    let value = |metric: &str, labels: &[(&str, &str)]| {
+        distmind_common::metrics::sample_value(&text, metric, labels)
+    };
+    assert_eq!(
+        value(
+            "distmind_runtime_requests_total",
+            &[("model", &name), ("status", "ok")]
+        ),
+        Some(2.0),
+        "{text}"
+    );
+    assert_eq!(
+        value(
+            "distmind_runtime_requests_total",
+            &[("model", "no_such_model"), ("status", "unknown_model")]
+        ),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        value(
+            "distmind_runtime_request_duration_seconds_count",
+            &[("model", &name)]
+        ),
+        Some(2.0),
+        "{text}"
+    );
+    assert_eq!(
+        value("distmind_runtime_serve_path_total", &[("path", "cold")]),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(
+            "distmind_runtime_serve_path_total",
+            &[("path", "device_resident")]
+        ),
+        Some(1.0)
+    );
+    let stored = c.packages[0].manifest.stored_bytes as f64;
+    assert_eq!(
+        value("distmind_runtime_fetched_bytes_total", &[]),
+        Some(stored)
+    );
+    assert_eq!(
+        value("distmind_runtime_host_cache_misses_total", &[]),
+        Some(1.0)
+    );
+    assert!(value("distmind_runtime_host_cache_used_bytes", &[]).unwrap() >= stored);
+    assert!(
+        value(
+            "distmind_runtime_device_busy_seconds_total",
+            &[("device", "0")]
+        )
+        .unwrap()
+            > 0.0
+    );
+    assert_eq!(
+        value("distmind_runtime_device_queue_depth", &[("device", "0")]),
+        Some(0.0)
+    );
+    assert_eq!(
+        value(
+            "distmind_runtime_device_train_iterations_total",
+            &[("device", "0")]
+        ),
+        Some(0.0)
+    );
+    // The same text without HTTP.
+    let rendered = c.monitor.render_metrics();
+    assert_eq!(
+        distmind_common::metrics::sample_value(
+            &rendered,
+            "distmind_runtime_requests_total",
+            &[("model", &name), ("status", "ok")]
+        ),
+        Some(2.0)
+    );
+    let (status, body) = distmind_common::metrics::scrape(&addr, "/health", TIMEOUT).unwrap();
+    assert_eq!((status, body.trim()), (200, "ok"));
+}

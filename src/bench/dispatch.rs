@@ -1,0 +1,329 @@
+//! `distmind bench dispatch`: how fast the controller routes, and what the
+//! extra hop through it costs a request.
+//!
+//! 1. Decisions per second on one core: the dispatcher's decision code
+//!    (no IO) over a simulated cluster of `--gpus` GPUs and `--models`
+//!    models, Zipf popularity, requests completing after their estimated
+//!    service time so queues stay realistic. The `slo` policy (admission,
+//!    EDF) is measured next to the original's least-outstanding balancer
+//!    in the same run; the ratio says what SLO-awareness costs.
+//! 2. Added latency: a real controller, memory server and GPU server
+//!    (cpu executor, a tiny ResNet-152) in this process over loopback. The
+//!    same requests go to the runtime directly and through the dispatcher;
+//!    per request, time not spent at the device = client round trip minus
+//!    the runtime's own total. Added = via-dispatcher minus direct.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use distmind_common::handshake::ClusterKey;
+use distmind_common::proto::{DeviceSnapshot, RuntimeSnapshot, ServePath, TimingMsg};
+use distmind_controller::dispatch::{Action, Completion, DispatchConfig, Dispatcher};
+use distmind_controller::policy::cost::ModelMeta;
+use distmind_controller::policy::distmind::DistMindConfig;
+use distmind_controller::policy::zipf::Zipf;
+use distmind_controller::policy::{Micros, PolicyKind};
+use distmind_models::{Family, Package, Scale};
+use distmind_runtime::client::{InferOptions, RuntimeClient};
+use rand::SeedableRng;
+
+use super::local::LocalCluster;
+use super::machine_line;
+use crate::deploy;
+
+#[derive(Args, Debug, Clone)]
+pub struct DispatchArgs {
+    /// Routing decisions per policy in part 1.
+    #[arg(long, default_value_t = 1_000_000)]
+    decisions: u64,
+    /// Simulated GPUs (4 per GPU server).
+    #[arg(long, default_value_t = 64)]
+    gpus: u32,
+    /// Simulated models.
+    #[arg(long, default_value_t = 1000)]
+    models: u32,
+    /// Requests per path in part 2.
+    #[arg(long, default_value_t = 2000)]
+    requests: usize,
+    /// Skip part 2 (the process-level added latency).
+    #[arg(long)]
+    no_e2e: bool,
+}
+
+struct Decisions {
+    per_s: f64,
+    p99_us: f64,
+    sent: u64,
+    rejected: u64,
+}
+
+fn decisions(policy: PolicyKind, a: &DispatchArgs) -> anyhow::Result<Decisions> {
+    let mut cfg = DispatchConfig::new(
+        policy,
+        DistMindConfig {
+            period: 1_000_000,
+            zipf_s: 0.9,
+            inference_workload_s: vec![1],
+            use_train: false,
+            seed: 1,
+        },
+    );
+    cfg.priors.compute_ms = 5.0;
+    let mut d = Dispatcher::new(cfg).map_err(anyhow::Error::msg)?;
+    let mut out = Vec::new();
+    let runtimes = a.gpus.div_ceil(4);
+    let mut ids = Vec::new();
+    for m in 0..a.models {
+        ids.push(
+            d.model(ModelMeta {
+                name: format!("m{m}"),
+                family: "resnet152".into(),
+                bytes: 100_000_000,
+            })
+            .map_err(|e| anyhow::anyhow!("{e}"))?,
+        );
+    }
+    for r in 0..runtimes {
+        let devices: Vec<u32> = (0..4.min(a.gpus - r * 4)).collect();
+        // Each GPU starts with a few popular models resident.
+        let snap = RuntimeSnapshot {
+            devices: devices
+                .iter()
+                .map(|&dev| DeviceSnapshot {
+                    device: dev,
+                    resident: (0..4)
+                        .map(|k| format!("m{}", (r * 4 + dev + k * a.gpus) % a.models))
+                        .collect(),
+                    ..Default::default()
+                })
+                .collect(),
+            host_cached: (0..40)
+                .map(|k| format!("m{}", (r + k * runtimes) % a.models))
+                .collect(),
+            host_cached_truncated: false,
+        };
+        d.runtime_seen(0, r, 1, &devices, 4 << 30, 4, Some(&snap), &mut out);
+        d.link_up(r);
+    }
+    let zipf = Zipf::new(a.models as usize, 0.9)?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    // Offered load near what the simulated cluster serves.
+    let mean_gap: Micros = (5_000 / a.gpus as u64).max(1);
+    let mut now: Micros = 0;
+    let mut done: BinaryHeap<Reverse<(Micros, u64)>> = BinaryHeap::new();
+    let t = TimingMsg {
+        queue_ms: 0.0,
+        fetch_ms: 0.0,
+        h2d_ms: 0.0,
+        compute_ms: 5.0,
+        total_ms: 5.0,
+        path: ServePath::DeviceResident,
+        simulated: true,
+        device: 0,
+        fetched_bytes: 0,
+        train_yield_ms: 0.0,
+    };
+    let mut samples = Vec::with_capacity((a.decisions / 16) as usize + 1);
+    let (mut sent, mut rejected) = (0u64, 0u64);
+    let start = Instant::now();
+    for i in 0..a.decisions {
+        now += mean_gap;
+        while let Some(&Reverse((at, req))) = done.peek() {
+            if at > now {
+                break;
+            }
+            done.pop();
+            let c = Completion {
+                timing: Some(&t),
+                resident: &[],
+            };
+            d.complete(at, req, &c, &mut out);
+        }
+        let m = ids[zipf.sample(&mut rng)];
+        let t0 = (i % 16 == 0).then(Instant::now);
+        d.submit(now, m, Some(200.0), &mut out);
+        if let Some(t0) = t0 {
+            samples.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+        for a in out.drain(..) {
+            match a {
+                Action::Send { req, .. } => {
+                    sent += 1;
+                    done.push(Reverse((now + 5_000, req)));
+                }
+                Action::Fail { .. } => rejected += 1,
+                _ => {}
+            }
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    samples.sort_by(f64::total_cmp);
+    Ok(Decisions {
+        per_s: a.decisions as f64 / secs,
+        p99_us: samples[(samples.len() * 99 / 100).min(samples.len() - 1)],
+        sent,
+        rejected,
+    })
+}
+
+fn pct(sorted: &[f64], p: usize) -> f64 {
+    sorted[(sorted.len() * p / 100).min(sorted.len() - 1)]
+}
+
+pub fn run(a: &DispatchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        a.decisions >= 100 && a.gpus >= 1 && a.models >= 1,
+        "--decisions >= 100, --gpus and --models >= 1"
+    );
+    println!("dispatch bench: {}", machine_line());
+    println!(
+        "part 1: routing decisions on one core, {} GPUs, {} models (Zipf 0.9), {} decisions per policy",
+        a.gpus, a.models, a.decisions
+    );
+    let lor = decisions(PolicyKind::DistMind, a)?;
+    let slo = decisions(PolicyKind::Slo, a)?;
+    for (name, r) in [
+        ("lor (original, baseline)", &lor),
+        ("slo (admission + EDF)", &slo),
+    ] {
+        println!(
+            "  {name:<26} {:>10.0} decisions/s   p99 {:>6.2} us per decision   ({} sent, {} refused)",
+            r.per_s, r.p99_us, r.sent, r.rejected
+        );
+    }
+    println!(
+        "  slo / lor throughput ratio: {:.2}   target >= 500k decisions/s: {}",
+        slo.per_s / lor.per_s,
+        if slo.per_s >= 5e5 { "met" } else { "MISSED" }
+    );
+    if a.no_e2e {
+        return Ok(());
+    }
+    added_latency(a)
+}
+
+fn added_latency(a: &DispatchArgs) -> anyhow::Result<()> {
+    println!(
+        "part 2: added latency through the dispatcher (real controller, memory server and GPU server on loopback, \
+         cpu executor, tiny resnet152, {} requests per path, closed loop)",
+        a.requests
+    );
+    let dir = std::env::temp_dir().join(format!("distmind-bench-dispatch-{}", std::process::id()));
+    let _cleanup = Cleanup(dir.clone());
+    let pkg = distmind_models::generate(&distmind_models::GenOptions {
+        family: Family::Resnet152,
+        variants: 1,
+        out_dir: dir.clone(),
+        scale: Scale::Tiny,
+        seed: 5,
+        group_bytes: distmind_common::limits::GROUP_BYTES_DEFAULT,
+    })?
+    .remove(0);
+    let pkg = Package::open(&pkg)?;
+    let key = ClusterKey::from_secret(format!("dispatch-{}", rand::random::<u64>()).as_bytes());
+    let cfg = DispatchConfig::new(
+        PolicyKind::Slo,
+        DistMindConfig {
+            period: 1_000_000,
+            zipf_s: 0.9,
+            inference_workload_s: vec![1],
+            use_train: false,
+            seed: 1,
+        },
+    );
+    let cluster = LocalCluster::start_with(1, 256 << 20, key.clone(), Some(cfg))?;
+    deploy::deploy_package(
+        &deploy::Target {
+            controller: cluster.controller.clone(),
+            key: key.clone(),
+        },
+        &pkg,
+        &deploy::Options::default(),
+    )?;
+    let exec: Arc<dyn distmind_runtime::exec::Executor> =
+        Arc::new(distmind_runtime::exec::cpu::CpuExecutor::new());
+    let mut rc = distmind_runtime::server::RuntimeConfig::new(
+        "127.0.0.1:0".parse()?,
+        key.clone(),
+        cluster.controller.clone(),
+        exec,
+    );
+    rc.cache_bytes = 64 << 20;
+    rc.device_bytes = 64 << 20;
+    let stopped = cluster.stopped();
+    let runtime_addr = cluster.handle().block_on(async {
+        let s = distmind_runtime::server::RuntimeServer::bind(rc).await?;
+        let addr = s.local_addr().to_string();
+        tokio::spawn(s.serve(stopped));
+        anyhow::Ok(addr)
+    })?;
+    let dispatcher = cluster
+        .dispatcher
+        .clone()
+        .context("the dispatcher did not start")?;
+    let input = crate::loadgen::input_for(&pkg.manifest, 1, 1)?;
+    let name = pkg.manifest.name.clone();
+    let measure = |addr: &str| -> anyhow::Result<Vec<f64>> {
+        let mut c = RuntimeClient::connect(addr, &key, Duration::from_secs(30))?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut v = Vec::with_capacity(a.requests);
+        let mut warm = 0;
+        while v.len() < a.requests {
+            let t0 = Instant::now();
+            match c.infer_with(&name, &input, InferOptions::default()) {
+                Ok(i) => {
+                    let rtt = t0.elapsed().as_secs_f64() * 1e3;
+                    warm += 1;
+                    if warm > 20 {
+                        v.push(rtt - i.timing.total_ms);
+                    }
+                }
+                // The dispatcher links to the runtime within a tick of its
+                // registration; until then it rejects.
+                Err(e) if Instant::now() < deadline => {
+                    log::debug!("not yet: {e}");
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        v.sort_by(f64::total_cmp);
+        Ok(v)
+    };
+    let direct = measure(&runtime_addr)?;
+    let via = measure(&dispatcher)?;
+    let direct2 = measure(&runtime_addr)?;
+    // Direct measured before and after; take the better of the two so that
+    // noise does not inflate the figure.
+    let (d50, d99) = (
+        pct(&direct, 50).min(pct(&direct2, 50)),
+        pct(&direct, 99).min(pct(&direct2, 99)),
+    );
+    println!("  time outside the device per request (client round trip - runtime total), ms:");
+    println!("    direct to the runtime        p50 {d50:>7.3}   p99 {d99:>7.3}");
+    println!(
+        "    through the dispatcher       p50 {:>7.3}   p99 {:>7.3}",
+        pct(&via, 50),
+        pct(&via, 99)
+    );
+    println!(
+        "  added by the dispatcher (one more loopback hop each way + routing): p50 {:.1} us, p99 {:.1} us \
+         (target < 50 us p99: {})",
+        (pct(&via, 50) - d50) * 1e3,
+        (pct(&via, 99) - d99) * 1e3,
+        if (pct(&via, 99) - d99) * 1e3 < 50.0 { "met" } else { "MISSED" }
+    );
+    Ok(())
+}
+
+struct Cleanup(std::path::PathBuf);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}

@@ -1,0 +1,219 @@
+//! Reading the services' `/metrics` endpoints (Prometheus text format,
+//! fetched with `distmind_common::metrics::scrape`) and picking a few
+//! headline figures to print after the workload.
+
+use std::time::Duration;
+
+use distmind_common::metrics::scrape;
+
+/// Most lines printed per endpoint.
+pub const HEADLINE_LINES_MAX: usize = 16;
+
+/// One sample of the text format: `name{labels} value`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample {
+    pub name: String,
+    pub labels: String,
+    pub value: f64,
+}
+
+/// The samples of a text exposition (comments and unparsable lines skipped).
+pub fn parse_samples(text: &str) -> Vec<Sample> {
+    text.lines()
+        .filter_map(|l| {
+            let l = l.trim();
+            if l.is_empty() || l.starts_with('#') {
+                return None;
+            }
+            let (series, rest) = match l.find('{') {
+                Some(_) => {
+                    let close = l.rfind('}')?;
+                    (&l[..close + 1], &l[close + 1..])
+                }
+                None => l.split_at(l.find(char::is_whitespace)?),
+            };
+            let value: f64 = rest.split_whitespace().next()?.parse().ok()?;
+            let (name, labels) = match series.find('{') {
+                Some(i) => (&series[..i], &series[i..]),
+                None => (series, ""),
+            };
+            Some(Sample {
+                name: name.to_string(),
+                labels: labels.to_string(),
+                value,
+            })
+        })
+        .collect()
+}
+
+/// `{a="x",b="y"}` -> `[("a", "x"), ("b", "y")]` (escapes kept as written).
+pub fn split_labels(labels: &str) -> Vec<(String, String)> {
+    let inner = labels.trim().trim_start_matches('{').trim_end_matches('}');
+    let mut out = Vec::new();
+    let mut rest = inner;
+    while let Some(eq) = rest.find('=') {
+        let key = rest[..eq].trim().trim_start_matches(',').trim().to_string();
+        let after = rest[eq + 1..].trim_start();
+        let Some(body) = after.strip_prefix('"') else {
+            break;
+        };
+        let mut end = None;
+        let mut escaped = false;
+        for (i, c) in body.char_indices() {
+            match c {
+                '\\' if !escaped => escaped = true,
+                '"' if !escaped => {
+                    end = Some(i);
+                    break;
+                }
+                _ => escaped = false,
+            }
+        }
+        let Some(end) = end else { break };
+        out.push((key, body[..end].to_string()));
+        rest = &body[end + 1..];
+    }
+    out
+}
+
+/// The figures worth a line: histogram buckets, `_created` timestamps and
+/// process/build info left out; series summed over their `model` label (a
+/// line per model would drown the rest); a histogram's `_sum` and `_count`
+/// folded into one line with its mean; labelled series at zero left out.
+/// In exposition order.
+pub fn headline(samples: &[Sample]) -> Vec<String> {
+    let skip = |s: &Sample| {
+        s.name.ends_with("_bucket")
+            || s.name.ends_with("_created")
+            || s.name.starts_with("process_")
+            || s.name.ends_with("_info")
+            || s.labels.contains("quantile=")
+    };
+    // (name, labels without model) -> summed value, first-seen order.
+    let mut keys: Vec<(String, String)> = Vec::new();
+    let mut sums: std::collections::HashMap<(String, String), f64> = Default::default();
+    for s in samples.iter().filter(|s| !skip(s)) {
+        let kept: Vec<String> = split_labels(&s.labels)
+            .into_iter()
+            .filter(|(k, _)| k != "model")
+            .map(|(k, v)| format!("{k}=\"{v}\""))
+            .collect();
+        let labels = if kept.is_empty() {
+            String::new()
+        } else {
+            format!("{{{}}}", kept.join(","))
+        };
+        let key = (s.name.clone(), labels);
+        match sums.get_mut(&key) {
+            Some(v) => *v += s.value,
+            None => {
+                sums.insert(key.clone(), s.value);
+                keys.push(key);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for (name, labels) in &keys {
+        if let Some(stem) = name.strip_suffix("_count") {
+            if sums.contains_key(&(format!("{stem}_sum"), labels.clone())) {
+                continue; // Folded into the _sum line.
+            }
+        }
+        let v = sums[&(name.clone(), labels.clone())];
+        if let Some(stem) = name.strip_suffix("_sum") {
+            if let Some(&n) = sums.get(&(format!("{stem}_count"), labels.clone())) {
+                let mean = if n > 0.0 { v / n } else { 0.0 };
+                out.push(match stem.strip_suffix("_seconds") {
+                    Some(base) => format!(
+                        "{base}{labels}: {} observed, mean {:.3} ms",
+                        fmt_value(n),
+                        mean * 1e3
+                    ),
+                    None => format!(
+                        "{stem}{labels}: {} observed, mean {:.4}",
+                        fmt_value(n),
+                        mean
+                    ),
+                });
+                continue;
+            }
+        }
+        if v == 0.0 && !labels.is_empty() {
+            continue; // A zero among labelled series: noise (unlabelled zeros stay).
+        }
+        out.push(format!("{name}{labels} {}", fmt_value(v)));
+    }
+    out
+}
+
+/// Prints `what`'s headline figures, or why there are none.
+pub fn print_headline(what: &str, addr: &str, timeout: Duration) {
+    match scrape(addr, "/metrics", timeout) {
+        Ok((200, body)) => {
+            let samples = parse_samples(&body);
+            let lines = headline(&samples);
+            println!(
+                "  {what} (http://{addr}/metrics, {} samples):",
+                samples.len()
+            );
+            for l in lines.iter().take(HEADLINE_LINES_MAX) {
+                println!("    {l}");
+            }
+            if lines.len() > HEADLINE_LINES_MAX {
+                println!("    ... {} more", lines.len() - HEADLINE_LINES_MAX);
+            }
+        }
+        Ok((status, _)) => println!("  {what}: http://{addr}/metrics answered HTTP {status}"),
+        Err(e) => println!("  {what}: cannot read http://{addr}/metrics: {e}"),
+    }
+}
+
+fn fmt_value(v: f64) -> String {
+    if v.fract() == 0.0 && v.abs() < 1e15 {
+        format!("{}", v as i64)
+    } else {
+        format!("{v:.4}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TEXT: &str = "# HELP requests Requests.\n# TYPE requests counter\n\
+requests_total{model=\"a\",status=\"ok\"} 12\nrequests_total{model=\"b\",status=\"ok\"} 3\n\
+requests_total{status=\"rejected\",model=\"b\"} 1\nrequests_total{status=\"lost\"} 0\n\
+requests_created 1.7e9\nqueue_depth 3\nerrors_total 0\n\
+latency_seconds_bucket{le=\"0.1\"} 4\nlatency_seconds_sum 0.52\nlatency_seconds_count 13\n\
+size_sum{model=\"a\"} 10\nsize_count{model=\"a\"} 4\n\
+process_cpu_seconds_total 1\nbroken line\n# EOF\n";
+
+    #[test]
+    fn samples_and_headline() {
+        let s = parse_samples(TEXT);
+        assert_eq!(s.len(), 13);
+        assert_eq!(s[0].name, "requests_total");
+        assert_eq!(s[0].labels, "{model=\"a\",status=\"ok\"}");
+        assert_eq!(s[0].value, 12.0);
+        assert_eq!(
+            headline(&s),
+            [
+                "requests_total{status=\"ok\"} 15",
+                "requests_total{status=\"rejected\"} 1",
+                "queue_depth 3",
+                "errors_total 0",
+                "latency: 13 observed, mean 40.000 ms",
+                "size: 4 observed, mean 2.5000",
+            ]
+        );
+        assert_eq!(fmt_value(12.0), "12");
+        assert_eq!(fmt_value(0.52), "0.5200");
+        assert_eq!(
+            split_labels(r#"{a="x,y",b="q\"z"}"#),
+            [
+                ("a".to_string(), "x,y".to_string()),
+                ("b".to_string(), r#"q\"z"#.to_string())
+            ]
+        );
+    }
+}

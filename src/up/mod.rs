@@ -1,0 +1,678 @@
+//! `distmind up` (alias `demo`): a whole cluster on this machine, as real
+//! processes, and a one-minute mixed workload against it.
+//!
+//! 1. Generates model packages (`--models`, spread over the five families)
+//!    into a work directory.
+//! 2. Starts `distmind controller` (metadata port, dispatcher client port,
+//!    metrics), two `distmind memserver`s and one `distmind runtime`, each on
+//!    127.0.0.1 ephemeral ports, and waits for their readiness lines and
+//!    their registration with the controller.
+//! 3. Deploys every package (`crate::deploy`), sharded over the memory servers.
+//! 4. Runs the load generator ([`crate::loadgen`]) in this process: Poisson
+//!    arrivals at `--rate`, Zipf popularity over all models, through the
+//!    dispatcher, for `--duration`; prints its report, then a few figures
+//!    from each service's `/metrics`.
+//! 5. Stops every process (SIGTERM, then SIGKILL after a grace period), on
+//!    every exit path: the normal end, an error, a panic, Ctrl-C.
+//!
+//! Sizes, chosen to finish in about a minute and a half on 2 cores:
+//! * `cpu` executor (the default without a GPU): 20 tiny models (about
+//!   12 MB in all), real numbers.
+//! * `sim` and `cuda`: full-scale models, 6 by default (two ResNet-152 and
+//!   one of each other family, about 1.6 GB): generating one takes under a
+//!   second, but each costs its size on disk, in the memory servers' DRAM
+//!   and in the runtime's host cache, so 20 of them (about 5.5 GB, three
+//!   times) is left to `--models 20` on a machine with the memory.
+
+mod metrics;
+mod procs;
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use distmind_common::handshake::ClusterKey;
+use distmind_controller::ControllerClient;
+use distmind_models::{Family, Scale};
+use distmind_runtime::exec::ExecutorKind;
+
+use crate::loadgen::{self, parse_duration};
+use crate::services;
+
+pub use metrics::{headline, parse_samples, Sample};
+pub use procs::{parse_ready_line, STOP_GRACE};
+
+/// Default models at tiny scale.
+pub const MODELS_TINY_DEFAULT: usize = 20;
+/// Default models at full scale (see the module doc).
+pub const MODELS_FULL_DEFAULT: usize = 6;
+/// Most models `up` generates.
+pub const MODELS_MAX: usize = 1000;
+/// Most memory servers `up` starts.
+pub const MEMSERVERS_MAX: usize = 16;
+/// Default open-loop rate: tiny models on the cpu executor take a few ms
+/// each, so 20/s keeps 2 cores busy without queueing.
+pub const RATE_DEFAULT: f64 = 20.0;
+/// The runtime's host cache at most (the original's 4 GB).
+pub const CACHE_BYTES_MAX_DEFAULT: u64 = 4 << 30;
+const MIB: u64 = 1 << 20;
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `--executor` of `up`: `auto` picks cuda when this build has it and a
+/// device answers, else cpu.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExecutorChoice {
+    Auto,
+    Cpu,
+    Sim,
+    Cuda,
+}
+
+/// `distmind up` flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct UpArgs {
+    /// Settings directory (cluster.key, config.sh, controller.json; ports are ephemeral, not the files').
+    #[arg(long, default_value = "settings")]
+    pub settings: PathBuf,
+    /// auto (cuda if built with it and a device is present, else cpu), cpu, sim or cuda.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub executor: ExecutorChoice,
+    /// Model scale: tiny or full (default: tiny for cpu, full for sim and cuda).
+    #[arg(long)]
+    pub scale: Option<Scale>,
+    /// Models to generate, spread over the five families (default: 20 tiny, 6 full).
+    #[arg(long)]
+    pub models: Option<usize>,
+    /// How long the workload runs, e.g. 60s, 10s, 2m.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    pub duration: Duration,
+    /// Requests per second of the Poisson workload.
+    #[arg(long, default_value_t = RATE_DEFAULT)]
+    pub rate: f64,
+    /// Zipf exponent of model popularity (default: zipf_s of controller.json).
+    #[arg(long)]
+    pub zipf: Option<f64>,
+    /// Latency SLO of every request in ms (default: the dispatcher's per-family slo_ms).
+    #[arg(long)]
+    pub slo_ms: Option<u64>,
+    /// Controller policy (default: policy of controller.json).
+    #[arg(long)]
+    pub policy: Option<String>,
+    /// Memory servers to start.
+    #[arg(long, default_value_t = 2)]
+    pub memservers: usize,
+    /// Arena of each memory server (default: room for its share of the models, with slack).
+    #[arg(long, value_parser = parse_size)]
+    pub capacity: Option<u64>,
+    /// The runtime's host cache (default: room for every model in whole cache blocks, at most 4 GiB).
+    #[arg(long, value_parser = parse_size)]
+    pub cache: Option<u64>,
+    /// GPU profile for the sim executor (default: <settings>/profiles/h200-estimated.json).
+    #[arg(long)]
+    pub profile: Option<PathBuf>,
+    /// Where the model packages go; kept afterwards (default: a temporary directory, removed).
+    #[arg(long)]
+    pub work_dir: Option<PathBuf>,
+    /// Also write the load report as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Seed of the model weights and of the workload.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Log level of the started processes (their stderr is shown prefixed with their name).
+    #[arg(long, default_value = "warn")]
+    pub child_log: String,
+    /// How long each process may take to become ready.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    pub ready_timeout: Duration,
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    distmind_memserver::parse_size(s).map_err(|e| e.to_string())
+}
+
+/// The executor `up` runs, and why. `probe_cuda` is asked only for `auto`
+/// in a build with the `cuda` feature.
+pub fn choose_executor(
+    requested: ExecutorChoice,
+    cuda_compiled: bool,
+    probe_cuda: impl FnOnce() -> Result<(), String>,
+) -> Result<(ExecutorKind, String), String> {
+    match requested {
+        ExecutorChoice::Cpu => Ok((ExecutorKind::Cpu, "asked for".into())),
+        ExecutorChoice::Sim => Ok((
+            ExecutorKind::Sim,
+            "asked for: GPU times from a profile, zero outputs".into(),
+        )),
+        ExecutorChoice::Cuda if !cuda_compiled => Err(format!(
+            "--executor cuda: {}",
+            distmind_runtime::exec::cuda::NOT_COMPILED
+        )),
+        ExecutorChoice::Cuda => Ok((ExecutorKind::Cuda, "asked for".into())),
+        ExecutorChoice::Auto if !cuda_compiled => Ok((
+            ExecutorKind::Cpu,
+            "auto: this build has no cuda feature; tiny models, real numbers".into(),
+        )),
+        ExecutorChoice::Auto => match probe_cuda() {
+            Ok(()) => Ok((ExecutorKind::Cuda, "auto: CUDA device 0 answered".into())),
+            Err(why) => Ok((
+                ExecutorKind::Cpu,
+                format!("auto: no usable CUDA device ({why}); tiny models, real numbers"),
+            )),
+        },
+    }
+}
+
+/// Default scale: tiny for cpu, full where compute is cheap (sim, cuda).
+pub fn default_scale(executor: ExecutorKind) -> Scale {
+    match executor {
+        ExecutorKind::Cpu => Scale::Tiny,
+        ExecutorKind::Sim | ExecutorKind::Cuda => Scale::Full,
+    }
+}
+
+/// Model `i` of `n`: the families in turn, so every family is present.
+/// Returns (family, variant index within it).
+pub fn family_of(i: usize) -> (Family, usize) {
+    (Family::ALL[i % Family::ALL.len()], i / Family::ALL.len())
+}
+
+/// Room for `share` bytes with 50% slack plus 64 MiB, in whole MiB.
+pub fn with_slack(share: u64) -> u64 {
+    (share + share / 2 + 64 * MIB).div_ceil(MIB) * MIB
+}
+
+fn size_arg(bytes: u64) -> String {
+    format!("{}MiB", bytes.div_ceil(MIB))
+}
+
+fn os(args: &[&str]) -> Vec<OsString> {
+    args.iter().map(OsString::from).collect()
+}
+
+/// Removes a temporary work directory on drop (a given one is kept).
+struct WorkDir {
+    path: PathBuf,
+    remove: bool,
+}
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        if self.remove {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+/// Runs `distmind up`: see the module documentation.
+pub fn run(args: &UpArgs) -> anyhow::Result<()> {
+    let stop = loadgen::interrupt_flag();
+    let started = Instant::now();
+    if !(1..=MEMSERVERS_MAX).contains(&args.memservers) {
+        bail!(
+            "--memservers must be 1..={MEMSERVERS_MAX}, got {}",
+            args.memservers
+        );
+    }
+    if !(args.rate.is_finite() && args.rate > 0.0 && args.rate <= loadgen::RATE_MAX) {
+        bail!(
+            "--rate must be more than 0 and at most {}",
+            loadgen::RATE_MAX
+        );
+    }
+    let settings = services::load_settings(&args.settings)?;
+    let key = services::cluster_key(&settings);
+    let exe = std::env::current_exe().context("cannot find this program's path")?;
+
+    let (executor, why) = choose_executor(args.executor, cfg!(feature = "cuda"), || {
+        println!("up: probing CUDA device 0 ...");
+        distmind_runtime::exec::cuda::CudaExecutor::new(0)
+            .map(drop)
+            .map_err(|e| e.to_string())
+    })
+    .map_err(anyhow::Error::msg)?;
+    let scale = args.scale.unwrap_or(default_scale(executor));
+    let n_models = args.models.unwrap_or(match scale {
+        Scale::Tiny => MODELS_TINY_DEFAULT,
+        Scale::Full => MODELS_FULL_DEFAULT,
+    });
+    if !(1..=MODELS_MAX).contains(&n_models) {
+        bail!("--models must be 1..={MODELS_MAX}, got {n_models}");
+    }
+    println!("up: executor {executor} ({why}), {n_models} {scale} models");
+    if executor == ExecutorKind::Cpu && scale == Scale::Full {
+        println!("up: note: full-scale models on the cpu executor take seconds per request; expect rejections and few answers");
+    }
+
+    // 1. Models.
+    let work = match &args.work_dir {
+        Some(d) => WorkDir {
+            path: d.clone(),
+            remove: false,
+        },
+        None => WorkDir {
+            path: std::env::temp_dir().join(format!("distmind-up-{}", std::process::id())),
+            remove: true,
+        },
+    };
+    let model_dir = work.path.join("models");
+    std::fs::create_dir_all(&model_dir)
+        .with_context(|| format!("cannot create {}", model_dir.display()))?;
+    let t = Instant::now();
+    let packages = generate(
+        &model_dir,
+        scale,
+        n_models,
+        args.seed,
+        settings.controller.group_bytes,
+        stop,
+    )?;
+    let mut total_bytes = 0u64;
+    // What the models take in the runtime's host cache: whole blocks each.
+    let block = distmind_runtime::cache::BLOCK_BYTES_DEFAULT;
+    let mut cached_bytes = 0u64;
+    let mut largest = 0u64;
+    let mut names = Vec::with_capacity(packages.len());
+    let mut opened = Vec::with_capacity(packages.len());
+    for dir in &packages {
+        let pkg = distmind_models::Package::open(dir)
+            .with_context(|| format!("cannot open the generated package {}", dir.display()))?;
+        let stored = pkg.manifest.stored_bytes;
+        total_bytes += stored;
+        cached_bytes += stored.div_ceil(block) * block;
+        largest = largest.max(stored.div_ceil(block) * block);
+        names.push(pkg.manifest.name.clone());
+        opened.push(pkg);
+    }
+    println!(
+        "up: generated {n_models} packages ({:.1} MB) in {} in {:.1} s",
+        total_bytes as f64 / 1e6,
+        model_dir.display(),
+        t.elapsed().as_secs_f64()
+    );
+
+    // 2. Processes.
+    let replication = settings.controller.replication.max(1) as u64;
+    let capacity = args
+        .capacity
+        .unwrap_or_else(|| with_slack(total_bytes * replication / args.memservers as u64));
+    let cache = args.cache.unwrap_or_else(|| {
+        with_slack(cached_bytes).min(CACHE_BYTES_MAX_DEFAULT.max(with_slack(largest)))
+    });
+    let settings_arg = args.settings.as_os_str().to_owned();
+    let mut cluster = procs::Cluster::new(&exe, &args.child_log, true);
+    let timeout = args.ready_timeout;
+
+    let mut a = vec![
+        OsString::from("controller"),
+        "--settings".into(),
+        settings_arg.clone(),
+    ];
+    a.extend(os(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--client-listen",
+        "127.0.0.1:0",
+        "--metrics",
+        "127.0.0.1:0",
+    ]));
+    if let Some(p) = &args.policy {
+        a.extend(os(&["--policy", p]));
+    }
+    let c = cluster.start(
+        "controller",
+        &a,
+        &["controller", "dispatcher", "metrics"],
+        timeout,
+        stop,
+    )?;
+    let (ctl, dispatcher) = (
+        c.addr("controller").to_string(),
+        c.addr("dispatcher").to_string(),
+    );
+    println!(
+        "up: controller   pid {:>7}  metadata {ctl}  dispatcher {dispatcher}  metrics {}",
+        c.pid(),
+        c.addr("metrics")
+    );
+    let mut memservers = Vec::new();
+    for i in 1..=args.memservers {
+        let mut a = vec![
+            OsString::from("memserver"),
+            "--settings".into(),
+            settings_arg.clone(),
+        ];
+        a.extend(os(&[
+            "--listen",
+            "127.0.0.1:0",
+            "--capacity",
+            &size_arg(capacity),
+            "--controller",
+            &ctl,
+            "--metrics",
+            "127.0.0.1:0",
+        ]));
+        let m = cluster.start(
+            &format!("memserver-{i}"),
+            &a,
+            &["memserver", "metrics"],
+            timeout,
+            stop,
+        )?;
+        println!(
+            "up: memserver-{i}  pid {:>7}  data {}  arena {}  metrics {}",
+            m.pid(),
+            m.addr("memserver"),
+            size_arg(capacity),
+            m.addr("metrics")
+        );
+        memservers.push(m.addr("memserver").to_string());
+    }
+    let mut a = vec![
+        OsString::from("runtime"),
+        "--settings".into(),
+        settings_arg.clone(),
+    ];
+    a.extend(os(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--controller",
+        &ctl,
+        "--executor",
+        &executor.to_string(),
+        "--cache",
+        &size_arg(cache),
+        "--metrics",
+        "127.0.0.1:0",
+    ]));
+    if executor == ExecutorKind::Sim {
+        let profile = args.profile.clone().unwrap_or_else(|| {
+            let p = args.settings.join("profiles").join("h200-estimated.json");
+            if p.exists() {
+                p
+            } else {
+                PathBuf::from(distmind_runtime::profile::SHIPPED_ESTIMATED_PATH)
+            }
+        });
+        let p = distmind_runtime::profile::Profile::load(&profile)
+            .with_context(|| format!("the sim executor's profile {}", profile.display()))?;
+        println!(
+            "up: sim executor: GPU times of {} from {} (source: {}), outputs are zeros; latencies below are not measurements",
+            p.gpu,
+            profile.display(),
+            p.source.as_str()
+        );
+        a.push("--profile".into());
+        a.push(profile.into_os_string());
+    }
+    let r = cluster.start("runtime", &a, &["runtime", "metrics"], timeout, stop)?;
+    let runtime = r.addr("runtime").to_string();
+    println!(
+        "up: runtime      pid {:>7}  requests {runtime}  executor {executor}  host cache {}  metrics {}",
+        r.pid(),
+        size_arg(cache),
+        r.addr("metrics")
+    );
+    wait_registered(
+        &ctl,
+        &key,
+        &memservers,
+        &runtime,
+        timeout,
+        stop,
+        &mut cluster,
+    )?;
+    println!(
+        "up: {} memory server(s) and the runtime are registered with the controller",
+        memservers.len()
+    );
+
+    // 3. Deploy.
+    let t = Instant::now();
+    let target = crate::deploy::Target {
+        controller: ctl.clone(),
+        key: key.clone(),
+    };
+    let opts = crate::deploy::Options::from_settings(&settings, None, None, None, false);
+    for pkg in &opened {
+        if stop.load(Ordering::Relaxed) {
+            bail!("interrupted during the deploy; every process was stopped");
+        }
+        let out = crate::deploy::deploy_package(&target, pkg, &opts)?;
+        println!("up: {}", out.summary());
+    }
+    drop(opened);
+    println!(
+        "up: deployed {n_models} models ({:.1} MB) in {:.1} s",
+        total_bytes as f64 / 1e6,
+        t.elapsed().as_secs_f64()
+    );
+
+    // 4. Workload.
+    let mut ca = loadgen::ClientArgs::with_settings(args.settings.clone());
+    ca.addr = Some(dispatcher.clone());
+    ca.controller = Some(ctl.clone());
+    ca.mode = Some(loadgen::Mode::Poisson);
+    ca.rate = Some(args.rate);
+    ca.duration = Some(args.duration);
+    ca.zipf = args.zipf;
+    ca.slo_ms = args.slo_ms;
+    ca.seed = args.seed;
+    ca.json = args.json.clone();
+    // Most popular first, families interleaved, as generated.
+    ca.models = names;
+    println!(
+        "up: workload: poisson {} req/s for {:.0} s through the dispatcher at {dispatcher} (Ctrl-C stops early)",
+        args.rate,
+        args.duration.as_secs_f64()
+    );
+    let report = loadgen::run_until(&ca, stop)?;
+    if stop.load(Ordering::Relaxed) {
+        bail!("interrupted during the workload; every process was stopped");
+    }
+
+    // 5. Metrics, then shutdown.
+    println!("\n== metrics ==");
+    let scrape_timeout = Duration::from_secs(5);
+    for s in cluster.services() {
+        if let Some(addr) = s.addrs.get("metrics").cloned() {
+            metrics::print_headline(&s.name, &addr, scrape_timeout);
+        }
+    }
+    let died = cluster.exited();
+    println!();
+    for (name, pid, what) in cluster.stop_all() {
+        println!("up: {name} (pid {pid}) {what}");
+    }
+    drop(work);
+    if let Some((name, status, tail)) = died.into_iter().next() {
+        bail!("{name} exited during the run ({status}); its stderr ends with:\n{tail}");
+    }
+    if report.ok == 0 {
+        bail!(
+            "no request was answered with outputs ({} sent); see the errors above",
+            report.sent
+        );
+    }
+    println!(
+        "up: done in {:.1} s: {} of {} requests answered",
+        started.elapsed().as_secs_f64(),
+        report.ok,
+        report.sent
+    );
+    Ok(())
+}
+
+/// Writes the packages; returns their directories in model order (the
+/// families interleaved).
+fn generate(
+    dir: &Path,
+    scale: Scale,
+    n: usize,
+    seed: u64,
+    group_bytes: u64,
+    stop: &AtomicBool,
+) -> anyhow::Result<Vec<PathBuf>> {
+    let mut per_family: Vec<Vec<PathBuf>> = Vec::new();
+    for (f, family) in Family::ALL.iter().enumerate() {
+        let variants = (0..n).filter(|&i| family_of(i).0 == *family).count();
+        if stop.load(Ordering::Relaxed) {
+            bail!("interrupted while generating models");
+        }
+        let opts = distmind_models::GenOptions {
+            family: *family,
+            variants,
+            out_dir: dir.to_path_buf(),
+            scale,
+            seed: seed.wrapping_add(1000 * f as u64),
+            group_bytes,
+        };
+        per_family.push(
+            distmind_models::generate(&opts)
+                .with_context(|| format!("generating {variants} {family} packages"))?,
+        );
+    }
+    Ok((0..n)
+        .map(|i| {
+            let (family, v) = family_of(i);
+            let f = Family::ALL
+                .iter()
+                .position(|x| *x == family)
+                .expect("listed");
+            per_family[f][v].clone()
+        })
+        .collect())
+}
+
+/// Polls the controller until every memory server and the runtime are
+/// registered and alive (no fixed sleeps).
+fn wait_registered(
+    ctl: &str,
+    key: &ClusterKey,
+    memservers: &[String],
+    runtime: &str,
+    limit: Duration,
+    stop: &AtomicBool,
+    cluster: &mut procs::Cluster,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + limit;
+    let mut c = ControllerClient::connect(ctl, key, CONNECT_TIMEOUT)
+        .with_context(|| format!("cannot reach the controller at {ctl}"))?;
+    loop {
+        let alive_ms: Vec<String> = c
+            .list_memservers()?
+            .into_iter()
+            .filter(|m| m.alive)
+            .map(|m| m.addr)
+            .collect();
+        let runtime_alive = c
+            .list_runtimes()?
+            .iter()
+            .any(|r| r.alive && r.addr == runtime);
+        let missing: Vec<&str> = memservers
+            .iter()
+            .filter(|m| !alive_ms.contains(m))
+            .map(String::as_str)
+            .chain((!runtime_alive).then_some(runtime))
+            .collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        if let Some((name, status, tail)) = cluster.exited().into_iter().next() {
+            bail!("{name} exited ({status}) before registering; its stderr ends with:\n{tail}");
+        }
+        if stop.load(Ordering::Relaxed) {
+            bail!("interrupted while waiting for registrations");
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "not registered with the controller at {ctl} after {} s: {}",
+                limit.as_secs(),
+                missing.join(", ")
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn executor_choice() {
+        let never = || -> Result<(), String> { panic!("probed") };
+        assert_eq!(
+            choose_executor(ExecutorChoice::Cpu, true, never).unwrap().0,
+            ExecutorKind::Cpu
+        );
+        assert_eq!(
+            choose_executor(ExecutorChoice::Sim, false, never)
+                .unwrap()
+                .0,
+            ExecutorKind::Sim
+        );
+        assert!(choose_executor(ExecutorChoice::Cuda, false, never)
+            .unwrap_err()
+            .contains("--features cuda"));
+        assert_eq!(
+            choose_executor(ExecutorChoice::Cuda, true, never)
+                .unwrap()
+                .0,
+            ExecutorKind::Cuda
+        );
+        // auto: cuda only when compiled in and a device answers.
+        assert_eq!(
+            choose_executor(ExecutorChoice::Auto, false, never)
+                .unwrap()
+                .0,
+            ExecutorKind::Cpu
+        );
+        assert_eq!(
+            choose_executor(ExecutorChoice::Auto, true, || Ok(()))
+                .unwrap()
+                .0,
+            ExecutorKind::Cuda
+        );
+        let (kind, why) =
+            choose_executor(ExecutorChoice::Auto, true, || Err("no libcuda".into())).unwrap();
+        assert_eq!(kind, ExecutorKind::Cpu);
+        assert!(why.contains("no libcuda"));
+        assert_eq!(default_scale(ExecutorKind::Cpu), Scale::Tiny);
+        assert_eq!(default_scale(ExecutorKind::Sim), Scale::Full);
+    }
+
+    #[test]
+    fn models_spread_over_families_and_sizes_have_slack() {
+        let fams: Vec<Family> = (0..7).map(|i| family_of(i).0).collect();
+        assert_eq!(&fams[..5], &Family::ALL);
+        assert_eq!(family_of(5), (Family::Resnet152, 1));
+        assert_eq!(family_of(6), (Family::InceptionV3, 1));
+        assert_eq!(with_slack(0), 64 * MIB);
+        assert_eq!(with_slack(100 * MIB), 214 * MIB);
+        assert_eq!(with_slack(1) % MIB, 0);
+        assert_eq!(size_arg(64 * MIB), "64MiB");
+        assert_eq!(
+            parse_size(&size_arg(with_slack(12_345_678))).unwrap(),
+            with_slack(12_345_678)
+        );
+    }
+
+    #[test]
+    fn generate_interleaves_families() {
+        let dir = std::env::temp_dir().join(format!("distmind-up-test-{}", std::process::id()));
+        let stop = AtomicBool::new(false);
+        let dirs = generate(&dir, Scale::Tiny, 7, 0, 1 << 20, &stop).unwrap();
+        let names: Vec<String> = dirs
+            .iter()
+            .map(|d| d.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names[0], "resnet152-tiny-00000000");
+        assert_eq!(names[1], "inception_v3-tiny-00000000");
+        assert_eq!(names[5], "resnet152-tiny-00000001");
+        assert!(dirs.iter().all(|d| d.join("manifest.json").exists()));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,340 @@
+//! The controller's dispatcher end to end, with real processes on
+//! loopback: a controller (dispatcher + metrics), two memory servers, one
+//! GPU server (cpu executor, tiny models) and `distmind client`.
+//!
+//! * 20 models over a host cache that holds about 5: every request is
+//!   answered or explicitly rejected (none lost), SLO attainment is
+//!   reported, and every metrics endpoint is scraped and checked.
+//! * Overload: a client at 10x the measured capacity gets rejections; the
+//!   admitted requests meet their SLO; the controller's memory stays bounded.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use distmind_common::metrics::{parse_samples, sample_value, scrape};
+use distmind_controller::ControllerClient;
+use serde_json::Value;
+use support::*;
+
+struct Cluster {
+    _procs: Vec<Proc>,
+    controller_pid: u32,
+    metadata: String,
+    client: String,
+    metrics: Vec<(String, String)>,
+    _dir: tempfile::TempDir,
+}
+
+/// Sum of every sample of `name` (any labels) in an exposition.
+fn total(text: &str, name: &str) -> f64 {
+    parse_samples(text)
+        .iter()
+        .filter(|(series, _)| series == name || series.starts_with(&format!("{name}{{")))
+        .map(|(_, v)| v)
+        .sum()
+}
+
+fn metrics_text(addr: &str) -> String {
+    let (status, body) = scrape(addr, "/metrics", Duration::from_secs(5)).expect("scrape");
+    assert_eq!(status, 200, "GET /metrics on {addr}");
+    body
+}
+
+/// Tiny packages of every family, `per_family` variants each.
+fn packages(dir: &Path, per_family: usize) -> Vec<PathBuf> {
+    let mut all = Vec::new();
+    for f in [
+        "resnet152",
+        "inception_v3",
+        "densenet201",
+        "bert_base",
+        "gpt2",
+    ] {
+        all.extend(gen_tiny(dir, f, per_family, 65536));
+    }
+    all
+}
+
+fn stored_bytes(pkg: &Path) -> u64 {
+    let m: Value =
+        serde_json::from_slice(&std::fs::read(pkg.join("manifest.json")).unwrap()).unwrap();
+    m["stored_bytes"].as_u64().expect("manifest stored_bytes")
+}
+
+fn start(policy: &str, per_family: usize, cache_models: u64) -> Cluster {
+    let dir = tempfile::tempdir().unwrap();
+    let pkgs = packages(dir.path(), per_family);
+    let largest = pkgs.iter().map(|p| stored_bytes(p)).max().unwrap();
+    // Blocks of 64 KiB; a cache that holds `cache_models` of the largest.
+    let cache = (largest.div_ceil(65536) * 65536 * cache_models).to_string();
+    let (ctl, metadata, client, ctl_metrics) = spawn_dispatching_controller(policy, &[]);
+    let controller_pid = ctl.pid();
+    let s = settings_dir();
+    let mut procs = vec![ctl];
+    let mut metrics = vec![("controller".to_string(), ctl_metrics)];
+    for _ in 0..2 {
+        let (p, a) = spawn_service_lines(
+            &[
+                "memserver",
+                "--settings",
+                s.to_str().unwrap(),
+                "--listen",
+                "127.0.0.1:0",
+                "--capacity",
+                "256MiB",
+                "--controller",
+                &metadata,
+                "--metrics",
+                "127.0.0.1:0",
+            ],
+            2,
+        );
+        metrics.push(("memserver".into(), a[1].clone()));
+        procs.push(p);
+    }
+    wait_alive(&metadata, 2);
+    let (ok, _, err) = deploy(&metadata, &[], &pkgs);
+    assert!(ok, "deploy: {err}");
+    let (rt, a) = spawn_service_lines(
+        &[
+            "runtime",
+            "--settings",
+            s.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+            "--controller",
+            &metadata,
+            "--executor",
+            "cpu",
+            "--devices",
+            "0",
+            "--cache",
+            &cache,
+            "--device-memory",
+            &cache,
+            "--metrics",
+            "127.0.0.1:0",
+        ],
+        2,
+    );
+    metrics.push(("runtime".into(), a[1].clone()));
+    procs.push(rt);
+    // The dispatcher links to the runtime once it has registered.
+    let mut c =
+        ControllerClient::connect(&metadata, &cluster_key(), Duration::from_secs(5)).unwrap();
+    let t0 = Instant::now();
+    while !c.list_runtimes().unwrap().iter().any(|r| r.alive) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "runtime never registered"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Cluster {
+        _procs: procs,
+        controller_pid,
+        metadata,
+        client,
+        metrics,
+        _dir: dir,
+    }
+}
+
+/// Runs `distmind client` with `args`; returns its JSON report.
+fn client(c: &Cluster, args: &[&str]) -> Value {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("report.json");
+    let s = settings_dir();
+    let mut all = vec![
+        "client",
+        "--settings",
+        s.to_str().unwrap(),
+        "--addr",
+        &c.client,
+        "--controller",
+        &c.metadata,
+        "--json",
+        json.to_str().unwrap(),
+    ];
+    all.extend_from_slice(args);
+    let (ok, stdout, stderr) = run(&all);
+    assert!(ok, "client failed: {stderr}\n{stdout}");
+    assert!(
+        stdout.trim_end().ends_with("All threads finished."),
+        "the client's last line: {stdout}"
+    );
+    serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap()
+}
+
+fn n(v: &Value, k: &str) -> u64 {
+    v[k].as_u64()
+        .unwrap_or_else(|| panic!("report field {k}: {v}"))
+}
+
+#[test]
+fn every_request_is_answered_or_rejected_and_metrics_add_up() {
+    let c = start("slo", 4, 5); // 20 models, a cache of 5
+    let r = client(
+        &c,
+        &[
+            "--mode",
+            "poisson",
+            "--rate",
+            "40",
+            "--duration",
+            "6s",
+            "--zipf",
+            "0.9",
+            "--slo-ms",
+            "2000",
+            "--seed",
+            "3",
+        ],
+    );
+    let sent = n(&r, "sent");
+    assert!(sent > 100, "{r}");
+    let errors: u64 = r["errors"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_u64().unwrap())
+        .sum();
+    let accounted =
+        n(&r, "ok") + n(&r, "rejected") + n(&r, "deadline_exceeded") + n(&r, "busy") + errors;
+    assert_eq!(accounted, sent, "every request answered or rejected: {r}");
+    assert_eq!(
+        r["errors"].get("lost").and_then(Value::as_u64).unwrap_or(0),
+        0
+    );
+    assert!(n(&r, "ok") > 0);
+    let slo = &r["slo"];
+    let attainment = slo["attainment"].as_f64().expect("SLO attainment reported");
+    assert!((0.0..=1.0).contains(&attainment));
+    // More than 5 models were used: the host cache had to evict.
+    let used_models = r["models"].as_array().unwrap().len();
+    assert!(used_models > 5, "{used_models} models requested");
+
+    // The metrics endpoints agree with the client.
+    let mut seen = 0;
+    for (what, addr) in &c.metrics {
+        let (status, body) = scrape(addr, "/health", Duration::from_secs(5)).unwrap();
+        assert_eq!((status, body.trim()), (200, "ok"), "{what} health");
+        let text = metrics_text(addr);
+        match what.as_str() {
+            "controller" => {
+                let answered = total(&text, "distmind_controller_requests_total");
+                assert_eq!(answered as u64, sent, "controller requests_total:\n{text}");
+                let ok = sample_value(&text, "distmind_controller_slo_attainment_ratio", &[])
+                    .expect("slo attainment gauge");
+                assert!((0.0..=1.0).contains(&ok));
+                assert!(total(&text, "distmind_controller_request_latency_seconds_count") > 0.0);
+                assert_eq!(total(&text, "distmind_controller_runtimes_alive"), 1.0);
+                seen += 1;
+            }
+            "runtime" => {
+                assert!(
+                    total(&text, "distmind_runtime_requests_total") >= n(&r, "ok") as f64,
+                    "{text}"
+                );
+                assert!(
+                    total(&text, "distmind_runtime_host_cache_evictions_total") > 0.0,
+                    "{text}"
+                );
+                assert!(
+                    total(&text, "distmind_runtime_fetched_bytes_total") > 0.0,
+                    "{text}"
+                );
+                seen += 1;
+            }
+            _ => {
+                seen += 1;
+                let _ = total(&text, "memserver_bytes_served_total");
+            }
+        }
+    }
+    assert_eq!(seen, 4);
+    // Between them the memory servers served the cold starts.
+    let served: f64 = c
+        .metrics
+        .iter()
+        .filter(|(w, _)| w == "memserver")
+        .map(|(_, a)| total(&metrics_text(a), "memserver_bytes_served_total"))
+        .sum();
+    assert!(served > 0.0);
+}
+
+#[test]
+fn overload_is_rejected_admitted_requests_meet_their_slo_memory_bounded() {
+    let c = start("slo", 1, 5); // 5 models, all fit
+                                // Capacity: a closed loop with two threads.
+    let warm = client(
+        &c,
+        &[
+            "--mode",
+            "closed",
+            "--concurrency",
+            "2",
+            "--requests",
+            "0",
+            "--duration",
+            "3s",
+            "--slo-ms",
+            "10000",
+        ],
+    );
+    let capacity = warm["throughput_rps"].as_f64().unwrap();
+    let p50 = warm["latency"]["p50_ms"].as_f64().unwrap();
+    assert!(capacity > 0.0);
+    // An SLO a few services long: feasible when the GPU is free, not behind
+    // a long queue.
+    let slo = (p50 * 6.0).max(30.0).ceil() as u64;
+    let rss_before = rss_bytes(c.controller_pid);
+    let rate = (capacity * 10.0).ceil();
+    let r = client(
+        &c,
+        &[
+            "--mode",
+            "poisson",
+            "--rate",
+            &rate.to_string(),
+            "--duration",
+            "5s",
+            "--slo-ms",
+            &slo.to_string(),
+        ],
+    );
+    let sent = n(&r, "sent");
+    let ok = n(&r, "ok");
+    let rejected = n(&r, "rejected");
+    eprintln!(
+        "capacity {capacity:.0} req/s, offered {rate} req/s, SLO {slo} ms: sent {sent}, ok {ok}, rejected {rejected}, \
+         p99 of ok {:.1} ms",
+        r["latency"]["p99_ms"].as_f64().unwrap()
+    );
+    assert!(
+        rejected > sent / 4,
+        "10x overload must be rejected at admission: {r}"
+    );
+    assert!(ok > 0);
+    // Admitted requests meet their SLO: the estimates are live
+    // observations, so allow a few misses, never a collapse.
+    let within = r["slo"]["ok_within_slo"].as_u64().unwrap();
+    assert!(
+        within as f64 >= 0.9 * ok as f64,
+        "{within} of {ok} admitted requests within {slo} ms: {r}"
+    );
+    // The controller's memory stays bounded (queues and inputs are capped).
+    let rss_after = rss_bytes(c.controller_pid);
+    assert!(
+        rss_after < rss_before + (64 << 20),
+        "controller RSS grew from {rss_before} to {rss_after} bytes"
+    );
+    let text = metrics_text(&c.metrics[0].1);
+    assert!(total(&text, "distmind_controller_rejected_total") >= rejected as f64);
+    assert!(
+        total(&text, "distmind_controller_in_flight_requests") <= 256.0,
+        "{text}"
+    );
+}
