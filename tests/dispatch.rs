@@ -19,6 +19,7 @@ use serde_json::Value;
 use support::*;
 
 struct Cluster {
+    runtime: String,
     _procs: Vec<Proc>,
     controller_pid: u32,
     metadata: String,
@@ -64,12 +65,22 @@ fn stored_bytes(pkg: &Path) -> u64 {
 }
 
 fn start(policy: &str, per_family: usize, cache_models: u64) -> Cluster {
+    start_with(policy, per_family, cache_models, &[])
+}
+
+fn start_with(
+    policy: &str,
+    per_family: usize,
+    cache_models: u64,
+    controller_args: &[&str],
+) -> Cluster {
     let dir = tempfile::tempdir().unwrap();
     let pkgs = packages(dir.path(), per_family);
     let largest = pkgs.iter().map(|p| stored_bytes(p)).max().unwrap();
     // Blocks of 64 KiB; a cache that holds `cache_models` of the largest.
     let cache = (largest.div_ceil(65536) * 65536 * cache_models).to_string();
-    let (ctl, metadata, client, ctl_metrics) = spawn_dispatching_controller(policy, &[]);
+    let (ctl, metadata, client, ctl_metrics) =
+        spawn_dispatching_controller(policy, controller_args);
     let controller_pid = ctl.pid();
     let s = settings_dir();
     let mut procs = vec![ctl];
@@ -133,6 +144,7 @@ fn start(policy: &str, per_family: usize, cache_models: u64) -> Cluster {
         std::thread::sleep(Duration::from_millis(20));
     }
     Cluster {
+        runtime: a[0].clone(),
         _procs: procs,
         controller_pid,
         metadata,
@@ -337,4 +349,76 @@ fn overload_is_rejected_admitted_requests_meet_their_slo_memory_bounded() {
         total(&text, "distmind_controller_in_flight_requests") <= 256.0,
         "{text}"
     );
+}
+
+#[test]
+fn training_fills_the_gpu_between_requests_and_assignments_are_published() {
+    let train = "resnet152-tiny-00000000";
+    let c = start_with(
+        "slo",
+        1,
+        5,
+        &["--use-train", "true", "--train-model", train],
+    );
+    // The dispatcher starts the training job on the runtime by itself.
+    let mut rt = distmind_runtime::client::RuntimeClient::connect(
+        &c.runtime,
+        &cluster_key(),
+        Duration::from_secs(10),
+    )
+    .unwrap();
+    let t0 = Instant::now();
+    loop {
+        let d = &rt.stats().unwrap().devices[0];
+        if d.training.as_deref() == Some(train) && d.train_iterations >= 2 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "training never started: {d:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Inference still gets through: requests wait at most one iteration.
+    let r = client(
+        &c,
+        &[
+            "--mode",
+            "closed",
+            "--concurrency",
+            "1",
+            "--requests",
+            "20",
+            "--slo-ms",
+            "10000",
+        ],
+    );
+    assert_eq!(n(&r, "ok"), 20, "{r}");
+    let before = rt.stats().unwrap().devices[0].train_iterations;
+    let t1 = Instant::now();
+    while rt.stats().unwrap().devices[0].train_iterations <= before {
+        assert!(
+            t1.elapsed() < Duration::from_secs(30),
+            "training did not resume"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The subscriber channel says who does what.
+    let mut ctl =
+        ControllerClient::connect(&c.metadata, &cluster_key(), Duration::from_secs(5)).unwrap();
+    match ctl
+        .request(&distmind_common::proto::ControllerRequest::Assignments)
+        .unwrap()
+    {
+        distmind_common::proto::ControllerReply::Assignments {
+            epoch,
+            policy,
+            gpus,
+        } => {
+            assert!(epoch >= 1);
+            assert_eq!(policy, "slo");
+            assert_eq!(gpus.len(), 1, "{gpus:?}");
+        }
+        other => panic!("{other:?}"),
+    }
 }

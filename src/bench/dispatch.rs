@@ -317,6 +317,11 @@ fn added_latency(a: &DispatchArgs) -> anyhow::Result<()> {
         (pct(&via, 99) - d99) * 1e3,
         if (pct(&via, 99) - d99) * 1e3 < 50.0 { "met" } else { "MISSED" }
     );
+    println!(
+        "  added / a direct loopback round trip (same run): p50 {:.2}, p99 {:.2}",
+        (pct(&via, 50) - d50) / d50,
+        (pct(&via, 99) - d99) / d99
+    );
     Ok(())
 }
 

@@ -28,7 +28,7 @@ use distmind_common::proto::{
     ErrorCode, ErrorReply, RuntimeReply, RuntimeRequest, RUNTIME_OUTPUTS_MAX,
 };
 use distmind_common::wire::{self, FrameKind, Role, WireError};
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
@@ -657,7 +657,10 @@ async fn link(
     {
         return;
     }
-    let (mut rd, mut wr) = stream.into_split();
+    // Buffered both ways: a request (message + input frame) leaves in one
+    // write, a reply is read with few syscalls.
+    let (rd, wr) = stream.into_split();
+    let (mut rd, mut wr) = (BufReader::new(rd), BufWriter::new(wr));
     let reader_events = events.clone();
     let mut reader = tokio::spawn(async move {
         loop {
@@ -704,6 +707,7 @@ async fn write_request<W: AsyncWrite + Unpin>(
     if let Some(input) = input {
         wire::write_frame(w, FrameKind::WriteChunk, &[input]).await?;
     }
+    w.flush().await?;
     Ok(())
 }
 
@@ -767,7 +771,8 @@ async fn client_conn(
             return;
         }
     }
-    let (mut rd, mut wr) = stream.into_split();
+    let (rd, wr) = stream.into_split();
+    let (mut rd, mut wr) = (BufReader::new(rd), BufWriter::new(wr));
     let (tx, mut rx) = mpsc::channel::<Outgoing>(CLIENT_IN_FLIGHT_MAX);
     let writer = tokio::spawn(async move {
         while let Some(out) = rx.recv().await {
@@ -777,6 +782,10 @@ async fn client_conn(
                     && wire::write_frame(&mut wr, FrameKind::WriteChunk, &[f])
                         .await
                         .is_ok();
+            }
+            // Flush when no other reply is ready, so bursts share a write.
+            if rx.is_empty() {
+                ok = ok && wr.flush().await.is_ok();
             }
             drop(out.permit);
             if !ok {
