@@ -26,6 +26,25 @@ pub enum ErrorCode {
     Internal,
 }
 
+impl ErrorCode {
+    /// The wire name (`BadRequest` -> `bad_request`), also the `status`
+    /// label of every service's metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::BadRequest => "bad_request",
+            ErrorCode::UnknownModel => "unknown_model",
+            ErrorCode::UnknownExtent => "unknown_extent",
+            ErrorCode::Full => "full",
+            ErrorCode::ChecksumMismatch => "checksum_mismatch",
+            ErrorCode::Busy => "busy",
+            ErrorCode::DeadlineExceeded => "deadline_exceeded",
+            ErrorCode::Rejected => "rejected",
+            ErrorCode::ShuttingDown => "shutting_down",
+            ErrorCode::Internal => "internal",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
 #[error("{code:?}: {message}")]
 pub struct ErrorReply {
@@ -565,6 +584,25 @@ impl RuntimeReply {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn error_code_names_are_the_wire_names() {
+        use ErrorCode::*;
+        for c in [
+            BadRequest,
+            UnknownModel,
+            UnknownExtent,
+            Full,
+            ChecksumMismatch,
+            Busy,
+            DeadlineExceeded,
+            Rejected,
+            ShuttingDown,
+            Internal,
+        ] {
+            assert_eq!(serde_json::to_value(c).unwrap(), c.as_str());
+        }
+    }
 
     #[test]
     fn messages_round_trip_through_json() {

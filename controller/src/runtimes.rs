@@ -44,8 +44,9 @@ struct Runtime {
     /// Liveness as of the last expire or heartbeat (transitions only).
     alive: bool,
     shape: RuntimeShape,
-    /// The last state it reported, if any.
+    /// The last state it reported, if any, and how many it reported.
     snapshot: Option<RuntimeSnapshot>,
+    snapshot_seq: u64,
 }
 
 /// A live runtime as the dispatcher sees it.
@@ -57,6 +58,8 @@ pub struct RuntimeView {
     pub executor: String,
     pub shape: RuntimeShape,
     pub snapshot: Option<RuntimeSnapshot>,
+    /// Grows with every snapshot received: apply a snapshot once.
+    pub snapshot_seq: u64,
 }
 
 /// The runtime registry.
@@ -171,6 +174,7 @@ impl RuntimeRegistry {
                 alive: true,
                 shape: default_shape(devices),
                 snapshot: None,
+                snapshot_seq: 0,
             },
         );
         Ok(Registration::New { id })
@@ -218,6 +222,7 @@ impl RuntimeRegistry {
                 executor: r.executor.clone(),
                 shape: r.shape.clone(),
                 snapshot: r.snapshot.clone(),
+                snapshot_seq: r.snapshot_seq,
             })
             .collect()
     }
@@ -271,6 +276,7 @@ impl RuntimeRegistry {
         r.alive = true;
         if snapshot.is_some() {
             r.snapshot = snapshot;
+            r.snapshot_seq += 1;
         }
         Ok(!was_alive)
     }

@@ -95,19 +95,7 @@ struct RequestLabels {
 /// The `status` label of a control-request error: the [`ErrorCode`] in
 /// snake case, as on the wire (`BadRequest` -> `bad_request`).
 pub fn error_status(code: ErrorCode) -> String {
-    let name = format!("{code:?}");
-    let mut out = String::with_capacity(name.len() + 4);
-    for (i, c) in name.chars().enumerate() {
-        if c.is_ascii_uppercase() {
-            if i > 0 {
-                out.push('_');
-            }
-            out.push(c.to_ascii_lowercase());
-        } else {
-            out.push(c);
-        }
-    }
-    out
+    code.as_str().to_string()
 }
 
 /// Every metric of one memory server, and the registry that encodes them.

@@ -106,7 +106,7 @@ fn decisions(policy: PolicyKind, a: &DispatchArgs) -> anyhow::Result<Decisions> 
                 .collect(),
             host_cached_truncated: false,
         };
-        d.runtime_seen(0, r, 1, &devices, 4 << 30, 4, Some(&snap), &mut out);
+        d.runtime_seen(0, r, 1, &devices, 4 << 30, 4, Some((1, &snap)), &mut out);
         d.link_up(r);
     }
     let zipf = Zipf::new(a.models as usize, 0.9)?;

@@ -72,10 +72,7 @@ pub struct Collector {
 }
 
 pub fn code_name(code: ErrorCode) -> String {
-    serde_json::to_value(code)
-        .ok()
-        .and_then(|v| v.as_str().map(str::to_string))
-        .unwrap_or_else(|| format!("{code:?}"))
+    code.as_str().to_string()
 }
 
 impl Collector {

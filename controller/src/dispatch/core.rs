@@ -69,6 +69,9 @@ pub const MODELS_MAX: usize = 65_536;
 /// Default latency objective when neither the request nor controller.json
 /// gives one.
 pub const SLO_MS_DEFAULT: f64 = 1000.0;
+/// A request sent to a runtime and not answered within this long is failed
+/// (the runtime hangs or lost it); its reply, if it ever comes, is dropped.
+pub const OUTSTANDING_TIMEOUT_US: Micros = 120_000_000;
 /// The cache-aware balancer frees this multiple of a model's size.
 const CACHE_OUT_FACTOR: f64 = 1.2;
 
@@ -190,6 +193,8 @@ struct GpuState {
 #[derive(Debug, Default)]
 struct HostState {
     boot_id: u64,
+    /// The last snapshot applied (each is applied once: replies are fresher).
+    snapshot_seq: u64,
     cached: HashSet<u32>,
     cache_bytes: u64,
     link_up: bool,
@@ -340,7 +345,7 @@ impl Dispatcher {
         device_ids: &[u32],
         cache_bytes: u64,
         resident_models_max: u32,
-        snapshot: Option<&RuntimeSnapshot>,
+        snapshot: Option<(u64, &RuntimeSnapshot)>,
         out: &mut Vec<Action>,
     ) {
         let restarted = self
@@ -385,8 +390,12 @@ impl Dispatcher {
             let all: Vec<Gpu> = self.gpus.iter().map(|g| g.gpu).collect();
             self.distmind.set_gpus(&all);
         }
-        if let Some(s) = snapshot {
-            self.apply_snapshot(runtime, s);
+        if let Some((seq, s)) = snapshot {
+            let h = self.hosts.get_mut(&runtime).expect("inserted above");
+            if seq > h.snapshot_seq {
+                h.snapshot_seq = seq;
+                self.apply_snapshot(runtime, s);
+            }
         }
     }
 
@@ -463,21 +472,12 @@ impl Dispatcher {
             .map(|(&id, _)| id)
             .collect();
         for id in lost {
-            let r = self.reqs.remove(&id).expect("listed above");
-            if let Some(gi) = r.gpu {
-                self.unbind_gpu(gi, r.model);
-            }
-            self.counters.failed_other += 1;
-            out.push(Action::Fail {
-                req: id,
-                error: ErrorReply::new(
-                    ErrorCode::Internal,
-                    format!(
-                        "request for {} was running on runtime {runtime} and is lost: {why}; retry it",
-                        self.models[r.model as usize].meta.name
-                    ),
-                ),
-            });
+            let r = self.take(id).expect("listed above");
+            let message = format!(
+                "request for {} was running on runtime {runtime} and is lost: {why}; retry it",
+                self.models[r.model as usize].meta.name
+            );
+            self.fail(id, ErrorCode::Internal, message, out);
         }
         self.training_started.retain(|g| g.runtime != runtime);
         for id in requeue {
@@ -499,6 +499,31 @@ impl Dispatcher {
             .active
             .entry((self.gpus[gi].gpu.runtime, model))
             .or_insert(0) += 1;
+    }
+
+    /// Takes request `id` out of the table, releasing its GPU binding.
+    fn take(&mut self, id: ReqId) -> Option<Req> {
+        let r = self.reqs.remove(&id)?;
+        if let Some(gi) = r.gpu {
+            self.unbind_gpu(gi, r.model);
+        }
+        Some(r)
+    }
+
+    /// Ends request `id` (already out of the table) with an error: counts it
+    /// by code and emits its `Fail`.
+    fn fail(&mut self, id: ReqId, code: ErrorCode, message: String, out: &mut Vec<Action>) {
+        let c = &mut self.counters;
+        match code {
+            ErrorCode::Rejected => c.rejected += 1,
+            ErrorCode::DeadlineExceeded => c.deadline_exceeded += 1,
+            ErrorCode::Busy => c.busy += 1,
+            _ => c.failed_other += 1,
+        }
+        out.push(Action::Fail {
+            req: id,
+            error: ErrorReply::new(code, message),
+        });
     }
 
     fn unbind_gpu(&mut self, gi: usize, model: u32) {
@@ -528,14 +553,9 @@ impl Dispatcher {
         m.recent += 1;
         m.uses += 1;
         if self.reqs.len() >= REQUESTS_MAX {
-            self.counters.busy += 1;
-            out.push(Action::Fail {
-                req: id,
-                error: ErrorReply::new(
-                    ErrorCode::Busy,
-                    format!("the dispatcher holds {REQUESTS_MAX} requests already; retry later"),
-                ),
-            });
+            let message =
+                format!("the dispatcher holds {REQUESTS_MAX} requests already; retry later");
+            self.fail(id, ErrorCode::Busy, message, out);
             return id;
         }
         let r = Req {
@@ -580,18 +600,12 @@ impl Dispatcher {
                 self.reqs.insert(id, r);
                 if !self.route_balanced(now, id, out) {
                     if self.pending.len() >= PENDING_MAX {
-                        let r = self.reqs.remove(&id).expect("inserted above");
-                        self.counters.busy += 1;
-                        out.push(Action::Fail {
-                            req: id,
-                            error: ErrorReply::new(
-                                ErrorCode::Busy,
-                                format!(
-                                    "request for {}: {PENDING_MAX} requests already wait for a GPU; retry later",
-                                    self.models[r.model as usize].meta.name
-                                ),
-                            ),
-                        });
+                        let r = self.take(id).expect("inserted above");
+                        let message = format!(
+                            "request for {}: {PENDING_MAX} requests already wait for a GPU; retry later",
+                            self.models[r.model as usize].meta.name
+                        );
+                        self.fail(id, ErrorCode::Busy, message, out);
                     } else {
                         self.pending.push_back(id);
                     }
@@ -641,7 +655,6 @@ impl Dispatcher {
             }
         }
         let Some((finish, at, gi, service)) = best else {
-            self.counters.rejected += 1;
             let why = match earliest {
                 None => "no GPU server is available".to_string(),
                 Some(f) => format!(
@@ -649,16 +662,11 @@ impl Dispatcher {
                     (f - now) as f64 / 1e3
                 ),
             };
-            out.push(Action::Fail {
-                req: id,
-                error: ErrorReply::new(
-                    ErrorCode::Rejected,
-                    format!(
-                        "request for {} rejected: it cannot meet its {:.0} ms SLO ({why})",
-                        meta.name, r.slo_ms
-                    ),
-                ),
-            });
+            let message = format!(
+                "request for {} rejected: it cannot meet its {:.0} ms SLO ({why})",
+                meta.name, r.slo_ms
+            );
+            self.fail(id, ErrorCode::Rejected, message, out);
             return;
         };
         r.est_finish = finish;
@@ -701,19 +709,12 @@ impl Dispatcher {
             if start + service > deadline {
                 // The estimate moved since admission; say so rather than
                 // run a request that will be late anyway.
-                let r = self.reqs.remove(&id).expect("queued requests are alive");
-                self.unbind_gpu(gi, r.model);
-                self.counters.deadline_exceeded += 1;
-                out.push(Action::Fail {
-                    req: id,
-                    error: ErrorReply::new(
-                        ErrorCode::DeadlineExceeded,
-                        format!(
-                            "request for {} can no longer meet its {:.0} ms SLO: dropped before it ran",
-                            self.models[r.model as usize].meta.name, r.slo_ms
-                        ),
-                    ),
-                });
+                let r = self.take(id).expect("queued requests are alive");
+                let message = format!(
+                    "request for {} can no longer meet its {:.0} ms SLO: dropped before it ran",
+                    self.models[r.model as usize].meta.name, r.slo_ms
+                );
+                self.fail(id, ErrorCode::DeadlineExceeded, message, out);
                 continue;
             }
             self.send(now, gi, id, service, out);
@@ -857,9 +858,8 @@ impl Dispatcher {
         c: &Completion<'_>,
         out: &mut Vec<Action>,
     ) -> Option<DispatchInfo> {
-        let r = self.reqs.remove(&req)?;
+        let r = self.take(req)?;
         let gi = r.gpu?;
-        self.unbind_gpu(gi, r.model);
         {
             let g = &mut self.gpus[gi];
             g.outstanding = g.outstanding.saturating_sub(1);
@@ -920,20 +920,14 @@ impl Dispatcher {
                 continue;
             };
             if now > r.deadline {
-                let r = self.reqs.remove(&id).expect("looked up");
-                self.counters.deadline_exceeded += 1;
-                out.push(Action::Fail {
-                    req: id,
-                    error: ErrorReply::new(
-                        ErrorCode::DeadlineExceeded,
-                        format!(
-                            "request for {} waited {:.0} ms for a GPU, past its {:.0} ms SLO",
-                            self.models[r.model as usize].meta.name,
-                            (now - r.arrival) as f64 / 1e3,
-                            r.slo_ms
-                        ),
-                    ),
-                });
+                let r = self.take(id).expect("looked up");
+                let message = format!(
+                    "request for {} waited {:.0} ms for a GPU, past its {:.0} ms SLO",
+                    self.models[r.model as usize].meta.name,
+                    (now - r.arrival) as f64 / 1e3,
+                    r.slo_ms
+                );
+                self.fail(id, ErrorCode::DeadlineExceeded, message, out);
                 continue;
             }
             if !self.route_balanced(now, id, out) {
@@ -955,16 +949,43 @@ impl Dispatcher {
             }
             self.last_rate_at = now;
         }
+        self.expire_outstanding(now, out);
         match self.cfg.policy {
             PolicyKind::DistMind => {
                 self.distmind.tick(now);
-                self.apply_distmind(out);
+                self.apply_distmind(now, out);
                 self.drain_pending(now, out);
             }
             PolicyKind::Slo => {
                 self.start_training_everywhere(out);
-                self.prefetch_hot(out);
+                self.prefetch_hot(now, out);
             }
+        }
+    }
+
+    /// Fails requests a runtime has held for over [`OUTSTANDING_TIMEOUT_US`].
+    fn expire_outstanding(&mut self, now: Micros, out: &mut Vec<Action>) {
+        let stuck: Vec<ReqId> = self
+            .reqs
+            .iter()
+            .filter(|(_, r)| {
+                r.sent_at
+                    .is_some_and(|s| now.saturating_sub(s) > OUTSTANDING_TIMEOUT_US)
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        for id in stuck {
+            let r = self.take(id).expect("listed above");
+            let Some(gi) = r.gpu else { continue };
+            let g = &mut self.gpus[gi];
+            g.outstanding = g.outstanding.saturating_sub(1);
+            let message = format!(
+                "request for {} got no reply from {} within {} s; retry it",
+                self.models[r.model as usize].meta.name,
+                g.gpu,
+                OUTSTANDING_TIMEOUT_US / 1_000_000
+            );
+            self.fail(id, ErrorCode::Internal, message, out);
         }
     }
 
@@ -977,7 +998,7 @@ impl Dispatcher {
 
     /// `distmind`: roles and placements as the policy says; training GPUs
     /// get the training job, inference GPUs prefetch their model.
-    fn apply_distmind(&mut self, out: &mut Vec<Action>) {
+    fn apply_distmind(&mut self, now: Micros, out: &mut Vec<Action>) {
         let train = self.train_model().map(str::to_string);
         for gi in 0..self.gpus.len() {
             let gpu = self.gpus[gi].gpu;
@@ -1005,7 +1026,7 @@ impl Dispatcher {
                 if let Some(m) = a.model {
                     let m = m as u32;
                     if !self.gpus[gi].resident.contains(&m) && !self.gpus[gi].prefetching {
-                        self.gpus[gi].prefetching = true;
+                        self.occupy_with_prefetch(now, gi, m);
                         self.cache_out_for(gi, m, out);
                         self.expect_resident(gi, m);
                         self.counters.prefetches += 1;
@@ -1039,7 +1060,7 @@ impl Dispatcher {
 
     /// `slo` demand-driven placement: an idle GPU prefetches the most
     /// requested model that is resident nowhere.
-    fn prefetch_hot(&mut self, out: &mut Vec<Action>) {
+    fn prefetch_hot(&mut self, now: Micros, out: &mut Vec<Action>) {
         let resident: HashSet<u32> = self
             .gpus
             .iter()
@@ -1069,7 +1090,7 @@ impl Dispatcher {
                 return;
             };
             let gpu = self.gpus[gi].gpu;
-            self.gpus[gi].prefetching = true;
+            self.occupy_with_prefetch(now, gi, m);
             self.expect_resident(gi, m);
             self.counters.prefetches += 1;
             out.push(Action::Prefetch {
@@ -1077,6 +1098,20 @@ impl Dispatcher {
                 model: self.models[m as usize].meta.name.clone(),
             });
         }
+    }
+
+    /// A prefetch goes through the device's queue like a request: requests
+    /// routed after it wait for its load.
+    fn occupy_with_prefetch(&mut self, now: Micros, gi: usize, model: u32) {
+        let meta = &self.models[model as usize].meta;
+        let at = self.where_is(gi, model);
+        let load = self
+            .cost
+            .estimate(model, meta, at)
+            .saturating_sub(self.cost.estimate(model, meta, Where::Resident));
+        let g = &mut self.gpus[gi];
+        g.prefetching = true;
+        g.busy_until = g.busy_until.max(now) + load;
     }
 
     /// A prefetch finished (or failed): the GPU may prefetch again.

@@ -97,7 +97,16 @@ fn make_resident(d: &mut Dispatcher, r: u32, name: &str) {
         host_cached: vec![name.into()],
         host_cached_truncated: false,
     };
-    d.runtime_seen(0, r, 1, &[0], 1 << 30, 4, Some(&snap), &mut Vec::new());
+    d.runtime_seen(
+        0,
+        r,
+        1,
+        &[0],
+        1 << 30,
+        4,
+        Some((next_seq(), &snap)),
+        &mut Vec::new(),
+    );
 }
 
 #[test]
@@ -218,7 +227,16 @@ fn a_training_gpu_costs_one_iteration_to_yield() {
         host_cached: vec!["a".into()],
         host_cached_truncated: false,
     };
-    d.runtime_seen(0, 0, 1, &[0], 1 << 30, 4, Some(&snap), &mut Vec::new());
+    d.runtime_seen(
+        0,
+        0,
+        1,
+        &[0],
+        1 << 30,
+        4,
+        Some((next_seq(), &snap)),
+        &mut Vec::new(),
+    );
     let mut out = Vec::new();
     // 10 ms of compute after up to 50 ms of training iteration.
     let r = d.submit(0, m, Some(55.0), &mut out);
@@ -342,4 +360,115 @@ fn bounded_pending_and_request_table() {
         .count();
     assert_eq!(busy, 10);
     assert_eq!(d.queued(), PENDING_MAX);
+}
+
+/// Snapshot sequence numbers for tests: every snapshot is new.
+fn next_seq() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static SEQ: AtomicU64 = AtomicU64::new(1);
+    SEQ.fetch_add(1, Ordering::Relaxed)
+}
+
+#[test]
+fn an_old_snapshot_is_applied_once_and_never_undoes_a_reply() {
+    let mut d = dispatcher(PolicyKind::Slo, 1);
+    let m = model(&mut d, "a");
+    let snap = RuntimeSnapshot {
+        devices: vec![DeviceSnapshot {
+            device: 0,
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    d.runtime_seen(0, 0, 1, &[0], 1 << 30, 4, Some((7, &snap)), &mut Vec::new());
+    let mut out = Vec::new();
+    let r = d.submit(0, m, Some(1000.0), &mut out);
+    let t = timing(ServePath::Cold, 50.0);
+    let resident = vec!["a".to_string()];
+    d.complete(
+        50 * MS,
+        r,
+        &Completion {
+            timing: Some(&t),
+            resident: &resident,
+        },
+        &mut out,
+    );
+    // The same (older) snapshot again on the next tick: "a" stays resident.
+    d.runtime_seen(
+        60 * MS,
+        0,
+        1,
+        &[0],
+        1 << 30,
+        4,
+        Some((7, &snap)),
+        &mut Vec::new(),
+    );
+    assert_eq!(d.assignments()[0].models, vec!["a".to_string()]);
+}
+
+#[test]
+fn lfu_routes_to_the_host_that_caches_the_model_and_evicts_the_least_used() {
+    let mut c = cfg(PolicyKind::DistMind);
+    c.balancer = Balancer::Lfu;
+    let mut d = Dispatcher::new(c).unwrap();
+    let mut out = Vec::new();
+    // Two hosts whose caches hold two 10 MB models each (25 MB).
+    for r in 0..2 {
+        d.runtime_seen(0, r, 1, &[0], 25_000_000, 4, None, &mut out);
+        d.link_up(r);
+    }
+    let ms: Vec<u32> = (0..3).map(|k| model(&mut d, &format!("m{k}"))).collect();
+    let snap = RuntimeSnapshot {
+        devices: vec![DeviceSnapshot {
+            device: 0,
+            ..Default::default()
+        }],
+        host_cached: vec!["m0".into(), "m1".into()],
+        host_cached_truncated: false,
+    };
+    d.runtime_seen(
+        0,
+        1,
+        1,
+        &[0],
+        25_000_000,
+        4,
+        Some((next_seq(), &snap)),
+        &mut out,
+    );
+    out.clear();
+    let t = timing(ServePath::HostCached, 10.0);
+    let done = |d: &mut Dispatcher, id: ReqId, out: &mut Vec<Action>| {
+        let c = Completion {
+            timing: Some(&t),
+            resident: &[],
+        };
+        d.complete(10 * MS, id, &c, out);
+    };
+    // m0 once, m1 three times: both are cached on host 1 only, so they go
+    // there (host 0 is idle but lacks them).
+    for (m, times) in [(ms[0], 1), (ms[1], 3)] {
+        for _ in 0..times {
+            let r = d.submit(0, m, Some(1e6), &mut out);
+            assert_eq!(sent(&out), vec![(r, gpu(1))]);
+            out.clear();
+            done(&mut d, r, &mut out);
+        }
+    }
+    // Host 0 goes away; m2 must land on host 1, whose cache is full:
+    // the least frequently used idle model, m0, is cached out, and only it.
+    d.runtime_down(20 * MS, 0, "test", &mut out);
+    out.clear();
+    let r = d.submit(20 * MS, ms[2], Some(1e6), &mut out);
+    let ev: Vec<(u32, String)> = out
+        .iter()
+        .filter_map(|a| match a {
+            Action::Evict { runtime, model } => Some((*runtime, model.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ev, vec![(1, "m0".to_string())], "{out:?}");
+    assert_eq!(sent(&out), vec![(r, gpu(1))]);
 }

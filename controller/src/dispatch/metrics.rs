@@ -61,10 +61,7 @@ impl Default for DispatchMetrics {
 pub fn status_label(code: Option<ErrorCode>) -> String {
     match code {
         None => "ok".into(),
-        Some(c) => serde_json::to_value(c)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_string))
-            .unwrap_or_else(|| format!("{c:?}")),
+        Some(c) => c.as_str().to_string(),
     }
 }
 

@@ -277,7 +277,7 @@ impl CoreTask {
                 &v.shape.device_ids,
                 v.shape.cache_bytes,
                 v.shape.resident_models_max,
-                v.snapshot.as_ref(),
+                v.snapshot.as_ref().map(|s| (v.snapshot_seq, s)),
                 &mut self.actions,
             );
             if let std::collections::hash_map::Entry::Vacant(slot) = self.links.entry(v.id) {

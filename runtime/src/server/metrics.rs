@@ -116,18 +116,7 @@ impl Metrics {
 
 /// The `status` label of an error code (its wire name).
 pub fn code_label(code: ErrorCode) -> &'static str {
-    match code {
-        ErrorCode::BadRequest => "bad_request",
-        ErrorCode::UnknownModel => "unknown_model",
-        ErrorCode::UnknownExtent => "unknown_extent",
-        ErrorCode::Full => "full",
-        ErrorCode::ChecksumMismatch => "checksum_mismatch",
-        ErrorCode::Busy => "busy",
-        ErrorCode::DeadlineExceeded => "deadline_exceeded",
-        ErrorCode::Rejected => "rejected",
-        ErrorCode::ShuttingDown => "shutting_down",
-        ErrorCode::Internal => "internal",
-    }
+    code.as_str()
 }
 
 /// The registry of one runtime: the request path's families and a
