@@ -49,9 +49,25 @@ pub struct DispatchArgs {
     /// Requests per path in part 2.
     #[arg(long, default_value_t = 2000)]
     requests: usize,
-    /// Skip part 2 (the process-level added latency).
+    /// Skip part 2 (the added latency).
     #[arg(long)]
     no_e2e: bool,
+    /// Part 2 against a running cluster instead of one in this process:
+    /// the dispatcher's client address (with --runtime, --model, --settings).
+    #[arg(long, requires_all = ["runtime", "model"])]
+    dispatcher: Option<String>,
+    /// Part 2 against a running cluster: a runtime's request address.
+    #[arg(long)]
+    runtime: Option<String>,
+    /// Part 2 against a running cluster: a deployed model to request.
+    #[arg(long)]
+    model: Option<String>,
+    /// Settings directory (cluster key, controller address) for a running cluster.
+    #[arg(long, default_value = "settings")]
+    settings: std::path::PathBuf,
+    /// Controller metadata address of a running cluster (default: first line of storage_list.txt).
+    #[arg(long)]
+    controller: Option<String>,
 }
 
 struct Decisions {
@@ -203,7 +219,32 @@ pub fn run(a: &DispatchArgs) -> anyhow::Result<()> {
     if a.no_e2e {
         return Ok(());
     }
-    added_latency(a)
+    match (&a.dispatcher, &a.runtime, &a.model) {
+        (Some(d), Some(r), Some(m)) => {
+            let settings = crate::services::load_settings(&a.settings)?;
+            let key = crate::services::cluster_key(&settings);
+            let controller = a
+                .controller
+                .clone()
+                .unwrap_or_else(|| settings.metadata_endpoint().to_string());
+            let mut c = distmind_controller::ControllerClient::connect(
+                &controller,
+                &key,
+                Duration::from_secs(10),
+            )?;
+            let entry = c.get_model(m)?;
+            let manifest: distmind_models::Manifest = serde_json::from_value(entry.manifest)
+                .with_context(|| format!("the catalog's manifest of {m}"))?;
+            println!(
+                "part 2: added latency through the dispatcher at {d} (running cluster: runtime {r}, model {m}, {} requests \
+                 per path, closed loop)",
+                a.requests
+            );
+            let input = crate::loadgen::input_for(&manifest, 1, 1)?;
+            compare(a, r, d, &key, m, &input)
+        }
+        _ => added_latency(a),
+    }
 }
 
 fn added_latency(a: &DispatchArgs) -> anyhow::Result<()> {
@@ -266,15 +307,34 @@ fn added_latency(a: &DispatchArgs) -> anyhow::Result<()> {
         .clone()
         .context("the dispatcher did not start")?;
     let input = crate::loadgen::input_for(&pkg.manifest, 1, 1)?;
-    let name = pkg.manifest.name.clone();
+    compare(
+        a,
+        &runtime_addr,
+        &dispatcher,
+        &key,
+        &pkg.manifest.name,
+        &input,
+    )
+}
+
+/// Per request, time outside the device (client round trip minus the
+/// runtime's total), direct to `runtime_addr` and through `dispatcher`.
+fn compare(
+    a: &DispatchArgs,
+    runtime_addr: &str,
+    dispatcher: &str,
+    key: &ClusterKey,
+    name: &str,
+    input: &distmind_runtime::exec::HostTensor,
+) -> anyhow::Result<()> {
     let measure = |addr: &str| -> anyhow::Result<Vec<f64>> {
-        let mut c = RuntimeClient::connect(addr, &key, Duration::from_secs(30))?;
+        let mut c = RuntimeClient::connect(addr, key, Duration::from_secs(30))?;
         let deadline = Instant::now() + Duration::from_secs(30);
         let mut v = Vec::with_capacity(a.requests);
         let mut warm = 0;
         while v.len() < a.requests {
             let t0 = Instant::now();
-            match c.infer_with(&name, &input, InferOptions::default()) {
+            match c.infer_with(name, input, InferOptions::default()) {
                 Ok(i) => {
                     let rtt = t0.elapsed().as_secs_f64() * 1e3;
                     warm += 1;
@@ -294,9 +354,9 @@ fn added_latency(a: &DispatchArgs) -> anyhow::Result<()> {
         v.sort_by(f64::total_cmp);
         Ok(v)
     };
-    let direct = measure(&runtime_addr)?;
-    let via = measure(&dispatcher)?;
-    let direct2 = measure(&runtime_addr)?;
+    let direct = measure(runtime_addr)?;
+    let via = measure(dispatcher)?;
+    let direct2 = measure(runtime_addr)?;
     // Direct measured before and after; take the better of the two so that
     // noise does not inflate the figure.
     let (d50, d99) = (
