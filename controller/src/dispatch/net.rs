@@ -54,6 +54,8 @@ pub const HELD_INPUT_BYTES_MAX: u64 = 1 << 30;
 const TICK: Duration = Duration::from_millis(50);
 /// Connecting (and the handshake) to a runtime.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// After a link to a runtime fails, wait this long before connecting again.
+const RELINK_BACKOFF: Duration = Duration::from_secs(1);
 /// Control requests on a link (prefetch, evict, train) have ids with this
 /// bit set, so their replies are told apart from requests'.
 const CONTROL_ID_BIT: u64 = 1 << 63;
@@ -141,6 +143,7 @@ impl DispatchNet {
             epoch: Instant::now(),
             inflight: HashMap::new(),
             links: HashMap::new(),
+            relink_at: HashMap::new(),
             controls: HashMap::new(),
             next_control: 0,
             held_bytes: 0,
@@ -205,6 +208,8 @@ struct CoreTask {
     epoch: Instant,
     inflight: HashMap<ReqId, Inflight>,
     links: HashMap<u32, Link>,
+    /// Runtimes whose link failed, and when to try again.
+    relink_at: HashMap<u32, Instant>,
     /// Control requests in flight on links: id -> (gpu, what).
     controls: HashMap<u64, (Gpu, &'static str)>,
     next_control: u64,
@@ -280,6 +285,9 @@ impl CoreTask {
                 v.snapshot.as_ref().map(|s| (v.snapshot_seq, s)),
                 &mut self.actions,
             );
+            if self.relink_at.get(&v.id).is_some_and(|&t| wall < t) {
+                continue;
+            }
             if let std::collections::hash_map::Entry::Vacant(slot) = self.links.entry(v.id) {
                 let (tx, rx) = mpsc::channel(LINK_QUEUE_MAX);
                 slot.insert(Link {
@@ -374,6 +382,7 @@ impl CoreTask {
             Event::LinkUp { runtime, boot_id } => {
                 if self.links.get(&runtime).map(|l| l.boot_id) == Some(boot_id) {
                     log::info!("dispatcher: link to runtime {runtime} up");
+                    self.relink_at.remove(&runtime);
                     self.d.link_up(runtime);
                 }
             }
@@ -385,6 +394,8 @@ impl CoreTask {
                 if self.links.get(&runtime).map(|l| l.boot_id) == Some(boot_id) {
                     log::warn!("dispatcher: link to runtime {runtime} down: {why}");
                     self.links.remove(&runtime);
+                    self.relink_at
+                        .insert(runtime, Instant::now() + RELINK_BACKOFF);
                     self.controls.retain(|_, (g, _)| g.runtime != runtime);
                     self.d.runtime_down(now, runtime, &why, &mut self.actions);
                 }
