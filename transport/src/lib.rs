@@ -21,10 +21,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub mod completion;
+#[cfg(feature = "fabric")]
+pub mod fabric;
 pub mod mem;
 pub mod memory;
 pub mod tcp;
 pub mod token_bucket;
+pub mod verbs;
 
 pub use completion::{chunk_count, Chunks};
 pub use mem::{MemFabric, MemTransport};
