@@ -10,6 +10,8 @@
 
 mod support;
 
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -261,8 +263,15 @@ fn every_request_is_answered_or_rejected_and_metrics_add_up() {
                 seen += 1;
             }
             _ => {
+                // Every memory server exports the series (served bytes are
+                // summed over both below: one may hold no slice read here).
+                assert!(
+                    parse_samples(&text)
+                        .iter()
+                        .any(|(series, _)| series == "memserver_bytes_served_total"),
+                    "{text}"
+                );
                 seen += 1;
-                let _ = total(&text, "memserver_bytes_served_total");
             }
         }
     }
@@ -421,4 +430,104 @@ fn training_fills_the_gpu_between_requests_and_assignments_are_published() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+#[test]
+fn the_client_port_refuses_bad_input_clearly_and_keeps_serving() {
+    use distmind_common::proto::ErrorCode;
+    use distmind_runtime::client::{InferOptions, RuntimeClient};
+    let c = start("slo", 1, 5);
+    let key = cluster_key();
+    let mut rc = RuntimeClient::connect(&c.client, &key, Duration::from_secs(10)).unwrap();
+    let models = ControllerClient::connect(&c.metadata, &key, Duration::from_secs(5))
+        .unwrap()
+        .list_models()
+        .unwrap();
+    let model = &models[0].name;
+    let entry = ControllerClient::connect(&c.metadata, &key, Duration::from_secs(5))
+        .unwrap()
+        .get_model(model)
+        .unwrap();
+    let manifest: distmind_models::Manifest = serde_json::from_value(entry.manifest).unwrap();
+    let input = distmind::loadgen::input_for(&manifest, 1, 1).unwrap();
+    let code = |e: distmind_runtime::client::RuntimeClientError| match e {
+        distmind_runtime::client::RuntimeClientError::Server { reply, .. } => {
+            Some((reply.code, reply.message))
+        }
+        other => panic!("expected an error reply, got {other}"),
+    };
+
+    // The dispatcher links to the runtime within a tick of its
+    // registration; until then requests are rejected ("no GPU server").
+    let t0 = Instant::now();
+    while let Err(e) = rc.infer_with(model, &input, InferOptions::default()) {
+        assert!(t0.elapsed() < Duration::from_secs(20), "never served: {e}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // An unknown model: named in the error.
+    let e = rc
+        .infer_with("no-such-model", &input, InferOptions::default())
+        .unwrap_err();
+    let (c1, m1) = code(e).expect("an error reply");
+    assert_eq!(c1, ErrorCode::UnknownModel);
+    assert!(m1.contains("no-such-model"), "{m1}");
+    // The device is the dispatcher's choice.
+    let opts = InferOptions {
+        device: Some(0),
+        ..Default::default()
+    };
+    let (c2, m2) = code(rc.infer_with(model, &input, opts).unwrap_err()).unwrap();
+    assert_eq!(c2, ErrorCode::BadRequest);
+    assert!(m2.contains("device"), "{m2}");
+    // Runtime-only requests are refused, naming what the port takes.
+    let (c3, m3) = code(rc.stats().unwrap_err()).unwrap();
+    assert_eq!(c3, ErrorCode::BadRequest);
+    assert!(m3.contains("infer requests only"), "{m3}");
+    // The same connection still serves a good request.
+    let ok = rc
+        .infer_with(model, &input, InferOptions::default())
+        .unwrap();
+    assert!(
+        ok.dispatch.is_some(),
+        "the reply carries its dispatch record"
+    );
+
+    // A broken frame header: an error, then the connection is closed.
+    let mut s = TcpStream::connect(&c.client).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    distmind_common::handshake::client_sync(&mut s, &key, distmind_common::wire::Role::Control)
+        .unwrap();
+    s.write_all(&[0xff; 8]).unwrap();
+    let mut got = Vec::new();
+    let _ = s.read_to_end(&mut got);
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.contains("bad_request"), "{text}");
+    // JSON that is not a request: an error, and the connection stays open.
+    let mut s = TcpStream::connect(&c.client).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    distmind_common::handshake::client_sync(&mut s, &key, distmind_common::wire::Role::Control)
+        .unwrap();
+    distmind_common::wire::send_message_sync(&mut s, &serde_json::json!({"op": "fly"})).unwrap();
+    let reply: distmind_common::proto::RuntimeReply =
+        distmind_common::wire::recv_message_sync(&mut s, 1 << 20).unwrap();
+    match reply {
+        distmind_common::proto::RuntimeReply::Error { error, .. } => {
+            assert_eq!(error.code, ErrorCode::BadRequest);
+            assert!(error.message.contains("not a request"), "{}", error.message);
+        }
+        r => panic!("{r:?}"),
+    }
+
+    // After all that, a fresh client is served, and the metrics did not
+    // turn the made-up model name into a label.
+    let mut fresh = RuntimeClient::connect(&c.client, &key, Duration::from_secs(10)).unwrap();
+    fresh
+        .infer_with(model, &input, InferOptions::default())
+        .unwrap();
+    let text = metrics_text(&c.metrics[0].1);
+    assert!(
+        !text.contains("no-such-model"),
+        "client input became a label:\n{text}"
+    );
+    assert!(text.contains("(unresolved)"), "{text}");
 }

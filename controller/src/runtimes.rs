@@ -211,6 +211,14 @@ impl RuntimeRegistry {
 
     /// Live runtimes with what they declared and last reported.
     pub fn live(&self, now: Instant) -> Vec<RuntimeView> {
+        self.live_newer(now, |_| 0)
+    }
+
+    /// [`live`](Self::live), with each snapshot only when its sequence
+    /// number is above `seen(id)` (the caller's last applied one): the
+    /// dispatcher polls every tick and a snapshot lists up to thousands of
+    /// names.
+    pub fn live_newer(&self, now: Instant, seen: impl Fn(u32) -> u64) -> Vec<RuntimeView> {
         let dead_after = self.dead_after();
         self.runtimes
             .iter()
@@ -221,7 +229,11 @@ impl RuntimeRegistry {
                 boot_id: r.boot_id,
                 executor: r.executor.clone(),
                 shape: r.shape.clone(),
-                snapshot: r.snapshot.clone(),
+                snapshot: if r.snapshot_seq > seen(id) {
+                    r.snapshot.clone()
+                } else {
+                    None
+                },
                 snapshot_seq: r.snapshot_seq,
             })
             .collect()

@@ -1161,12 +1161,9 @@ impl Dispatcher {
             .collect()
     }
 
-    /// Outstanding requests and queue length per GPU (for metrics).
-    pub fn gpu_load(&self) -> Vec<(Gpu, u32, usize)> {
-        self.gpus
-            .iter()
-            .map(|g| (g.gpu, g.outstanding, g.queue.len()))
-            .collect()
+    /// The last snapshot sequence number applied for `runtime` (0: none).
+    pub fn snapshot_seq(&self, runtime: u32) -> u64 {
+        self.hosts.get(&runtime).map_or(0, |h| h.snapshot_seq)
     }
 }
 

@@ -57,6 +57,11 @@ impl Default for DispatchMetrics {
     }
 }
 
+/// The model label of requests whose model name did not resolve: client
+/// input never becomes a label, so a flood of made-up names cannot grow
+/// the metric families.
+pub const UNRESOLVED_MODEL: &str = "(unresolved)";
+
 /// The status label of an outcome.
 pub fn status_label(code: Option<ErrorCode>) -> String {
     match code {
@@ -156,10 +161,12 @@ impl DispatchMetrics {
         m
     }
 
-    /// One request finished: `info` when it ran (ok).
-    pub fn finished(&self, model: &str, code: ErrorCode, info: Option<&DispatchInfo>) {
-        let status = status_label(if info.is_some() { None } else { Some(code) });
-        if code == ErrorCode::Rejected && info.is_none() {
+    /// One request finished: `Ok` with its dispatch record when it ran,
+    /// else its error code. `model` must be a catalog name (or
+    /// [`UNRESOLVED_MODEL`]) so that the label set stays bounded.
+    pub fn finished(&self, model: &str, outcome: Result<&DispatchInfo, ErrorCode>) {
+        let status = status_label(outcome.err());
+        if outcome == Err(ErrorCode::Rejected) {
             self.rejected.inc();
         }
         self.requests
@@ -168,7 +175,7 @@ impl DispatchMetrics {
                 status,
             })
             .inc();
-        if let Some(i) = info {
+        if let Ok(i) = outcome {
             let label = ModelLabel {
                 model: model.to_string(),
             };

@@ -34,7 +34,7 @@ use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
 use super::core::{Action, Completion, Dispatcher, ReqId};
-use super::metrics::DispatchMetrics;
+use super::metrics::{DispatchMetrics, UNRESOLVED_MODEL};
 use crate::policy::cost::ModelMeta;
 use crate::policy::{Gpu, Micros};
 use crate::state::ControllerState;
@@ -256,7 +256,10 @@ impl CoreTask {
     fn on_tick(&mut self) {
         let now = self.now();
         let wall = Instant::now();
-        let views = lock(&self.state).runtimes().live(wall);
+        // Snapshots are cloned out of the registry only when new.
+        let views = lock(&self.state)
+            .runtimes()
+            .live_newer(wall, |id| self.d.snapshot_seq(id));
         let live: HashMap<u32, u64> = views.iter().map(|v| (v.id, v.boot_id)).collect();
         // Runtimes that died or restarted: their links go.
         let gone: Vec<u32> = self
@@ -335,12 +338,12 @@ impl CoreTask {
                 let id = match self.resolve(&model) {
                     Ok(id) => id,
                     Err(e) => {
-                        self.metrics.finished(&model, e.code, None);
+                        self.metrics.finished(UNRESOLVED_MODEL, Err(e.code));
                         return fail(e.code, e.message, permit);
                     }
                 };
                 if self.held_bytes + input.len() as u64 > HELD_INPUT_BYTES_MAX {
-                    self.metrics.finished(&model, ErrorCode::Busy, None);
+                    self.metrics.finished(&model, Err(ErrorCode::Busy));
                     return fail(
                         ErrorCode::Busy,
                         format!(
@@ -489,11 +492,12 @@ impl CoreTask {
                 ),
             },
         };
-        self.metrics.finished(
-            &f.model,
-            code.unwrap_or(ErrorCode::BadRequest),
-            info.as_ref().filter(|_| code.is_none()),
-        );
+        let outcome = match (code, info.as_ref()) {
+            (None, Some(i)) => Ok(i),
+            (Some(c), _) => Err(c),
+            (None, None) => Err(ErrorCode::Internal),
+        };
+        self.metrics.finished(&f.model, outcome);
         let _ = f.client.try_send(Outgoing {
             reply,
             frames: if code.is_none() { frames } else { Vec::new() },
@@ -606,7 +610,7 @@ impl CoreTask {
         if let Some(input) = f.input.take() {
             self.held_bytes -= input.len() as u64;
         }
-        self.metrics.finished(&f.model, error.code, None);
+        self.metrics.finished(&f.model, Err(error.code));
         let _ = f.client.try_send(Outgoing {
             reply: RuntimeReply::Error {
                 id: f.client_id,
