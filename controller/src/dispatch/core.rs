@@ -744,13 +744,20 @@ impl Dispatcher {
         // Least outstanding (< 8) in three tiers: GPUs holding the model
         // (resident or assigned; `lor` only), hosts caching it, any GPU.
         let mut best = [None::<(u32, usize)>; 3];
+        // A model some GPU holds waits for it rather than spreading (the
+        // original's behaviour), even when every holder is full.
+        let mut held_somewhere = false;
         for gi in 0..self.gpus.len() {
-            let g = &self.gpus[gi];
-            if g.outstanding >= LOR_OUTSTANDING_MAX || !self.routable(gi) {
+            if !self.routable(gi) {
                 continue;
             }
+            let g = &self.gpus[gi];
             let holds = self.cfg.balancer == Balancer::LeastOutstanding
                 && (g.assigned == Some(model) || g.resident.contains(&model));
+            held_somewhere |= holds;
+            if g.outstanding >= LOR_OUTSTANDING_MAX {
+                continue;
+            }
             let tier = if holds {
                 0
             } else if self.where_is(gi, model) != Where::Remote {
@@ -763,12 +770,6 @@ impl Dispatcher {
                 best[tier] = Some(key);
             }
         }
-        // A model some GPU holds waits for it rather than spreading (the
-        // original's behaviour); otherwise the first tier with room wins.
-        let held_somewhere = self.cfg.balancer == Balancer::LeastOutstanding
-            && self.gpus.iter().enumerate().any(|(gi, g)| {
-                self.routable(gi) && (g.assigned == Some(model) || g.resident.contains(&model))
-            });
         let target = if held_somewhere {
             best[0].map(|(_, gi)| gi)
         } else {
