@@ -107,6 +107,11 @@ ssize_t dm_fi_cq_read(struct fid_cq *cq, void *buf, size_t count)
 	return fi_cq_read(cq, buf, count);
 }
 
+ssize_t dm_fi_cq_sread(struct fid_cq *cq, void *buf, size_t count, int timeout_ms)
+{
+	return fi_cq_sread(cq, buf, count, NULL, timeout_ms);
+}
+
 ssize_t dm_fi_cq_readerr(struct fid_cq *cq, struct fi_cq_err_entry *buf,
 			 uint64_t flags)
 {

@@ -53,6 +53,7 @@ ssize_t dm_fi_read(struct fid_ep *ep, void *buf, size_t len, void *desc,
                    fi_addr_t src_addr, uint64_t addr, uint64_t key,
                    void *context);
 ssize_t dm_fi_cq_read(struct fid_cq *cq, void *buf, size_t count);
+ssize_t dm_fi_cq_sread(struct fid_cq *cq, void *buf, size_t count, int timeout_ms);
 ssize_t dm_fi_cq_readerr(struct fid_cq *cq, struct fi_cq_err_entry *buf,
                          uint64_t flags);
 const char *dm_fi_cq_strerror(struct fid_cq *cq, int prov_errno,

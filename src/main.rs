@@ -101,6 +101,23 @@ struct RuntimeCmd {
     /// Images per training iteration of a background training job (the original used 96).
     #[arg(long, default_value_t = distmind_runtime::server::TRAIN_BATCH_DEFAULT)]
     train_batch: usize,
+    /// Data path: tcp, fabric (libfabric fi_read) or verbs (RDMA READ); default: transport.json's
+    /// gpu_server section, else tcp.
+    #[arg(long)]
+    transport: Option<distmind_common::settings::TransportKind>,
+    /// libfabric provider of --transport fabric (efa, "verbs;ofi_rxm", "tcp;ofi_rxm").
+    #[arg(long)]
+    fabric_provider: Option<String>,
+    /// RDMA device of --transport verbs (e.g. mlx5_0).
+    #[arg(long)]
+    verbs_device: Option<String>,
+    /// GID index of the RDMA device's port.
+    #[arg(long)]
+    verbs_gid_index: Option<u8>,
+    /// Refuse to start (or to read a memory server) when the chosen data path is unavailable,
+    /// instead of reading over tcp.
+    #[arg(long)]
+    no_tcp_fallback: bool,
 }
 
 #[derive(Args)]
@@ -181,6 +198,17 @@ struct MemserverCmd {
     /// Prometheus endpoint (GET /metrics, GET /health), e.g. 127.0.0.1:9101; off by default.
     #[arg(long)]
     metrics: Option<SocketAddr>,
+    /// Also serve the arena over this libfabric provider (efa, "verbs;ofi_rxm", "tcp;ofi_rxm");
+    /// default: transport.json's memserver section; needs a build with --features fabric.
+    #[arg(long)]
+    fabric_provider: Option<String>,
+    /// Also serve the arena over this RDMA device (e.g. mlx5_0); default: transport.json;
+    /// needs a build with --features verbs.
+    #[arg(long)]
+    verbs_device: Option<String>,
+    /// GID index of the RDMA device's port (RoCE v2: often 1 or 3); default: transport.json, else 0.
+    #[arg(long)]
+    verbs_gid_index: Option<u8>,
 }
 
 #[derive(Args)]
@@ -326,6 +354,9 @@ fn run(command: Command) -> anyhow::Result<()> {
             max_connections: m.max_connections,
             huge_pages: !m.no_huge_pages,
             metrics: m.metrics,
+            fabric_provider: m.fabric_provider,
+            verbs_device: m.verbs_device,
+            verbs_gid_index: m.verbs_gid_index,
         }),
         Command::Controller(c) => services::run_controller(services::ControllerArgs {
             settings: &c.settings,
@@ -386,6 +417,11 @@ fn run(command: Command) -> anyhow::Result<()> {
                 queue_depth: r.queue_depth,
                 metrics: r.metrics,
                 train_batch: r.train_batch,
+                transport: r.transport,
+                fabric_provider: r.fabric_provider,
+                verbs_device: r.verbs_device,
+                verbs_gid_index: r.verbs_gid_index,
+                no_tcp_fallback: r.no_tcp_fallback,
             })
         }
         Command::Train(t) => distmind::train::run(&t),

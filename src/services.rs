@@ -57,6 +57,10 @@ pub struct MemserverArgs<'a> {
     pub max_connections: usize,
     pub huge_pages: bool,
     pub metrics: Option<SocketAddr>,
+    /// Override transport.json's memserver section.
+    pub fabric_provider: Option<String>,
+    pub verbs_device: Option<String>,
+    pub verbs_gid_index: Option<u8>,
 }
 
 pub fn run_memserver(args: MemserverArgs<'_>) -> anyhow::Result<()> {
@@ -74,6 +78,29 @@ pub fn run_memserver(args: MemserverArgs<'_>) -> anyhow::Result<()> {
     config.max_connections = args.max_connections;
     config.huge_pages = args.huge_pages;
     config.metrics_listen = args.metrics;
+    let me = config
+        .advertise
+        .clone()
+        .unwrap_or_else(|| args.listen.to_string());
+    let from_settings = settings.transport.memserver_for(&me);
+    let fabric_provider = args
+        .fabric_provider
+        .or_else(|| from_settings.fabric_provider.clone());
+    if let Some(p) = &fabric_provider {
+        distmind_common::settings::check_fabric_provider(p)
+            .map_err(|e| anyhow::anyhow!("--fabric-provider: {e}"))?;
+    }
+    config.one_sided = distmind_memserver::OneSidedConfig {
+        fabric_provider,
+        // Bind the endpoint where the tcp port is, unless that is every interface.
+        fabric_source: (!args.listen.ip().is_unspecified()).then(|| args.listen.ip().to_string()),
+        verbs_device: args
+            .verbs_device
+            .or_else(|| from_settings.verbs_device.clone()),
+        verbs_gid_index: args
+            .verbs_gid_index
+            .unwrap_or(from_settings.verbs_gid_index),
+    };
     runtime()?.block_on(async move {
         let server = distmind_memserver::Memserver::bind(config).await?;
         println!("memserver listening on {}", server.local_addr());
@@ -199,6 +226,12 @@ pub struct RuntimeArgs<'a> {
     pub metrics: Option<SocketAddr>,
     /// Images per training iteration.
     pub train_batch: usize,
+    /// Override transport.json's gpu_server section.
+    pub transport: Option<distmind_common::settings::TransportKind>,
+    pub fabric_provider: Option<String>,
+    pub verbs_device: Option<String>,
+    pub verbs_gid_index: Option<u8>,
+    pub no_tcp_fallback: bool,
 }
 
 /// `distmind runtime`: the GPU server's request port.
@@ -238,6 +271,32 @@ pub fn run_runtime(args: RuntimeArgs<'_>) -> anyhow::Result<()> {
     config.queue_depth_max = args.queue_depth;
     config.metrics_listen = args.metrics;
     config.train_batch = args.train_batch;
+    let host = config
+        .advertise
+        .as_deref()
+        .and_then(|a| a.rsplit_once(':').map(|(h, _)| h.to_string()))
+        .unwrap_or_else(|| listen.ip().to_string());
+    let mut choice = distmind_runtime::transports::TransportChoice::from(
+        settings.transport.gpu_server_for(&host),
+    );
+    if let Some(k) = args.transport {
+        choice.kind = k;
+    }
+    if let Some(p) = args.fabric_provider {
+        distmind_common::settings::check_fabric_provider(&p)
+            .map_err(|e| anyhow::anyhow!("--fabric-provider: {e}"))?;
+        choice.fabric_provider = p;
+    }
+    if let Some(d) = args.verbs_device {
+        choice.verbs_device = Some(d);
+    }
+    if let Some(g) = args.verbs_gid_index {
+        choice.verbs_gid_index = g;
+    }
+    if args.no_tcp_fallback {
+        choice.fallback_to_tcp = false;
+    }
+    config.transport = choice;
     runtime()?.block_on(async move {
         let server = distmind_runtime::server::RuntimeServer::bind(config).await?;
         println!("runtime listening on {}", server.local_addr());

@@ -15,32 +15,13 @@ use distmind_common::handshake;
 use distmind_common::limits::CONTROL_FRAME_BYTES_MAX;
 use distmind_common::proto::{ErrorCode, RuntimeReply, ServePath, TraceEntry};
 use distmind_common::wire::{self, FrameHeader, FrameKind, Role};
-use distmind_models::{Dtype, Package};
+use distmind_models::Package;
 use distmind_runtime::client::{InferOptions, Response, RuntimeClient};
 use distmind_runtime::exec::{HostTensor, TensorData};
 use distmind_runtime::npy::{read_npy, write_npy};
 use support::*;
 
 const TIMEOUT: Duration = Duration::from_secs(120);
-
-/// A deterministic input of the manifest's shape (batch 1): images in
-/// [-1, 1), token ids in [0, 50).
-fn input_for(pkg: &Package) -> HostTensor {
-    let spec = &pkg.manifest.inputs[0];
-    let n: usize = spec.shape.iter().product();
-    match spec.dtype {
-        Dtype::F32 => HostTensor::f32(
-            spec.shape.clone(),
-            (0..n)
-                .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
-                .collect(),
-        ),
-        Dtype::I64 => HostTensor::i64(
-            spec.shape.clone(),
-            (0..n).map(|i| ((i * 31 + 7) % 50) as i64).collect(),
-        ),
-    }
-}
 
 /// The outputs of `distmind infer --executor cpu` on the same package and
 /// input, in manifest order.

@@ -5,6 +5,7 @@
 
 pub mod checksum;
 pub mod handshake;
+pub mod hex;
 pub mod limits;
 pub mod metrics;
 pub mod proto;

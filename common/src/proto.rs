@@ -23,6 +23,8 @@ pub enum ErrorCode {
     /// earliest finish the dispatcher could offer.
     Rejected,
     ShuttingDown,
+    /// The server does not offer what was asked (a data path it does not serve).
+    Unsupported,
     Internal,
 }
 
@@ -40,6 +42,7 @@ impl ErrorCode {
             ErrorCode::DeadlineExceeded => "deadline_exceeded",
             ErrorCode::Rejected => "rejected",
             ErrorCode::ShuttingDown => "shutting_down",
+            ErrorCode::Unsupported => "unsupported",
             ErrorCode::Internal => "internal",
         }
     }
@@ -84,6 +87,16 @@ pub enum MemserverRequest {
         offset: u64,
     },
     Stats,
+    /// Which one-sided data paths this server offers besides tcp (always
+    /// served on its port). Replies `DataPaths`.
+    DataPaths,
+    /// Connects an RC queue pair for verbs reads: `qp` is the client's
+    /// `QpInfo` (56 bytes, hex). Replies `VerbsConnected` with the server's,
+    /// which names the arena's rkey, address and length. The server's queue
+    /// pair lives as long as this control connection.
+    VerbsConnect {
+        qp: String,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -93,7 +106,41 @@ pub enum MemserverReply {
     Committed { offset: u64 },
     Freed { offset: u64 },
     Stats(MemserverStats),
+    DataPaths(DataPaths),
+    VerbsConnected { qp: String },
     Error(ErrorReply),
+}
+
+/// The one-sided data paths a memory server serves (tcp is always served).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataPaths {
+    /// Its arena over libfabric, when it serves one.
+    pub fabric: Option<FabricOffer>,
+    /// Its arena over RDMA verbs, when it serves one.
+    pub verbs: Option<VerbsOffer>,
+}
+
+/// What a client needs to `fi_read` a memory server's arena.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FabricOffer {
+    /// The provider the server's endpoint runs (`tcp;ofi_rxm`, `efa`, ...);
+    /// a client must run the same one.
+    pub provider: String,
+    /// The endpoint's address (`fi_getname`), hex.
+    pub name: String,
+    /// The arena registration's remote key.
+    pub key: u64,
+    /// The remote address of arena offset 0 (0 under `FI_MR_VIRT_ADDR`-less
+    /// providers, which address by offset).
+    pub base: u64,
+    /// Arena bytes.
+    pub len: u64,
+}
+
+/// The RDMA device a memory server reads are served from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VerbsOffer {
+    pub device: String,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -21,7 +21,10 @@ use crate::extents::{ExtentError, ExtentTable, FreeOutcome, TableStats};
 
 #[derive(Debug)]
 pub struct Arena {
-    buf: HostBuffer,
+    /// Shared with one-sided data paths that register it (libfabric, verbs):
+    /// their NICs or providers read it directly, as the read lease rules
+    /// describe in [`crate::onesided`].
+    buf: Arc<HostBuffer>,
     table: Mutex<ExtentTable>,
 }
 
@@ -44,11 +47,16 @@ impl Arena {
         } else {
             HugePages::No
         };
-        let buf = HostBuffer::new(len, huge)?;
+        let buf = Arc::new(HostBuffer::new(len, huge)?);
         Ok(Arena {
             buf,
             table: Mutex::new(ExtentTable::new(capacity_bytes)),
         })
+    }
+
+    /// The arena's memory, for registering it with a one-sided data path.
+    pub fn buffer(&self) -> &Arc<HostBuffer> {
+        &self.buf
     }
 
     /// Whether the buffer got explicit huge pages.
@@ -70,6 +78,14 @@ impl Arena {
 
     pub fn free(&self, offset: u64) -> Result<FreeOutcome, ExtentError> {
         self.table().free(offset)
+    }
+
+    /// Bytes of the live, Committed extent starting at `offset`.
+    pub fn committed_len(&self, offset: u64) -> Option<u64> {
+        match self.table().describe(offset) {
+            Some((_, crate::extents::ExtentState::Committed, bytes)) => Some(bytes),
+            _ => None,
+        }
     }
 
     pub fn stats(&self) -> TableStats {

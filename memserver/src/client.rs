@@ -8,7 +8,9 @@ use std::time::Duration;
 use distmind_common::checksum;
 use distmind_common::handshake::{self, ClusterKey, HandshakeError};
 use distmind_common::limits::{CONTROL_FRAME_BYTES_MAX, WRITE_CHUNK_BYTES_MAX};
-use distmind_common::proto::{ErrorReply, MemserverReply, MemserverRequest, MemserverStats};
+use distmind_common::proto::{
+    DataPaths, ErrorReply, MemserverReply, MemserverRequest, MemserverStats,
+};
 use distmind_common::wire::{self, FrameKind, Role, WireError};
 
 /// Bytes of parameters per write-chunk frame: the frame payload (offset
@@ -171,6 +173,25 @@ impl MemserverClient {
     pub fn stats(&mut self) -> Result<MemserverStats, ClientError> {
         match self.request(&MemserverRequest::Stats)? {
             MemserverReply::Stats(s) => Ok(s),
+            r => Err(self.unexpected(r)),
+        }
+    }
+
+    /// The one-sided data paths the server offers besides tcp.
+    pub fn data_paths(&mut self) -> Result<DataPaths, ClientError> {
+        match self.request(&MemserverRequest::DataPaths)? {
+            MemserverReply::DataPaths(d) => Ok(d),
+            r => Err(self.unexpected(r)),
+        }
+    }
+
+    /// Sends this side's verbs `QpInfo` (hex) and returns the server's. The
+    /// server's queue pair lives as long as this connection: keep the client.
+    pub fn verbs_connect(&mut self, qp_hex: &str) -> Result<String, ClientError> {
+        match self.request(&MemserverRequest::VerbsConnect {
+            qp: qp_hex.to_owned(),
+        })? {
+            MemserverReply::VerbsConnected { qp } => Ok(qp),
             r => Err(self.unexpected(r)),
         }
     }

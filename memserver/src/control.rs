@@ -26,6 +26,14 @@ struct Rejected {
     count: u64,
 }
 
+/// What one control connection holds: rejected writes, and the verbs queue
+/// pairs it connected (destroyed when the connection ends).
+#[derive(Default)]
+struct Conn {
+    rejected: Rejected,
+    verbs_qps: Vec<Box<dyn std::any::Any + Send + Sync>>,
+}
+
 pub(crate) async fn serve(
     shared: &Shared,
     mut stream: TcpStream,
@@ -33,7 +41,7 @@ pub(crate) async fn serve(
     stop: &mut watch::Receiver<bool>,
 ) {
     debug!("control connection from {peer}");
-    let mut rejected = Rejected::default();
+    let mut conn = Conn::default();
     loop {
         let frame = tokio::select! {
             biased;
@@ -43,14 +51,14 @@ pub(crate) async fn serve(
         let reply = match frame {
             Ok(None) => return,
             Ok(Some((FrameKind::WriteChunk, payload))) => {
-                write_chunk(shared, peer, &payload, &mut rejected);
+                write_chunk(shared, peer, &payload, &mut conn.rejected);
                 continue;
             }
             Ok(Some((FrameKind::Message, payload))) => {
                 match wire::decode_message::<MemserverRequest>(&payload) {
                     Ok(req) => {
                         let op = op_of(&req);
-                        let reply = handle(shared, peer, req, &mut rejected).await;
+                        let reply = handle(shared, peer, req, &mut conn).await;
                         match &reply {
                             MemserverReply::Error(e) => shared.metrics.error(op, e.code),
                             _ => shared.metrics.ok(op),
@@ -100,6 +108,8 @@ fn op_of(req: &MemserverRequest) -> Op {
         MemserverRequest::Commit { .. } => Op::Commit,
         MemserverRequest::Free { .. } => Op::Free,
         MemserverRequest::Stats => Op::Stats,
+        MemserverRequest::DataPaths => Op::DataPaths,
+        MemserverRequest::VerbsConnect { .. } => Op::VerbsConnect,
     }
 }
 
@@ -145,8 +155,9 @@ async fn handle(
     shared: &Shared,
     peer: SocketAddr,
     req: MemserverRequest,
-    rejected: &mut Rejected,
+    conn: &mut Conn,
 ) -> MemserverReply {
+    let rejected = &mut conn.rejected;
     match req {
         MemserverRequest::Alloc { bytes, owner } => {
             if owner.len() > NAME_BYTES_MAX {
@@ -182,17 +193,57 @@ async fn handle(
             }
             commit(shared, peer, offset, &checksum).await
         }
-        MemserverRequest::Free { offset } => match shared.arena.free(offset) {
-            Ok(outcome) => {
-                debug!("{peer}: freed extent at {offset} ({outcome:?})");
-                MemserverReply::Freed { offset }
+        MemserverRequest::Free { offset } => {
+            // One-sided reads take no lease: hold one for them a while (see
+            // `onesided`), so reads posted before the free finish on the old bytes.
+            let grace = shared
+                .one_sided
+                .enabled()
+                .then(|| shared.arena.committed_len(offset))
+                .flatten()
+                .and_then(|len| shared.arena.read(offset, len).ok());
+            match shared.arena.free(offset) {
+                Ok(outcome) => {
+                    debug!("{peer}: freed extent at {offset} ({outcome:?})");
+                    if let Some(lease) = grace {
+                        tokio::spawn(async move {
+                            tokio::time::sleep(crate::onesided::FREE_GRACE).await;
+                            drop(lease);
+                        });
+                    }
+                    MemserverReply::Freed { offset }
+                }
+                Err(e) => {
+                    warn!("{peer}: free of {offset} failed: {e}");
+                    MemserverReply::Error(e.to_reply())
+                }
             }
-            Err(e) => {
-                warn!("{peer}: free of {offset} failed: {e}");
-                MemserverReply::Error(e.to_reply())
-            }
-        },
+        }
         MemserverRequest::Stats => MemserverReply::Stats(shared.stats()),
+        MemserverRequest::DataPaths => MemserverReply::DataPaths(shared.one_sided.offer().clone()),
+        MemserverRequest::VerbsConnect { qp } => {
+            if conn.verbs_qps.len() >= crate::onesided::VERBS_QPS_PER_CONNECTION_MAX {
+                return error(
+                    ErrorCode::Full,
+                    format!(
+                        "this control connection already holds {} verbs queue pairs (the bound); \
+                         open another connection",
+                        conn.verbs_qps.len()
+                    ),
+                );
+            }
+            match shared.one_sided.verbs_connect(&qp) {
+                Ok((qp, guard)) => {
+                    conn.verbs_qps.push(guard);
+                    info!("{peer}: verbs queue pair connected");
+                    MemserverReply::VerbsConnected { qp }
+                }
+                Err(e) => {
+                    warn!("{peer}: verbs_connect refused: {}", e.message);
+                    MemserverReply::Error(e)
+                }
+            }
+        }
     }
 }
 

@@ -9,6 +9,9 @@
 //!   connection each; [`register`] keeps the controller informed.
 //! * [`client`]: the blocking control client the deploy tool uses.
 //! * [`metrics`]: the Prometheus series, served on `metrics_listen`.
+//! * [`onesided`]: the arena registered with libfabric / RDMA verbs (features
+//!   `fabric`, `verbs`) so GPU servers read it one-sided; offered over the
+//!   control connection.
 //!
 //! **Architecture invariant:** the data path (read requests) takes no lock
 //! but the extent table's short one, allocates nothing per request and parses
@@ -24,10 +27,12 @@ mod control;
 mod data;
 pub mod extents;
 pub mod metrics;
+pub mod onesided;
 pub mod register;
 pub mod server;
 
 pub use client::{ClientError, MemserverClient};
+pub use onesided::{OneSidedConfig, OneSidedError};
 pub use server::{Memserver, MemserverConfig, MemserverError, StatsHandle};
 
 /// Why a size string did not parse.

@@ -45,6 +45,10 @@ pub enum Op {
     Write,
     /// A data-path read request.
     Read,
+    /// A query of the one-sided data paths offered.
+    DataPaths,
+    /// A verbs queue-pair connection.
+    VerbsConnect,
     /// A control frame that was not a memory-server request (never `ok`;
     /// keep it last: the ops before it index the pre-created `ok` counters).
     Invalid,
@@ -52,13 +56,15 @@ pub enum Op {
 
 impl Op {
     /// Every op, in label order.
-    pub const ALL: [Op; 7] = [
+    pub const ALL: [Op; 9] = [
         Op::Alloc,
         Op::Commit,
         Op::Free,
         Op::Stats,
         Op::Write,
         Op::Read,
+        Op::DataPaths,
+        Op::VerbsConnect,
         Op::Invalid,
     ];
 
@@ -71,6 +77,8 @@ impl Op {
             Op::Stats => "stats",
             Op::Write => "write",
             Op::Read => "read",
+            Op::DataPaths => "data_paths",
+            Op::VerbsConnect => "verbs_connect",
             Op::Invalid => "invalid",
         }
     }

@@ -24,6 +24,7 @@ use tokio::task::JoinSet;
 
 use crate::arena::Arena;
 use crate::metrics::{gauge_value, Metrics};
+use crate::onesided::{OneSided, OneSidedConfig, OneSidedError};
 
 /// How long in-flight requests get to finish once shutdown starts.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
@@ -52,6 +53,8 @@ pub struct MemserverConfig {
     /// At least [`READ_CHUNK_BYTES_MAX`], so that any one read can proceed.
     pub read_bytes_in_flight_max: u64,
     pub huge_pages: bool,
+    /// One-sided data paths to serve besides tcp (default: none).
+    pub one_sided: OneSidedConfig,
 }
 
 impl MemserverConfig {
@@ -67,6 +70,7 @@ impl MemserverConfig {
             max_connections: CONNECTIONS_MAX_DEFAULT,
             read_bytes_in_flight_max: READ_BYTES_IN_FLIGHT_MAX_DEFAULT,
             huge_pages: true,
+            one_sided: OneSidedConfig::default(),
         }
     }
 }
@@ -88,6 +92,8 @@ pub enum MemserverError {
         #[source]
         source: std::io::Error,
     },
+    #[error(transparent)]
+    OneSided(#[from] OneSidedError),
     #[error("cannot serve metrics on {addr}: {source}")]
     MetricsBind {
         addr: SocketAddr,
@@ -100,6 +106,8 @@ pub enum MemserverError {
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub arena: Arc<Arena>,
+    /// The one-sided data paths (libfabric, verbs) serving `arena`, if any.
+    pub one_sided: OneSided,
     pub key: ClusterKey,
     pub capacity_bytes: u64,
     /// Permits are bytes of read replies being written.
@@ -224,8 +232,19 @@ impl Memserver {
             started.elapsed().as_secs_f64(),
             arena.huge_pages()
         );
+        // Registering pins the arena's pages (RDMA) or maps them (tcp
+        // provider): once, here, like the fault-in.
+        let one_sided = if config.one_sided.any() {
+            let (cfg, buf) = (config.one_sided.clone(), Arc::clone(arena.buffer()));
+            tokio::task::spawn_blocking(move || OneSided::start(&cfg, &buf))
+                .await
+                .expect("one-sided data path start panicked")?
+        } else {
+            OneSided::start(&config.one_sided, arena.buffer())?
+        };
         let shared = Arc::new(Shared {
             arena: Arc::new(arena),
+            one_sided,
             key: config.key.clone(),
             capacity_bytes,
             read_bytes: Semaphore::new(in_flight),

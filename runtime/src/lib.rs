@@ -15,4 +15,5 @@ pub mod pipeline;
 pub mod profile;
 pub mod server;
 pub mod train;
+pub mod transports;
 pub use fetch::{fetch_model, Destination, FetchError, FetchOptions, FetchReport, Peers};

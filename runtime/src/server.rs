@@ -3,8 +3,9 @@
 //! port (and the metrics port, when configured); [`RuntimeServer::serve`]
 //! accepts connections until its shutdown future resolves.
 //!
-//! * One process per host. The host cache (one [`HostCache`], one tcp
-//!   transport over the cluster key) is shared by every device; each device
+//! * One process per host. The host cache (one [`HostCache`], one
+//!   transport over the cluster key: tcp, fabric or verbs, see
+//!   [`crate::transports`]) is shared by every device; each device
 //!   has its own [`Residency`] and one worker thread (the pipeline is
 //!   synchronous) fed by a bounded queue: a full queue is a `Busy` reply.
 //! * `Infer` goes to the device it names (the controller's dispatcher
@@ -48,7 +49,7 @@ use distmind_common::handshake::ClusterKey;
 use distmind_common::proto::{
     DeviceSnapshot, DeviceStats, HostCacheStats, RuntimeSnapshot, RuntimeStats, SNAPSHOT_MODELS_MAX,
 };
-use distmind_transport::tcp::{TcpOptions, TcpTransport};
+use distmind_transport::tcp::TcpOptions;
 use distmind_transport::{HugePages, TransportError};
 use log::{info, warn};
 use prometheus_client::registry::Registry;
@@ -104,8 +105,11 @@ pub struct RuntimeConfig {
     /// Parameter memory per device (the residency budget).
     pub device_bytes: u64,
     pub resident_models_max: usize,
-    /// Models the GPU server's NIC: one token bucket over all its reads.
+    /// Models the GPU server's NIC: one token bucket over all its reads
+    /// (tcp reads only: a one-sided transport is limited by its NIC).
     pub rate_limit_bytes_per_s: Option<u64>,
+    /// The data path (default: tcp).
+    pub transport: crate::transports::TransportChoice,
     /// Address to register with the controller; default: the bound address.
     pub advertise: Option<String>,
     pub max_connections: usize,
@@ -146,6 +150,7 @@ impl RuntimeConfig {
             device_bytes: CACHE_BYTES_DEFAULT,
             resident_models_max: RESIDENT_MODELS_MAX_DEFAULT,
             rate_limit_bytes_per_s: None,
+            transport: crate::transports::TransportChoice::default(),
             advertise: None,
             max_connections: CONNECTIONS_MAX_DEFAULT,
             queue_depth_max: QUEUE_DEPTH_MAX_DEFAULT,
@@ -171,6 +176,8 @@ pub enum RuntimeServerError {
     },
     #[error("cannot create the tcp transport: {0}")]
     Transport(#[from] TransportError),
+    #[error(transparent)]
+    TransportOpen(#[from] crate::transports::TransportOpenError),
     #[error(transparent)]
     Cache(#[from] CacheError),
     #[error("cannot start the worker thread of device {device}: {source}")]
@@ -539,10 +546,13 @@ impl RuntimeServer {
             ),
             None => None,
         };
-        let transport = TcpTransport::new(TcpOptions {
-            rate_limit_bytes_per_s: config.rate_limit_bytes_per_s,
-            ..TcpOptions::new(config.key.clone())
-        })?;
+        let transport = crate::transports::open_transport(
+            &config.transport,
+            TcpOptions {
+                rate_limit_bytes_per_s: config.rate_limit_bytes_per_s,
+                ..TcpOptions::new(config.key.clone())
+            },
+        )?;
         let cache_config = CacheConfig {
             capacity_bytes: config.cache_bytes,
             block_bytes: config.cache_block_bytes,
@@ -555,10 +565,9 @@ impl RuntimeServer {
             pin: (config.executor.kind() == ExecutorKind::Cuda).then(crate::exec::cuda::pin_hook),
         };
         // Faulting in gigabytes takes seconds: keep it off the async workers.
-        let cache =
-            tokio::task::spawn_blocking(move || HostCache::new(cache_config, Arc::new(transport)))
-                .await
-                .expect("host cache allocation panicked")?;
+        let cache = tokio::task::spawn_blocking(move || HostCache::new(cache_config, transport))
+            .await
+            .expect("host cache allocation panicked")?;
         let core = Arc::new(Core {
             executor: config.executor.clone(),
             cache,

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use distmind_common::handshake::ClusterKey;
 use distmind_controller::{Controller, ControllerClient, ControllerConfig};
-use distmind_memserver::{Memserver, MemserverConfig};
+use distmind_memserver::{Memserver, MemserverConfig, OneSidedConfig};
 use tokio::sync::watch;
 
 pub struct LocalCluster {
@@ -50,6 +50,28 @@ impl LocalCluster {
         key: ClusterKey,
         dispatch: Option<distmind_controller::dispatch::DispatchConfig>,
     ) -> anyhow::Result<LocalCluster> {
+        Self::start_full(n, capacity_bytes, key, dispatch, &OneSidedConfig::default())
+    }
+
+    /// [`start`](Self::start) with every memory server also serving its
+    /// arena over the one-sided paths `one_sided` names (e.g. a libfabric
+    /// provider), next to tcp.
+    pub fn start_with_one_sided(
+        n: usize,
+        capacity_bytes: u64,
+        key: ClusterKey,
+        one_sided: &OneSidedConfig,
+    ) -> anyhow::Result<LocalCluster> {
+        Self::start_full(n, capacity_bytes, key, None, one_sided)
+    }
+
+    fn start_full(
+        n: usize,
+        capacity_bytes: u64,
+        key: ClusterKey,
+        dispatch: Option<distmind_controller::dispatch::DispatchConfig>,
+        one_sided: &OneSidedConfig,
+    ) -> anyhow::Result<LocalCluster> {
         let runtime = crate::services::runtime()?;
         let (stop, stop_rx) = watch::channel(false);
         let shutdown = move || {
@@ -70,6 +92,7 @@ impl LocalCluster {
                 let mut cfg =
                     MemserverConfig::new("127.0.0.1:0".parse()?, capacity_bytes, key.clone());
                 cfg.controller = Some(controller.clone());
+                cfg.one_sided = one_sided.clone();
                 let m = Memserver::bind(cfg).await?;
                 memservers.push(m.local_addr().to_string());
                 tokio::spawn(m.serve(shutdown()));

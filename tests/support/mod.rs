@@ -271,3 +271,22 @@ pub fn wait_runtime_alive(controller: &str, addr: &str) -> distmind_common::prot
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// A deterministic input of the manifest's shape (batch 1): images in
+/// [-1, 1), token ids in [0, 50).
+pub fn input_for(pkg: &distmind_models::Package) -> distmind_runtime::exec::HostTensor {
+    let spec = &pkg.manifest.inputs[0];
+    let n: usize = spec.shape.iter().product();
+    match spec.dtype {
+        distmind_models::Dtype::F32 => distmind_runtime::exec::HostTensor::f32(
+            spec.shape.clone(),
+            (0..n)
+                .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+                .collect(),
+        ),
+        distmind_models::Dtype::I64 => distmind_runtime::exec::HostTensor::i64(
+            spec.shape.clone(),
+            (0..n).map(|i| ((i * 31 + 7) % 50) as i64).collect(),
+        ),
+    }
+}

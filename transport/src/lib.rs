@@ -11,7 +11,10 @@
 //!   every posted op completes exactly once, successfully or with an error.
 //!
 //! Implementations: [`tcp::TcpTransport`] (several streams per peer, chunked,
-//! zero-copy receive) and [`mem::MemTransport`] (in-memory, with fault
+//! zero-copy receive), `fabric::FabricTransport` (libfabric `fi_read`,
+//! feature `fabric`), `verbs::VerbsTransport` (RDMA READ, feature `verbs`),
+//! [`Fallback`] (a one-sided transport with tcp for the memory servers that
+//! do not serve it) and [`mem::MemTransport`] (in-memory, with fault
 //! injection, for unit tests of callers).
 //!
 //! **Architecture invariant:** nothing here allocates per chunk, parses JSON
@@ -23,6 +26,7 @@ use std::time::Duration;
 pub mod completion;
 #[cfg(feature = "fabric")]
 pub mod fabric;
+pub mod fallback;
 pub mod mem;
 pub mod memory;
 pub mod tcp;
@@ -30,6 +34,7 @@ pub mod token_bucket;
 pub mod verbs;
 
 pub use completion::{chunk_count, Chunks};
+pub use fallback::Fallback;
 pub use mem::{MemFabric, MemTransport};
 pub use memory::{HostBuffer, HugePages, MemoryError};
 pub use tcp::{TcpOptions, TcpTransport};
@@ -122,6 +127,8 @@ pub enum TransportError {
         addr: String,
         source: distmind_common::handshake::HandshakeError,
     },
+    #[error("memory server {addr} does not serve this data path: {detail}")]
+    NotOffered { addr: String, detail: String },
     #[error("lost memory server {addr}: {reason}; read from a replica or reconnect")]
     PeerLost { addr: String, reason: String },
     #[error("memory server {addr} has no committed extent covering {offset}+{len}: the catalog is stale or the model was removed")]

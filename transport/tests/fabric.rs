@@ -373,3 +373,143 @@ fn fabric_transport_validates_batches_before_posting() {
     }
     assert_eq!(t.stats(), TransportStats::default());
 }
+
+#[test]
+fn ops_are_cut_into_chunks_with_bounded_reads_in_flight() {
+    use distmind_transport::fabric::FabricOptions;
+    const BYTES: usize = 8 * MIB;
+    let server = mini_server(BYTES);
+    let published = server.published.clone();
+    let resolver: Resolver = Box::new(move |_: &str| Ok(published.clone()));
+    let opts = FabricOptions {
+        chunk_bytes: 64 << 10,
+        reads_in_flight_max: 3,
+    };
+    let t = FabricTransport::with_options(DEFAULT_PROVIDER, resolver, opts).unwrap();
+    assert_eq!(t.chunk_bytes(), 64 << 10);
+    let dst = Arc::new(HostBuffer::new(BYTES, HugePages::No).unwrap());
+    let region = t.register(dst.clone()).unwrap();
+    let peer = t.connect("mem0:7000").unwrap();
+    // Two ops of 4 MiB - 5 bytes (64 chunks each, the last one short), swapped halves.
+    let len = (4 * MIB - 5) as u64;
+    let ops = [
+        ReadOp {
+            wr_id: 1,
+            remote_offset: 5,
+            len,
+            local: region,
+            local_offset: 4 * MIB as u64,
+        },
+        ReadOp {
+            wr_id: 2,
+            remote_offset: 4 * MIB as u64,
+            len,
+            local: region,
+            local_offset: 0,
+        },
+    ];
+    // SAFETY: disjoint local ranges; `dst` is read only after the call.
+    unsafe { read_blocking(&t, peer, &ops) }.expect("chunked reads");
+    // SAFETY: every read completed.
+    let got = unsafe { dst.slice(0..BYTES) };
+    for op in &ops {
+        let (l, r) = (op.local_offset as usize, op.remote_offset as usize);
+        assert!(
+            (0..op.len as usize).all(|k| got[l + k] == pattern(r + k)),
+            "op {}",
+            op.wr_id
+        );
+    }
+    let stats = t.stats();
+    assert_eq!(
+        (stats.ops_completed, stats.ops_failed),
+        (2, 0),
+        "one completion per op"
+    );
+    assert_eq!(stats.bytes_read, 2 * len);
+    // An op needing more chunks than a transport keeps in flight is refused whole.
+    let huge = ReadOp {
+        wr_id: 3,
+        remote_offset: 0,
+        len: BYTES as u64,
+        local: region,
+        local_offset: 0,
+    };
+    let tiny_chunks = FabricOptions {
+        chunk_bytes: 1,
+        reads_in_flight_max: 1,
+    };
+    let published = server.published.clone();
+    let t1 = FabricTransport::with_options(
+        DEFAULT_PROVIDER,
+        Box::new(move |_: &str| Ok(published.clone())),
+        tiny_chunks,
+    )
+    .unwrap();
+    let r1 = t1.register(dst.clone()).unwrap();
+    let p1 = t1.connect("mem0:7000").unwrap();
+    // SAFETY: refused before anything is posted.
+    let e = unsafe { t1.post_reads(p1, &[ReadOp { local: r1, ..huge }]) }.unwrap_err();
+    assert!(
+        matches!(e, TransportError::OpTooLarge { wr_id: 3, .. }),
+        "{e}"
+    );
+}
+
+/// A serving side that sleeps in `fi_cq_sread` (as memory servers do) still
+/// serves reads, and does not spin while idle.
+#[test]
+fn a_waiting_serving_side_serves_reads_and_sleeps_when_idle() {
+    use std::sync::atomic::AtomicUsize;
+    const BYTES: usize = 16 * MIB;
+    let info = Info::get(&Hints::new(DEFAULT_PROVIDER)).unwrap();
+    let domain = Domain::open(&Fabric::open(&info).unwrap()).unwrap();
+    let av = AddressVector::open(&domain).unwrap();
+    let cq = CompletionQueue::open_waitable(&domain, CQ_SIZE_DEFAULT).unwrap();
+    let ep = Endpoint::open(&domain, &av, &cq).unwrap();
+    let mut buf = HostBuffer::new(BYTES, HugePages::No).unwrap();
+    for (i, b) in buf.as_mut_slice().iter_mut().enumerate() {
+        *b = pattern(i);
+    }
+    let arena = MemoryRegion::register(&domain, Arc::new(buf), Access::RemoteRead, 7).unwrap();
+    let published = RemoteArena::serving(&ep, &arena).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let wakeups = Arc::new(AtomicUsize::new(0));
+    let progress = {
+        let (stop, wakeups, cq) = (stop.clone(), wakeups.clone(), cq.clone());
+        std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                cq.wait(&mut seen, Duration::from_millis(100)).unwrap();
+                wakeups.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+    };
+    let t = FabricTransport::new(
+        DEFAULT_PROVIDER,
+        Box::new(move |_: &str| Ok(published.clone())),
+    )
+    .unwrap();
+    let dst = Arc::new(HostBuffer::new(BYTES, HugePages::No).unwrap());
+    let region = t.register(dst.clone()).unwrap();
+    let peer = t.connect("mem0:7000").unwrap();
+    let op = ReadOp {
+        wr_id: 1,
+        remote_offset: 0,
+        len: BYTES as u64,
+        local: region,
+        local_offset: 0,
+    };
+    // SAFETY: `dst` is read only after the call.
+    unsafe { read_blocking(&t, peer, &[op]) }.unwrap();
+    // SAFETY: the read completed.
+    let got = unsafe { dst.slice(0..BYTES) };
+    assert!((0..BYTES).all(|i| got[i] == pattern(i)));
+    let before = wakeups.load(Ordering::Relaxed);
+    std::thread::sleep(Duration::from_millis(500));
+    let idle = wakeups.load(Ordering::Relaxed) - before;
+    // Sleeping 100 ms per wait: about 5; a busy poll would be ~10^5.
+    assert!(idle < 100, "{idle} wakeups in 500 ms of idleness");
+    stop.store(true, Ordering::Relaxed);
+    progress.join().unwrap();
+}

@@ -244,7 +244,7 @@ impl RayControllerSettings {
 }
 
 /// Deserializes with errors that name file, line, column and field.
-fn from_json<T: DeserializeOwned>(path: &Path, text: &str) -> Result<T> {
+pub(super) fn from_json<T: DeserializeOwned>(path: &Path, text: &str) -> Result<T> {
     serde_json::from_str(text).map_err(|e| {
         let message = e.to_string();
         // serde_json appends " at line L column C"; we print those ourselves.
@@ -336,13 +336,13 @@ fn field_at(text: &str, offset: usize) -> Option<String> {
 }
 
 /// Checks after deserialization, with positions found from the key.
-struct Checker<'a> {
-    path: &'a Path,
-    text: &'a str,
+pub(super) struct Checker<'a> {
+    pub path: &'a Path,
+    pub text: &'a str,
 }
 
 impl Checker<'_> {
-    fn err(&self, field: &str, message: impl Into<String>) -> SettingsError {
+    pub fn err(&self, field: &str, message: impl Into<String>) -> SettingsError {
         let offset = keys_with_offsets(self.text)
             .into_iter()
             .find(|(k, _)| k == field)

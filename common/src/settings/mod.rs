@@ -13,6 +13,7 @@
 //! | `mps_controller.json` | no | [`ControllerSettings`] |
 //! | `ray_controller.json` | no | [`RayControllerSettings`] |
 //! | `family_weights.txt` | no | [`FamilyWeights`] |
+//! | `transport.json` | no | [`TransportSettings`] (data paths; default tcp) |
 //!
 //! Every error is a [`SettingsError`] naming the file, the 1-based line (and
 //! column for JSON) and what was expected versus found.
@@ -31,6 +32,7 @@ mod error;
 mod serverhost_list;
 mod simple_lists;
 mod storage_list;
+mod transport_json;
 
 use std::path::{Path, PathBuf};
 
@@ -48,6 +50,10 @@ pub use simple_lists::{
     ModelList, RayServer,
 };
 pub use storage_list::{StorageList, MEMSERVERS_MAX};
+pub use transport_json::{
+    check_fabric_provider, GpuServerTransport, MemserverTransport, TransportKind,
+    TransportSettings, FABRIC_PROVIDERS, FABRIC_PROVIDER_DEFAULT,
+};
 
 /// File names inside the settings directory.
 pub mod files {
@@ -60,6 +66,7 @@ pub mod files {
     pub const USERNAME: &str = "username.txt";
     pub const CLUSTER_KEY: &str = "cluster.key";
     pub const FAMILY_WEIGHTS: &str = "family_weights.txt";
+    pub const TRANSPORT: &str = "transport.json";
 }
 
 /// The whole settings directory, loaded and cross-checked.
@@ -80,6 +87,8 @@ pub struct Settings {
     pub username: Option<String>,
     pub cluster_key: ClusterKey,
     pub family_weights: Option<FamilyWeights>,
+    /// `transport.json`; defaults (tcp everywhere) when absent.
+    pub transport: TransportSettings,
 }
 
 impl Settings {
@@ -99,8 +108,21 @@ impl Settings {
             RayControllerSettings::load_optional(&dir.join(files::RAY_CONTROLLER))?;
         let username = load_username(&dir.join(files::USERNAME))?;
         let family_weights = FamilyWeights::load_optional(&dir.join(files::FAMILY_WEIGHTS))?;
+        let transport =
+            TransportSettings::load_optional(&dir.join(files::TRANSPORT))?.unwrap_or_default();
 
         let memservers = storage.memservers.len();
+        for key in transport.memserver_overrides.keys() {
+            if !storage.memservers.iter().any(|m| m.to_string() == *key) {
+                return Err(SettingsError::file(
+                    &dir.join(files::TRANSPORT),
+                    format!(
+                        "field \"memserver_overrides\": {key:?} is not a memory server of {}",
+                        storage.path.display()
+                    ),
+                ));
+            }
+        }
         for (path, c) in std::iter::once((&controller_path, &controller))
             .chain(mps_controller.as_ref().map(|c| (&mps_path, c)))
         {
@@ -131,6 +153,7 @@ impl Settings {
             username,
             cluster_key,
             family_weights,
+            transport,
         })
     }
 

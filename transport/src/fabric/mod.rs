@@ -33,7 +33,10 @@ use libfabric_sys as sys;
 use crate::memory::HostBuffer;
 
 mod transport;
-pub use transport::{FabricTransport, RemoteArena, Resolver};
+pub use transport::{
+    FabricOptions, FabricTransport, RemoteArena, Resolver, CHUNK_BYTES_DEFAULT,
+    READS_IN_FLIGHT_DEFAULT,
+};
 
 /// The provider the memory servers and GPU servers use on plain Ethernet.
 pub const DEFAULT_PROVIDER: &str = "tcp;ofi_rxm";
@@ -183,6 +186,9 @@ pub struct Hints {
     /// With `Some((node, service))`, the local address to bind (`FI_SOURCE`),
     /// e.g. `("127.0.0.1", "0")`.
     pub source: Option<(String, String)>,
+    /// Ask for `FI_HMEM` (registering device memory, e.g. CUDA); providers
+    /// built without it then report no match.
+    pub hmem: bool,
 }
 
 impl Hints {
@@ -191,6 +197,7 @@ impl Hints {
             provider: provider.to_string(),
             mr_mode: MrMode::SUPPORTED,
             source: None,
+            hmem: false,
         }
     }
 }
@@ -262,9 +269,15 @@ impl Info {
                 return Err(invalid("fi_allocinfo", "attributes not allocated".into()));
             }
             (*h).caps = sys::FI_RMA | sys::FI_READ | sys::FI_REMOTE_READ;
+            if hints.hmem {
+                (*h).caps |= sys::FI_HMEM;
+            }
             (*h).mode = 0;
             (*(*h).ep_attr).type_ = sys::FI_EP_RDM;
             (*(*h).domain_attr).mr_mode = hints.mr_mode.bits() as i32;
+            if hints.hmem {
+                (*(*h).domain_attr).mr_mode |= sys::FI_MR_HMEM as i32;
+            }
             (*(*h).domain_attr).threading = sys::FI_THREAD_SAFE;
             check(
                 "fi_getinfo (setting the provider)",
@@ -363,6 +376,19 @@ impl Info {
                 return MrMode::NONE;
             }
             MrMode((*da).mr_mode as u32 as u64)
+        }
+    }
+
+    /// The largest message (one `fi_read`) the endpoint takes.
+    pub fn max_msg_size(&self) -> usize {
+        // SAFETY: as in provider_name.
+        unsafe {
+            let ea = (*self.raw()).ep_attr;
+            if ea.is_null() {
+                0
+            } else {
+                (*ea).max_msg_size
+            }
         }
     }
 
@@ -522,12 +548,26 @@ pub struct CqEntry {
 }
 
 impl CompletionQueue {
-    /// `size` entries (0: the provider's default).
+    /// `size` entries (0: the provider's default), polled only.
     pub fn open(domain: &Domain, size: usize) -> Result<CompletionQueue, FabricError> {
+        Self::open_with(domain, size, sys::FI_WAIT_NONE)
+    }
+
+    /// Like [`Self::open`], with a wait object, so that [`Self::wait`] can
+    /// sleep until the provider has work (a serving side's progress loop).
+    pub fn open_waitable(domain: &Domain, size: usize) -> Result<CompletionQueue, FabricError> {
+        Self::open_with(domain, size, sys::FI_WAIT_UNSPEC)
+    }
+
+    fn open_with(
+        domain: &Domain,
+        size: usize,
+        wait_obj: sys::fi_wait_obj,
+    ) -> Result<CompletionQueue, FabricError> {
         let mut attr = sys::fi_cq_attr {
             size,
             format: sys::FI_CQ_FORMAT_CONTEXT,
-            wait_obj: sys::FI_WAIT_NONE,
+            wait_obj,
             ..Default::default()
         };
         let mut out: *mut sys::fid_cq = ptr::null_mut();
@@ -597,6 +637,48 @@ impl CompletionQueue {
             }
         }
         Ok(got)
+    }
+
+    /// Drives progress and sleeps up to `timeout` until a completion arrives
+    /// (`fi_cq_sread`; the queue must come from [`Self::open_waitable`]);
+    /// appends what arrived. Returns 0 on timeout. Closing an object of the
+    /// domain waits for a call in progress, so keep `timeout` short.
+    pub fn wait(
+        &self,
+        out: &mut Vec<CqEntry>,
+        timeout: std::time::Duration,
+    ) -> Result<usize, FabricError> {
+        let _polling = self
+            .inner
+            .domain
+            .closing
+            .read()
+            .unwrap_or_else(|p| p.into_inner());
+        let mut entry = sys::fi_cq_entry::default();
+        let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+        // SAFETY: room for one fi_cq_entry, the format this queue was opened with.
+        let ret = unsafe {
+            sys::dm_fi_cq_sread(
+                self.inner.ptr.as_ptr(),
+                (&mut entry as *mut sys::fi_cq_entry).cast::<c_void>(),
+                1,
+                ms,
+            )
+        };
+        if ret > 0 {
+            out.push(CqEntry {
+                context: entry.op_context as u64,
+                result: Ok(()),
+            });
+            Ok(1)
+        } else if ret == 0 || ret == -(sys::FI_EAGAIN as isize) {
+            Ok(0)
+        } else if ret == -(sys::FI_EAVAIL as isize) {
+            out.push(self.read_error()?);
+            Ok(1)
+        } else {
+            Err(FabricError::from_ret("fi_cq_sread", ret))
+        }
     }
 
     fn read_error(&self) -> Result<CqEntry, FabricError> {
@@ -968,4 +1050,94 @@ impl Endpoint {
         };
         check(CALL, ret)
     }
+}
+/// One range of a peer's registered memory, for [`read_ranges`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteRange {
+    pub peer: PeerAddr,
+    /// [`MemoryRegion::remote_addr`] of the range's first byte on the peer.
+    pub addr: u64,
+    pub key: u64,
+    pub len: u64,
+}
+
+/// Reads `ranges` back to back into `dest` (from offset 0, in order) with
+/// plain `fi_read`s of at most `piece` bytes, at most `depth` of them in
+/// flight, polling `cq` (the endpoint's): the raw loop benches compare the
+/// transports with. Returns after every posted read completed; the first
+/// error, if any.
+pub fn read_ranges(
+    ep: &Endpoint,
+    cq: &CompletionQueue,
+    dest: &mut MemoryRegion,
+    ranges: &[RemoteRange],
+    piece: usize,
+    depth: usize,
+) -> Result<(), FabricError> {
+    const CALL: &str = "read_ranges";
+    if !Arc::ptr_eq(&ep.inner._cq, &cq.inner) {
+        return Err(invalid(
+            CALL,
+            "the completion queue is not the endpoint's".into(),
+        ));
+    }
+    if piece == 0 || depth == 0 {
+        return Err(invalid(CALL, "piece and depth must be positive".into()));
+    }
+    let total: u64 = ranges.iter().map(|r| r.len).sum();
+    if total > dest.len() as u64 {
+        return Err(invalid(
+            CALL,
+            format!("{total} bytes do not fit the {} registered", dest.len()),
+        ));
+    }
+    let (mut range, mut within, mut local) = (0usize, 0u64, 0usize);
+    let mut in_flight = 0usize;
+    let mut first_err: Option<FabricError> = None;
+    let mut done = Vec::with_capacity(depth);
+    loop {
+        while first_err.is_none() && in_flight < depth && range < ranges.len() {
+            let r = ranges[range];
+            if r.len == 0 {
+                range += 1;
+                continue;
+            }
+            let len = (r.len - within).min(piece as u64) as usize;
+            // SAFETY: `dest` is borrowed exclusively for this call and every
+            // read posted here completes before it returns; the pieces tile
+            // `dest` without overlapping (each starts where the last ended).
+            let posted = unsafe { ep.read(dest, local, len, r.peer, r.addr + within, r.key, 0) };
+            match posted {
+                Ok(()) => {
+                    in_flight += 1;
+                    local += len;
+                    within += len as u64;
+                    if within == r.len {
+                        range += 1;
+                        within = 0;
+                    }
+                }
+                Err(e) if e.is_again() && in_flight > 0 => break,
+                Err(e) if e.is_again() => {}
+                Err(e) => first_err = Some(e),
+            }
+        }
+        if in_flight == 0 && (range == ranges.len() || first_err.is_some()) {
+            break;
+        }
+        done.clear();
+        cq.poll(&mut done, in_flight.max(1))?;
+        in_flight -= done.len();
+        if done.is_empty() {
+            // Nothing arrived: let the serving side's progress thread run
+            // (on a loopback host it shares the cores with this loop).
+            std::thread::yield_now();
+        }
+        for e in done.drain(..) {
+            if let (Err(e), None) = (e.result, &first_err) {
+                first_err = Some(e);
+            }
+        }
+    }
+    first_err.map_or(Ok(()), Err)
 }

@@ -7,14 +7,21 @@
 //! * [`info`]: [`QpInfo`], what two peers exchange over the control connection
 //!   to connect their queue pairs (fixed binary encoding, validated on receive);
 //! * [`plan`]: the RDMA READ batch planner (chunks, chains per doorbell,
-//!   signalling), the send window and the per-request completion tracker.
+//!   signalling), the send window and the per-request completion tracker;
+//! * [`book`]: the transport's bookkeeping (batch validation, per-peer queues
+//!   of planned chains and send windows, hardware `wr_id` -> caller op,
+//!   failing a lost peer's ops exactly once), and [`options`]: `VerbsOptions`.
 //!
-//! With the cargo feature `verbs` (rdma-sys, libibverbs), [`device`] opens a
+//! With the cargo feature `verbs` (rdma-sys, libibverbs), `device` opens a
 //! device by name and wraps context, PD, CQ, QP and MR in RAII types, posts
-//! planned chains with `ibv_post_send` and polls with `ibv_poll_cq`. On a
-//! machine without RDMA devices, opening fails with an error naming the device.
+//! planned chains with `ibv_post_send` and polls with `ibv_poll_cq`;
+//! `transport` builds `VerbsTransport` (the client side of the [`crate::Transport`]
+//! trait) and `VerbsServer` (the memory server's side) on them. On a machine
+//! without RDMA devices, opening fails with an error naming the device.
 
+pub mod book;
 pub mod info;
+pub mod options;
 pub mod plan;
 pub mod qp;
 
@@ -22,15 +29,21 @@ pub mod qp;
 pub mod attr;
 #[cfg(feature = "verbs")]
 pub mod device;
+#[cfg(feature = "verbs")]
+pub mod transport;
 
+pub use book::{Book, PEERS_MAX};
 pub use info::{QpInfo, QP_INFO_WIRE_BYTES};
+pub use options::VerbsOptions;
 pub use plan::{
     plan_reads, Chain, CompletionTracker, PlanLimits, PlannedWr, ReadPlan, ReadReq, SendWindow,
 };
 pub use qp::{
-    Access, Gid, InitAttrs, PathMtu, QpState, QpStateMachine, RemoteAddress, RtrAttrs, RtsAttrs,
-    Transition,
+    Access, Gid, InitAttrs, PathMtu, QpState, QpStateMachine, RcConfig, RemoteAddress, RtrAttrs,
+    RtsAttrs, Transition,
 };
+#[cfg(feature = "verbs")]
+pub use transport::{Connector, ServedQp, VerbsServer, VerbsTransport, SERVED_QPS_MAX};
 
 /// Errors of the verbs transport.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

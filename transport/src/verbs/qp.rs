@@ -155,6 +155,41 @@ pub struct RtsAttrs {
     pub max_rd_atomic: u8,
 }
 
+/// How an RC connection is set up (from settings; defaults are usual values).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RcConfig {
+    pub port_num: u8,
+    pub pkey_index: u16,
+    /// The local GID index (RoCE v2 is often 1 or 3).
+    pub gid_index: u8,
+    /// `None`: the port's active MTU.
+    pub path_mtu: Option<PathMtu>,
+    /// Reads outstanding per QP, both directions (initiator and responder depth).
+    pub max_rd_atomic: u8,
+    pub timeout: u8,
+    pub retry_cnt: u8,
+    pub rnr_retry: u8,
+    pub min_rnr_timer: u8,
+    pub hop_limit: u8,
+}
+
+impl Default for RcConfig {
+    fn default() -> Self {
+        Self {
+            port_num: 1,
+            pkey_index: 0,
+            gid_index: 0,
+            path_mtu: None,
+            max_rd_atomic: 16,
+            timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            min_rnr_timer: 12,
+            hop_limit: 64,
+        }
+    }
+}
+
 /// One `ibv_modify_qp` step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Transition {
