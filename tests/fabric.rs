@@ -34,21 +34,11 @@ const FAMILIES: [&str; 5] = [
 ];
 
 fn spawn_fabric_memserver(controller: &str, capacity: &str) -> Proc {
-    let s = settings_dir();
-    spawn_service(&[
-        "memserver",
-        "--settings",
-        s.to_str().unwrap(),
-        "--listen",
-        "127.0.0.1:0",
-        "--capacity",
-        capacity,
-        "--controller",
+    spawn_memserver_with(
         controller,
-        "--fabric-provider",
-        PROVIDER,
-        "--no-huge-pages",
-    ])
+        capacity,
+        &["--fabric-provider", PROVIDER, "--no-huge-pages"],
+    )
 }
 
 /// Bytes a memory server sent over its tcp data path.

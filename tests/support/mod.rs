@@ -132,8 +132,13 @@ pub fn rss_bytes(pid: u32) -> u64 {
 }
 
 pub fn spawn_memserver(controller: &str, capacity: &str) -> Proc {
+    spawn_memserver_with(controller, capacity, &[])
+}
+
+/// [`spawn_memserver`] with extra flags (e.g. `--fabric-provider`).
+pub fn spawn_memserver_with(controller: &str, capacity: &str, extra: &[&str]) -> Proc {
     let s = settings_dir();
-    spawn_service(&[
+    let mut args = vec![
         "memserver",
         "--settings",
         s.to_str().unwrap(),
@@ -143,7 +148,9 @@ pub fn spawn_memserver(controller: &str, capacity: &str) -> Proc {
         capacity,
         "--controller",
         controller,
-    ])
+    ];
+    args.extend_from_slice(extra);
+    spawn_service(&args)
 }
 
 /// Polls the controller until `n` memory servers are alive (no fixed sleeps).

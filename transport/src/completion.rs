@@ -20,6 +20,57 @@ pub fn chunk_count(len: u64, chunk_bytes: u64) -> u64 {
     len.div_ceil(chunk_bytes)
 }
 
+/// Checks one op against its local region (`region_len` bytes), the
+/// remote range the peer serves (`remote`: its address and length, where
+/// the transport knows it) and the chunk bound; returns its chunk count.
+/// Every transport validates a batch with this before posting any of it.
+pub(crate) fn check_op(
+    op: &ReadOp,
+    region_len: u64,
+    remote: Option<(&str, u64)>,
+    chunk_bytes: u64,
+) -> Result<u64, TransportError> {
+    if op.len == 0 {
+        return Err(TransportError::EmptyRead { wr_id: op.wr_id });
+    }
+    if op
+        .local_offset
+        .checked_add(op.len)
+        .is_none_or(|end| end > region_len)
+    {
+        return Err(TransportError::OutOfBounds {
+            wr_id: op.wr_id,
+            region: op.local,
+            offset: op.local_offset,
+            len: op.len,
+            region_len,
+        });
+    }
+    if let Some((addr, remote_len)) = remote {
+        if op
+            .remote_offset
+            .checked_add(op.len)
+            .is_none_or(|end| end > remote_len)
+        {
+            return Err(TransportError::RemoteOutOfRange {
+                addr: addr.to_string(),
+                offset: op.remote_offset,
+                len: op.len,
+            });
+        }
+    }
+    let chunks = chunk_count(op.len, chunk_bytes);
+    if chunks > INFLIGHT_CHUNKS_MAX as u64 {
+        return Err(TransportError::OpTooLarge {
+            wr_id: op.wr_id,
+            len: op.len,
+            chunks,
+            max: INFLIGHT_CHUNKS_MAX as u64,
+        });
+    }
+    Ok(chunks)
+}
+
 /// The `(offset within the op, len)` of each chunk of an op, in order; every
 /// chunk but the last is `chunk_bytes` long.
 #[derive(Debug, Clone)]
@@ -113,32 +164,7 @@ impl Regions {
             let r = map
                 .get(&op.local.0)
                 .ok_or(TransportError::UnknownRegion(op.local))?;
-            if op.len == 0 {
-                return Err(TransportError::EmptyRead { wr_id: op.wr_id });
-            }
-            let region_len = r.buf.len() as u64;
-            if op
-                .local_offset
-                .checked_add(op.len)
-                .is_none_or(|end| end > region_len)
-            {
-                return Err(TransportError::OutOfBounds {
-                    wr_id: op.wr_id,
-                    region: op.local,
-                    offset: op.local_offset,
-                    len: op.len,
-                    region_len,
-                });
-            }
-            let n = chunk_count(op.len, chunk_bytes);
-            if n > INFLIGHT_CHUNKS_MAX as u64 {
-                return Err(TransportError::OpTooLarge {
-                    wr_id: op.wr_id,
-                    len: op.len,
-                    chunks: n,
-                    max: INFLIGHT_CHUNKS_MAX as u64,
-                });
-            }
+            let n = check_op(op, r.buf.len() as u64, None, chunk_bytes)?;
             chunks += n;
         }
         cq.reserve(ops.len(), usize::try_from(chunks).unwrap_or(usize::MAX))?;

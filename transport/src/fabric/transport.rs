@@ -418,53 +418,18 @@ impl Transport for FabricTransport {
         let Some(p) = st.peers.get(&peer.0) else {
             return Err(TransportError::UnknownPeer(peer));
         };
+        let mut chunks = 0u64;
         for op in ops {
             let region = st
                 .regions
                 .get(&op.local.0)
                 .ok_or(TransportError::UnknownRegion(op.local))?;
-            if op.len == 0 {
-                return Err(TransportError::EmptyRead { wr_id: op.wr_id });
-            }
-            let region_len = region.mr.len() as u64;
-            if op
-                .local_offset
-                .checked_add(op.len)
-                .is_none_or(|end| end > region_len)
-            {
-                return Err(TransportError::OutOfBounds {
-                    wr_id: op.wr_id,
-                    region: op.local,
-                    offset: op.local_offset,
-                    len: op.len,
-                    region_len,
-                });
-            }
-            if op
-                .remote_offset
-                .checked_add(op.len)
-                .is_none_or(|end| end > p.arena.len)
-            {
-                return Err(TransportError::RemoteOutOfRange {
-                    addr: p.addr.clone(),
-                    offset: op.remote_offset,
-                    len: op.len,
-                });
-            }
-        }
-        let chunks: u64 = ops
-            .iter()
-            .map(|op| crate::chunk_count(op.len, self.chunk_bytes))
-            .sum();
-        if let Some(op) = ops.iter().find(|op| {
-            crate::chunk_count(op.len, self.chunk_bytes) > crate::INFLIGHT_CHUNKS_MAX as u64
-        }) {
-            return Err(TransportError::OpTooLarge {
-                wr_id: op.wr_id,
-                len: op.len,
-                chunks: crate::chunk_count(op.len, self.chunk_bytes),
-                max: crate::INFLIGHT_CHUNKS_MAX as u64,
-            });
+            chunks += crate::completion::check_op(
+                op,
+                region.mr.len() as u64,
+                Some((&p.addr, p.arena.len)),
+                self.chunk_bytes,
+            )?;
         }
         if st.outstanding_ops() + ops.len() > INFLIGHT_OPS_MAX
             || st.queued.len() + st.posted_now() + chunks as usize > crate::INFLIGHT_CHUNKS_MAX

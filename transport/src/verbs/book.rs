@@ -37,7 +37,6 @@ use std::time::{Duration, Instant};
 
 use super::info::QpInfo;
 use super::plan::{plan_reads, Chain, PlanLimits, ReadReq, SendWindow};
-use crate::completion::chunk_count;
 use crate::{
     Completion, PeerId, ReadOp, RegionId, TransportError, TransportStats, INFLIGHT_CHUNKS_MAX,
     INFLIGHT_OPS_MAX,
@@ -355,43 +354,12 @@ impl Book {
                 .regions
                 .get(&op.local)
                 .ok_or(TransportError::UnknownRegion(op.local))?;
-            if op.len == 0 {
-                return Err(TransportError::EmptyRead { wr_id: op.wr_id });
-            }
-            let region_len = region.info.len;
-            if op
-                .local_offset
-                .checked_add(op.len)
-                .is_none_or(|end| end > region_len)
-            {
-                return Err(TransportError::OutOfBounds {
-                    wr_id: op.wr_id,
-                    region: op.local,
-                    offset: op.local_offset,
-                    len: op.len,
-                    region_len,
-                });
-            }
-            if op
-                .remote_offset
-                .checked_add(op.len)
-                .is_none_or(|end| end > p.remote.len)
-            {
-                return Err(TransportError::RemoteOutOfRange {
-                    addr: p.addr.clone(),
-                    offset: op.remote_offset,
-                    len: op.len,
-                });
-            }
-            let chunks = chunk_count(op.len, chunk);
-            if chunks > INFLIGHT_CHUNKS_MAX as u64 {
-                return Err(TransportError::OpTooLarge {
-                    wr_id: op.wr_id,
-                    len: op.len,
-                    chunks,
-                    max: INFLIGHT_CHUNKS_MAX as u64,
-                });
-            }
+            let chunks = crate::completion::check_op(
+                op,
+                region.info.len,
+                Some((&p.addr, p.remote.len)),
+                chunk,
+            )?;
             wrs += chunks;
         }
         if acct.ops_outstanding + ops.len() > INFLIGHT_OPS_MAX
