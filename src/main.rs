@@ -86,7 +86,7 @@ struct RuntimeCmd {
     /// Address to register with the controller, if not the listening one.
     #[arg(long)]
     advertise: Option<String>,
-    /// Limit this server's reads from memory servers to this many Gbit/s (models its NIC).
+    /// Limit this server's tcp reads from memory servers to this many Gbit/s (models its NIC; one-sided transports are limited by the real NIC).
     #[arg(long)]
     rate_limit_gbps: Option<f64>,
     /// Most simultaneous connections; more are refused.

@@ -307,3 +307,69 @@ fn a_memory_server_killed_mid_transfer_gives_an_error_or_a_replica_never_wrong_b
     }
     assert!(started.elapsed() < Duration::from_secs(30));
 }
+
+/// The data paths come from `settings/transport.json` when no flag names
+/// them: the memory server serves libfabric, the GPU server reads with it.
+#[test]
+fn transport_json_selects_the_data_path_without_flags() {
+    let tmp = tempfile::tempdir().unwrap();
+    let settings = tmp.path().join("settings");
+    std::fs::create_dir(&settings).unwrap();
+    for f in std::fs::read_dir(settings_dir()).unwrap() {
+        let f = f.unwrap();
+        if f.file_type().unwrap().is_file() {
+            std::fs::copy(f.path(), settings.join(f.file_name())).unwrap();
+        }
+    }
+    std::fs::write(
+        settings.join("transport.json"),
+        format!(
+            r#"{{
+  "memserver": {{ "fabric_provider": "{PROVIDER}" }},
+  "gpu_server": {{ "transport": "fabric", "fabric_provider": "{PROVIDER}", "fallback_to_tcp": false }}
+}}"#
+        ),
+    )
+    .unwrap();
+    let s = settings.to_str().unwrap();
+    let controller = spawn_controller();
+    let ms = spawn_service(&[
+        "memserver",
+        "--settings",
+        s,
+        "--listen",
+        "127.0.0.1:0",
+        "--capacity",
+        "64MiB",
+        "--controller",
+        &controller.addr,
+        "--no-huge-pages",
+    ]);
+    wait_alive(&controller.addr, 1);
+    let pkgs = gen_tiny(tmp.path(), "gpt2", 1, 256 << 10);
+    let (ok, _, stderr) = deploy(&controller.addr, &[], &pkgs);
+    assert!(ok, "{stderr}");
+    let rt = spawn_service(&[
+        "runtime",
+        "--settings",
+        s,
+        "--listen",
+        "127.0.0.1:0",
+        "--controller",
+        &controller.addr,
+        "--executor",
+        "cpu",
+    ]);
+    wait_runtime_alive(&controller.addr, &rt.addr);
+    let pkg = Package::open(&pkgs[0]).unwrap();
+    let mut client =
+        RuntimeClient::connect(&rt.addr, &cluster_key(), Duration::from_secs(60)).unwrap();
+    client
+        .infer(&pkg.manifest.name, &input_for(&pkg))
+        .expect("inference over the settings' data path");
+    assert_eq!(
+        tcp_bytes_served(&ms.addr),
+        0,
+        "read over libfabric, not tcp"
+    );
+}

@@ -36,12 +36,28 @@ struct Conn {
 
 pub(crate) async fn serve(
     shared: &Shared,
-    mut stream: TcpStream,
+    stream: TcpStream,
     peer: SocketAddr,
     stop: &mut watch::Receiver<bool>,
 ) {
     debug!("control connection from {peer}");
     let mut conn = Conn::default();
+    serve_requests(shared, stream, peer, stop, &mut conn).await;
+    // The connection's verbs queue pairs are destroyed with it.
+    let qps = conn.verbs_qps.len();
+    if qps > 0 {
+        shared.metrics.verbs_queue_pairs.dec_by(qps as i64);
+        info!("{peer}: control connection closed; {qps} verbs queue pair(s) destroyed");
+    }
+}
+
+async fn serve_requests(
+    shared: &Shared,
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    stop: &mut watch::Receiver<bool>,
+    conn: &mut Conn,
+) {
     loop {
         let frame = tokio::select! {
             biased;
@@ -58,7 +74,7 @@ pub(crate) async fn serve(
                 match wire::decode_message::<MemserverRequest>(&payload) {
                     Ok(req) => {
                         let op = op_of(&req);
-                        let reply = handle(shared, peer, req, &mut conn).await;
+                        let reply = handle(shared, peer, req, conn).await;
                         match &reply {
                             MemserverReply::Error(e) => shared.metrics.error(op, e.code),
                             _ => shared.metrics.ok(op),
@@ -206,9 +222,12 @@ async fn handle(
                 Ok(outcome) => {
                     debug!("{peer}: freed extent at {offset} ({outcome:?})");
                     if let Some(lease) = grace {
+                        let held = shared.metrics.free_grace_extents.clone();
+                        held.inc();
                         tokio::spawn(async move {
                             tokio::time::sleep(crate::onesided::FREE_GRACE).await;
                             drop(lease);
+                            held.dec();
                         });
                     }
                     MemserverReply::Freed { offset }
@@ -235,6 +254,7 @@ async fn handle(
             match shared.one_sided.verbs_connect(&qp) {
                 Ok((qp, guard)) => {
                     conn.verbs_qps.push(guard);
+                    shared.metrics.verbs_queue_pairs.inc();
                     info!("{peer}: verbs queue pair connected");
                     MemserverReply::VerbsConnected { qp }
                 }

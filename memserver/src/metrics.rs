@@ -5,7 +5,7 @@
 //!
 //! | name | type | meaning |
 //! |---|---|---|
-//! | `requests_total{op,status}` | counter | requests by `op` (`alloc`, `commit`, `free`, `stats`, `write`, `read`, `invalid`) and `status` (`ok`, or the error: an [`ErrorCode`] in snake case for control requests; `out_of_range`, `bad_request` or `aborted` (the reply could not be sent) for reads) |
+//! | `requests_total{op,status}` | counter | requests by `op` (`alloc`, `commit`, `free`, `stats`, `write`, `read`, `data_paths`, `verbs_connect`, `invalid`) and `status` (`ok`, or the error: an [`ErrorCode`] in snake case for control requests; `out_of_range`, `bad_request` or `aborted` (the reply could not be sent) for reads) |
 //! | `reads_served_total` | counter | reads whose reply was sent in full (the same counter as `requests_total{op="read",status="ok"}`) |
 //! | `bytes_served_total` | counter | bytes of those replies |
 //! | `bytes_committed_total` | counter | bytes committed: the requested length of each extent whose checksum matched |
@@ -16,6 +16,9 @@
 //! | `read_bytes_in_flight` | gauge | bytes of read replies being sent |
 //! | `capacity_bytes`, `used_bytes`, `largest_free_bytes` | gauge | the arena |
 //! | `extents` | gauge | live extents (any state) |
+//! | `one_sided_paths{path}` | gauge | 1 for each one-sided data path served (`fabric`, `verbs`) |
+//! | `verbs_queue_pairs` | gauge | verbs queue pairs connected to clients |
+//! | `free_grace_extents` | gauge | freed extents held for one-sided readers (`onesided::FREE_GRACE`) |
 //!
 //! The data path only adds to pre-created counters (one relaxed atomic add
 //! each; no lock, no allocation, no label lookup). Control-request errors
@@ -129,6 +132,15 @@ pub(crate) struct Metrics {
     pub used_bytes: Gauge,
     pub largest_free_bytes: Gauge,
     pub extents: Gauge,
+    pub one_sided_paths: Family<PathLabels, Gauge>,
+    pub verbs_queue_pairs: Gauge,
+    pub free_grace_extents: Gauge,
+}
+
+/// The label of `one_sided_paths`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct PathLabels {
+    pub path: &'static str,
 }
 
 fn labels(op: Op, status: impl Into<Cow<'static, str>>) -> RequestLabels {
@@ -163,6 +175,9 @@ impl Metrics {
             used_bytes: Gauge::default(),
             largest_free_bytes: Gauge::default(),
             extents: Gauge::default(),
+            one_sided_paths: Family::default(),
+            verbs_queue_pairs: Gauge::default(),
+            free_grace_extents: Gauge::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -191,6 +206,21 @@ impl Metrics {
             m.alloc_failures.clone(),
         );
         r.register("connections", "Open connections", m.connections.clone());
+        r.register(
+            "one_sided_paths",
+            "1 for each one-sided data path served besides tcp",
+            m.one_sided_paths.clone(),
+        );
+        r.register(
+            "verbs_queue_pairs",
+            "Verbs queue pairs connected to clients",
+            m.verbs_queue_pairs.clone(),
+        );
+        r.register(
+            "free_grace_extents",
+            "Freed extents held for one-sided readers before their space is reused",
+            m.free_grace_extents.clone(),
+        );
         r.register(
             "connections_refused",
             "Connections closed at once because the connection bound was reached",

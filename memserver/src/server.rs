@@ -242,6 +242,18 @@ impl Memserver {
         } else {
             OneSided::start(&config.one_sided, arena.buffer())?
         };
+        let metrics = Metrics::new();
+        for (path, on) in [
+            ("fabric", one_sided.offer().fabric.is_some()),
+            ("verbs", one_sided.offer().verbs.is_some()),
+        ] {
+            if on {
+                metrics
+                    .one_sided_paths
+                    .get_or_create(&crate::metrics::PathLabels { path })
+                    .set(1);
+            }
+        }
         let shared = Arc::new(Shared {
             arena: Arc::new(arena),
             one_sided,
@@ -249,7 +261,7 @@ impl Memserver {
             capacity_bytes,
             read_bytes: Semaphore::new(in_flight),
             read_bytes_max: in_flight,
-            metrics: Metrics::new(),
+            metrics,
         });
         Ok(Memserver {
             listener,
