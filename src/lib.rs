@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 pub mod bench;
+pub mod cluster;
 pub mod deploy;
 pub mod loadgen;
 pub mod logging;

@@ -34,6 +34,10 @@ enum Command {
     /// models, run a one-minute mixed workload, print the results and stop everything.
     #[command(alias = "demo")]
     Up(distmind::up::UpArgs),
+    /// Start (up), inspect (status) or stop (down) the cluster settings/ describes, left running
+    /// in the background; pids, logs and state in the run directory.
+    #[command(subcommand)]
+    Cluster(distmind::cluster::ClusterCommand),
     /// Send inference requests to the controller's dispatcher (closed loop, Poisson or a trace) and
     /// report throughput, latency percentiles, SLO attainment and goodput.
     Client(distmind::loadgen::ClientArgs),
@@ -394,6 +398,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Up(a) => distmind::up::run(&a),
+        Command::Cluster(c) => distmind::cluster::run(&c),
         Command::Client(a) => distmind::loadgen::run(&a).map(|_| ()),
         Command::Bench(BenchCommand::Transfer(a)) => bench::transfer::run(&a),
         Command::Bench(BenchCommand::Dispatch(a)) => bench::dispatch::run(&a),

@@ -25,7 +25,7 @@
 //!   times) is left to `--models 20` on a machine with the memory.
 
 mod metrics;
-mod procs;
+pub(crate) mod procs;
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};

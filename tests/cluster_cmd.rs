@@ -1,0 +1,154 @@
+//! `distmind cluster up|status|down` with real detached processes, on a copy
+//! of the shipped settings moved to free ports.
+
+mod support;
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+
+use support::*;
+
+/// Free loopback ports (bound, then released: the cluster binds them next).
+fn free_ports(n: usize) -> Vec<u16> {
+    let held: Vec<TcpListener> = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    held.iter()
+        .map(|l| l.local_addr().unwrap().port())
+        .collect()
+}
+
+/// The shipped settings in `dir/settings`, the metadata endpoint, the two
+/// memory servers, the client port and the cache port moved to `ports`.
+fn settings_copy(dir: &Path, ports: &[u16]) -> PathBuf {
+    let out = dir.join("settings");
+    std::fs::create_dir(&out).unwrap();
+    for f in std::fs::read_dir(settings_dir()).unwrap() {
+        let f = f.unwrap();
+        if !f.file_type().unwrap().is_file() {
+            continue;
+        }
+        let name = f.file_name().into_string().unwrap();
+        let text = std::fs::read_to_string(f.path()).unwrap_or_default();
+        let text = match name.as_str() {
+            "storage_list.txt" => text
+                .replace("7777", &ports[0].to_string())
+                .replace("7778", &ports[1].to_string())
+                .replace("7779", &ports[2].to_string()),
+            "controller.json" | "mps_controller.json" => {
+                text.replace("7777", &ports[0].to_string())
+            }
+            "config.sh" => text
+                .replace("=7777", &format!("={}", ports[0]))
+                .replace("=9999", &format!("={}", ports[3]))
+                .replace("=10009", &format!("={}", ports[4])),
+            _ => {
+                std::fs::copy(f.path(), out.join(&name)).unwrap();
+                continue;
+            }
+        };
+        std::fs::write(out.join(&name), text).unwrap();
+    }
+    out
+}
+
+fn cluster(cmd: &str, settings: &Path, run: &Path, extra: &[&str]) -> (bool, String, String) {
+    let mut args = vec![
+        "cluster",
+        cmd,
+        "--settings",
+        settings.to_str().unwrap(),
+        "--run-dir",
+        run.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    support::run(&args)
+}
+
+/// Pids in `cluster.json`.
+fn recorded_pids(run: &Path) -> Vec<u32> {
+    let text = std::fs::read_to_string(run.join("cluster.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["pid"].as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn running(pid: u32) -> bool {
+    distmind::cluster::start_ticks(pid).is_some()
+}
+
+/// Stops whatever a test's cluster left running (by the pids `cluster up`
+/// recorded), pass or fail.
+struct Down(PathBuf);
+
+impl Drop for Down {
+    fn drop(&mut self) {
+        let _ = distmind::cluster::down(&self.0);
+    }
+}
+
+const SMALL: [&str; 4] = ["--memserver-capacity", "64MiB", "--cache", "128MiB"];
+
+#[test]
+fn up_status_down_start_and_stop_exactly_the_cluster() {
+    let tmp = tempfile::tempdir().unwrap();
+    let settings = settings_copy(tmp.path(), &free_ports(5));
+    let run = tmp.path().join("run");
+    let _down = Down(run.clone());
+    let (ok, out, err) = cluster("up", &settings, &run, &SMALL);
+    assert!(ok, "{out}\n{err}");
+    assert!(out.contains("4 services healthy"), "{out}");
+    let pids = recorded_pids(&run);
+    assert_eq!(pids.len(), 4);
+    assert!(pids.iter().all(|&p| running(p)));
+
+    let (ok, out, err) = cluster("status", &settings, &run, &[]);
+    assert!(ok, "{out}\n{err}");
+    for name in ["controller", "memserver-1", "memserver-2", "runtime"] {
+        let line = out.lines().find(|l| l.starts_with(name)).expect(name);
+        assert!(line.contains("healthy"), "{line}");
+    }
+    // A second `up` refuses while this one runs.
+    let (ok, _, err) = cluster("up", &settings, &run, &SMALL);
+    assert!(!ok && err.contains("still running"), "{err}");
+
+    let (ok, out, err) = cluster("down", &settings, &run, &[]);
+    assert!(ok, "{out}\n{err}");
+    assert_eq!(
+        out.lines().filter(|l| l.contains("stopped")).count(),
+        4,
+        "{out}"
+    );
+    assert!(pids.iter().all(|&p| !running(p)), "every process stopped");
+    let (ok, out, _) = cluster("status", &settings, &run, &[]);
+    assert!(ok && out.contains("no cluster recorded"), "{out}");
+}
+
+#[test]
+fn a_service_that_cannot_start_stops_the_bring_up_and_what_was_started() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ports = free_ports(5);
+    let settings = settings_copy(tmp.path(), &ports);
+    let run = tmp.path().join("run");
+    let _down = Down(run.clone());
+    // The second memory server's port is taken.
+    let _taken = TcpListener::bind(("127.0.0.1", ports[2])).unwrap();
+    let (ok, out, err) = cluster("up", &settings, &run, &SMALL);
+    assert!(!ok, "{out}");
+    assert!(err.contains("stopped at memserver-2"), "{err}");
+    assert!(
+        err.contains("cannot listen on"),
+        "the service's own error is shown: {err}"
+    );
+    // The controller and the first memory server were started, then stopped.
+    let started: Vec<u32> = out
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(2)?.parse().ok())
+        .collect();
+    assert_eq!(started.len(), 2, "{out}");
+    assert!(started.iter().all(|&p| !running(p)));
+    assert!(!run.join("cluster.json").exists());
+}
