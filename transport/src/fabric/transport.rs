@@ -131,6 +131,8 @@ struct State {
     free_posted: Vec<usize>,
     /// Ops finished without a completion to read (failed before posting).
     failed: VecDeque<Completion>,
+    /// Reused by every `poll` (no allocation per call).
+    entries: Vec<CqEntry>,
     stats: TransportStats,
 }
 
@@ -257,6 +259,7 @@ impl FabricTransport {
                 posted: Vec::new(),
                 free_posted: Vec::new(),
                 failed: VecDeque::new(),
+                entries: Vec::with_capacity(POLL_BATCH),
                 stats: TransportStats::default(),
             }),
         })
@@ -482,7 +485,6 @@ impl Transport for FabricTransport {
     ) -> Result<usize, TransportError> {
         let deadline = Instant::now() + timeout;
         let start = out.len();
-        let mut entries: Vec<CqEntry> = Vec::with_capacity(POLL_BATCH);
         loop {
             {
                 let mut st = self.lock();
@@ -495,13 +497,16 @@ impl Transport for FabricTransport {
                 self.flush(&mut st);
                 let want = (max - (out.len() - start)).min(POLL_BATCH);
                 if want > 0 {
+                    let mut entries = std::mem::take(&mut st.entries);
                     entries.clear();
-                    self.cq
-                        .poll(&mut entries, want)
-                        .map_err(|e| TransportError::Protocol {
+                    let polled = self.cq.poll(&mut entries, want);
+                    if let Err(e) = polled {
+                        st.entries = entries;
+                        return Err(TransportError::Protocol {
                             addr: "local completion queue".into(),
                             detail: e.to_string(),
-                        })?;
+                        });
+                    }
                     for e in entries.drain(..) {
                         let slot = e.context as usize;
                         let Some(c) = st.posted.get_mut(slot).and_then(Option::take) else {
@@ -518,6 +523,7 @@ impl Transport for FabricTransport {
                         });
                         st.chunk_done(c.op, result, Some(out));
                     }
+                    st.entries = entries;
                     // Room freed: hand the provider the next chunks now.
                     self.flush(&mut st);
                 }
