@@ -7,6 +7,7 @@ pub mod cluster;
 pub mod deploy;
 pub mod loadgen;
 pub mod logging;
+pub mod plot;
 pub mod services;
 pub mod train;
 pub mod up;

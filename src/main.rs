@@ -59,6 +59,9 @@ enum Command {
     Train(distmind::train::TrainArgs),
     /// Run a GPU server: pulls models from the memory servers on demand and serves inference requests.
     Runtime(RuntimeCmd),
+    /// Draw PNG figures (grouped bars, lines, stacked areas) from experiment CSVs (`up --csv`).
+    #[command(subcommand)]
+    Plot(distmind::plot::PlotCommand),
 }
 
 #[derive(Args)]
@@ -122,6 +125,21 @@ struct RuntimeCmd {
     /// instead of reading over tcp.
     #[arg(long)]
     no_tcp_fallback: bool,
+    /// Serve as a baseline of the evaluation: mps (whole model set in host memory, up to 12
+    /// resident per GPU, whole-model loads), ray (the same, one resident), gpu (one model, no
+    /// switching). Run the controller with the same --policy.
+    #[arg(long, value_enum)]
+    baseline: Option<services::Baseline>,
+    /// Most models resident per device, LRU (default: the baseline's, else 12).
+    #[arg(long)]
+    resident_max: Option<usize>,
+    /// Load each model whole (fetch, upload, then compute) instead of pipelining group by group.
+    #[arg(long)]
+    whole_model: bool,
+    /// Keep every model of the catalog in the host cache, fetched as soon as it is deployed
+    /// (the host cache must hold them all).
+    #[arg(long)]
+    preload: bool,
 }
 
 #[derive(Args)]
@@ -231,8 +249,10 @@ struct ControllerCmd {
     /// Prometheus endpoint (GET /metrics, GET /health), e.g. 127.0.0.1:9100; off by default.
     #[arg(long)]
     metrics: Option<SocketAddr>,
-    /// distmind (the original's Zipf reassignment, least-outstanding routing) or slo (deadline-aware
-    /// admission, EDF queues, demand-driven placement). Default: controller.json's `policy`.
+    /// distmind (the original's Zipf reassignment, least-outstanding routing), slo (deadline-aware
+    /// admission, EDF queues, demand-driven placement), or a baseline of the evaluation: mps (reads
+    /// mps_controller.json when present), ray, gpu (one model) — run the GPU servers with the same
+    /// `--baseline`. Default: controller.json's `policy`.
     #[arg(long)]
     policy: Option<String>,
     /// Balancer of the distmind policy: lor (least outstanding, cache-aware) or lfu.
@@ -244,6 +264,12 @@ struct ControllerCmd {
     /// Share GPUs with training (overrides controller.json's use_train).
     #[arg(long)]
     use_train: Option<bool>,
+    /// Seconds between the distmind policy's reassignments (overrides rescheduling_period_s).
+    #[arg(long)]
+    period: Option<f64>,
+    /// Zipf exponent of the distmind policy's model draws (overrides zipf_s).
+    #[arg(long)]
+    zipf: Option<f64>,
     /// Seed of the policy's random draws.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -372,6 +398,8 @@ fn run(command: Command) -> anyhow::Result<()> {
             balancer: c.balancer,
             train_model: c.train_model,
             use_train: c.use_train,
+            period_s: c.period,
+            zipf_s: c.zipf,
             seed: c.seed,
         }),
         Command::Deploy(d) => {
@@ -427,9 +455,14 @@ fn run(command: Command) -> anyhow::Result<()> {
                 verbs_device: r.verbs_device,
                 verbs_gid_index: r.verbs_gid_index,
                 no_tcp_fallback: r.no_tcp_fallback,
+                baseline: r.baseline,
+                resident_max: r.resident_max,
+                whole_model: r.whole_model,
+                preload: r.preload,
             })
         }
         Command::Train(t) => distmind::train::run(&t),
+        Command::Plot(p) => distmind::plot::run(&p),
         Command::Infer(i) => {
             let exec = executor(i.executor, &i.profile)?;
             let report =

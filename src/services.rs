@@ -127,6 +127,10 @@ pub struct ControllerArgs<'a> {
     pub train_model: Option<String>,
     /// Overrides controller.json's `use_train`.
     pub use_train: Option<bool>,
+    /// Overrides controller.json's `rescheduling_period_s`.
+    pub period_s: Option<f64>,
+    /// Overrides controller.json's `zipf_s` (the `distmind` policy's draws).
+    pub zipf_s: Option<f64>,
     pub seed: u64,
 }
 
@@ -137,25 +141,44 @@ pub fn dispatch_config(
 ) -> anyhow::Result<distmind_controller::dispatch::DispatchConfig> {
     use distmind_controller::policy::distmind::DistMindConfig;
     use distmind_controller::policy::{Balancer, PolicyKind};
-    let c = &settings.controller;
     let policy: PolicyKind = args
         .policy
         .as_deref()
-        .unwrap_or(&c.policy)
+        .unwrap_or(&settings.controller.policy)
         .parse()
         .map_err(|e: String| anyhow::anyhow!("{e} (controller.json `policy` or --policy)"))?;
+    // The MPS baseline reads mps_controller.json (the keys of controller.json)
+    // when the settings have one, as the original's MPS controller did.
+    let (c, file) = match (&settings.mps_controller, policy) {
+        (Some(m), PolicyKind::Mps) => (m, "mps_controller.json"),
+        _ => (&settings.controller, "controller.json"),
+    };
+    let period_s = args.period_s.unwrap_or(c.rescheduling_period_s);
     anyhow::ensure!(
-        c.rescheduling_period_s.is_finite() && c.rescheduling_period_s > 0.0,
-        "controller.json: rescheduling_period_s must be positive, got {}",
-        c.rescheduling_period_s
+        period_s.is_finite() && period_s > 0.0,
+        "{file}: rescheduling_period_s (or --period) must be positive, got {period_s}"
     );
+    let zipf_s = args.zipf_s.unwrap_or(c.zipf_s);
+    anyhow::ensure!(
+        zipf_s.is_finite() && zipf_s >= 0.0,
+        "{file}: zipf_s (or --zipf) must be 0 or more, got {zipf_s}"
+    );
+    let mut use_train = args.use_train.unwrap_or(c.use_train);
+    if policy.is_baseline() && use_train {
+        anyhow::ensure!(
+            args.use_train != Some(true),
+            "--use-train: the {policy} baseline does not share GPUs with training"
+        );
+        log::warn!("{file}: use_train is ignored by the {policy} baseline");
+        use_train = false;
+    }
     let mut cfg = distmind_controller::dispatch::DispatchConfig::new(
         policy,
         DistMindConfig {
-            period: (c.rescheduling_period_s * 1e6) as u64,
-            zipf_s: c.zipf_s,
+            period: (period_s * 1e6) as u64,
+            zipf_s,
             inference_workload_s: c.inference_workload_s.clone(),
-            use_train: args.use_train.unwrap_or(c.use_train),
+            use_train,
             seed: args.seed,
         },
     );
@@ -232,7 +255,43 @@ pub struct RuntimeArgs<'a> {
     pub verbs_device: Option<String>,
     pub verbs_gid_index: Option<u8>,
     pub no_tcp_fallback: bool,
+    /// Serve as a baseline of the evaluation (presets below).
+    pub baseline: Option<Baseline>,
+    /// Most models resident per device (default: the baseline's, else 12).
+    pub resident_max: Option<usize>,
+    /// Load whole models, no pipelining (default: the baseline's, else off).
+    pub whole_model: bool,
+    /// Keep every catalog model in the host cache (default: the baseline's, else off).
+    pub preload: bool,
 }
+
+/// How a GPU server of a baseline of the evaluation serves (the paper's
+/// MPS and Ray Serve setups, and the one-model GPU bound).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Baseline {
+    /// NVIDIA MPS: the whole model set in host memory, up to 12 models
+    /// resident per GPU (LRU), whole-model loads.
+    Mps,
+    /// Ray Serve: the whole model set in host memory, one model resident
+    /// per GPU, a whole-model switch.
+    Ray,
+    /// The GPU bound: one model, resident once loaded, never switched.
+    Gpu,
+}
+
+impl Baseline {
+    /// (models resident per device, whole-model loads, preload the catalog).
+    pub fn preset(self) -> (usize, bool, bool) {
+        match self {
+            Baseline::Mps => (MPS_RESIDENT_PER_GPU, true, true),
+            Baseline::Ray => (1, true, true),
+            Baseline::Gpu => (1, true, false),
+        }
+    }
+}
+
+/// The MPS baseline's processes per GPU (the paper's setting).
+pub const MPS_RESIDENT_PER_GPU: usize = 12;
 
 /// `distmind runtime`: the GPU server's request port.
 pub fn run_runtime(args: RuntimeArgs<'_>) -> anyhow::Result<()> {
@@ -271,6 +330,21 @@ pub fn run_runtime(args: RuntimeArgs<'_>) -> anyhow::Result<()> {
     config.queue_depth_max = args.queue_depth;
     config.metrics_listen = args.metrics;
     config.train_batch = args.train_batch;
+    let (resident, whole, preload) = args.baseline.map_or(
+        (
+            distmind_runtime::device::RESIDENT_MODELS_MAX_DEFAULT,
+            false,
+            false,
+        ),
+        Baseline::preset,
+    );
+    config.resident_models_max = args.resident_max.unwrap_or(resident);
+    anyhow::ensure!(
+        config.resident_models_max >= 1,
+        "--resident-max must be at least 1"
+    );
+    config.whole_model = args.whole_model || whole;
+    config.preload = args.preload || preload;
     let host = config
         .advertise
         .as_deref()

@@ -152,3 +152,209 @@ fn a_service_that_cannot_start_stops_the_bring_up_and_what_was_started() {
     assert!(started.iter().all(|&p| !running(p)));
     assert!(!run.join("cluster.json").exists());
 }
+
+// ---------------------------------------------------------------------------
+// MODE='remote' without other hosts: a stand-in ssh that runs the command
+// here (tests/netns.rs runs it across network namespaces, as root).
+
+/// `settings_copy` with MODE='remote' (GPU server and memory servers on
+/// 127.0.0.1, ssh user `ubuntu` of the shipped username.txt).
+fn remote_copy(dir: &Path, ports: &[u16]) -> PathBuf {
+    let s = settings_copy(dir, ports);
+    let config = std::fs::read_to_string(s.join("config.sh")).unwrap();
+    assert!(config.contains("MODE='local'"));
+    std::fs::write(
+        s.join("config.sh"),
+        config.replace("MODE='local'", "MODE='remote'"),
+    )
+    .unwrap();
+    s
+}
+
+/// An executable `dir/ssh` with `body` after a line that logs its
+/// arguments (up to the script's first line break) to `dir/ssh.log`.
+fn fake_ssh(dir: &Path, body: &str) -> PathBuf {
+    let path = dir.join("ssh");
+    let log = dir.join("ssh.log");
+    std::fs::write(
+        &path,
+        format!(
+            "#!/bin/sh\necho \"$*\" | head -n 1 >> '{}'\n{body}",
+            log.display()
+        ),
+    )
+    .unwrap();
+    let ok = std::process::Command::new("chmod")
+        .arg("+x")
+        .arg(&path)
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    path
+}
+
+/// An offset that puts every port's metrics twin on a free port.
+fn free_offset(ports: &[u16]) -> u16 {
+    (1..2000u16)
+        .find(|off| {
+            ports.iter().all(|p| match p.checked_add(*off) {
+                Some(m) => !ports.contains(&m) && TcpListener::bind(("127.0.0.1", m)).is_ok(),
+                None => false,
+            })
+        })
+        .expect("a free metrics offset")
+}
+
+#[test]
+fn remote_mode_needs_username_txt() {
+    let tmp = tempfile::tempdir().unwrap();
+    let settings = remote_copy(tmp.path(), &free_ports(5));
+    std::fs::remove_file(settings.join("username.txt")).unwrap();
+    let run = tmp.path().join("run");
+    let (ok, out, err) = cluster("up", &settings, &run, &SMALL);
+    assert!(!ok, "{out}");
+    assert!(
+        err.contains("username.txt") && err.contains("remote mode needs it"),
+        "{err}"
+    );
+}
+
+#[test]
+fn remote_mode_names_the_host_ssh_cannot_reach() {
+    let tmp = tempfile::tempdir().unwrap();
+    let settings = remote_copy(tmp.path(), &free_ports(5));
+    let run = tmp.path().join("run");
+    let ssh = fake_ssh(
+        tmp.path(),
+        "echo \"ssh: connect to host 127.0.0.1 port 22: No route to host\" >&2\nexit 255\n",
+    );
+    let mut extra = vec!["--ssh", ssh.to_str().unwrap()];
+    extra.extend_from_slice(&SMALL);
+    let (ok, out, err) = cluster("up", &settings, &run, &extra);
+    assert!(!ok, "{out}");
+    assert!(err.contains("stopped at controller"), "{err}");
+    assert!(
+        err.contains("ubuntu@127.0.0.1")
+            && err.contains("exit 255")
+            && err.contains("No route to host"),
+        "the host and ssh's message: {err}"
+    );
+    assert!(!run.join("cluster.json").exists());
+    // A missing ssh command is named too.
+    let (ok, _, err) = cluster("up", &settings, &run, &["--ssh", "/no/such/ssh -p 22"]);
+    assert!(!ok && err.contains("/no/such/ssh -p 22"), "{err}");
+}
+
+#[test]
+fn remote_mode_over_a_local_ssh_stand_in_starts_and_stops_by_pid() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ports = free_ports(5);
+    let settings = remote_copy(tmp.path(), &ports);
+    let run = tmp.path().join("run");
+    let _down = Down(run.clone());
+    // Drops options (-o X, -p X), and user@host; runs the command here.
+    let ssh = fake_ssh(
+        tmp.path(),
+        "while [ \"$1\" = -o ] || [ \"$1\" = -p ]; do shift 2; done\nshift\nexec sh -c \"$*\"\n",
+    );
+    let ssh_cmd = format!("{} -p 2222", ssh.display());
+    let offset = free_offset(&ports).to_string();
+    let mut extra = vec!["--ssh", &ssh_cmd, "--metrics-port-offset", &offset];
+    extra.extend_from_slice(&SMALL);
+    let (ok, out, err) = cluster("up", &settings, &run, &extra);
+    assert!(ok, "{out}\n{err}");
+    assert!(out.contains("4 services healthy"), "{out}");
+    let calls = std::fs::read_to_string(tmp.path().join("ssh.log")).unwrap();
+    assert!(
+        calls
+            .lines()
+            .all(|l| l.starts_with("-p 2222 -o BatchMode=yes ubuntu@127.0.0.1 sh -c ")),
+        "{calls}"
+    );
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("cluster.json")).unwrap()).unwrap();
+    let names: Vec<&str> = state
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            assert_eq!(s["mode"], "remote", "{s}");
+            assert_eq!(s["remote"]["host"], "127.0.0.1", "{s}");
+            s["name"].as_str().unwrap()
+        })
+        .collect();
+    assert_eq!(
+        names,
+        ["controller", "memserver-1", "memserver-2", "runtime-1"]
+    );
+    // The addresses are the settings' (metrics: port + offset).
+    let off: u16 = offset.parse().unwrap();
+    let runtime = &state[3]["addrs"];
+    assert_eq!(runtime["runtime"], format!("127.0.0.1:{}", ports[4]));
+    assert_eq!(runtime["metrics"], format!("127.0.0.1:{}", ports[4] + off));
+    assert_eq!(
+        state[0]["addrs"]["dispatcher"],
+        format!("127.0.0.1:{}", ports[3])
+    );
+    let pids = recorded_pids(&run);
+    assert!(pids.iter().all(|&p| running(p)));
+
+    let (ok, out, err) = cluster("status", &settings, &run, &[]);
+    assert!(ok, "{out}\n{err}");
+    for name in ["controller", "memserver-1", "memserver-2", "runtime-1"] {
+        let line = out.lines().find(|l| l.starts_with(name)).expect(name);
+        assert!(
+            line.contains(" healthy ") && line.contains("on ubuntu@127.0.0.1"),
+            "{line}"
+        );
+    }
+    let (ok, _, err) = cluster("up", &settings, &run, &extra);
+    assert!(!ok && err.contains("still running"), "{err}");
+
+    let (ok, out, err) = cluster("down", &settings, &run, &[]);
+    assert!(ok, "{out}\n{err}");
+    assert_eq!(
+        out.lines().filter(|l| l.contains("stopped")).count(),
+        4,
+        "{out}"
+    );
+    assert!(pids.iter().all(|&p| !running(p)), "every process stopped");
+    assert!(!run.join("cluster.json").exists());
+}
+
+#[test]
+fn remote_mode_shows_the_remote_log_of_a_service_that_fails_and_stops_the_rest() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ports = free_ports(5);
+    let settings = remote_copy(tmp.path(), &ports);
+    let run = tmp.path().join("run");
+    let _down = Down(run.clone());
+    let ssh = fake_ssh(
+        tmp.path(),
+        "while [ \"$1\" = -o ]; do shift 2; done\nshift\nexec sh -c \"$*\"\n",
+    );
+    let offset = free_offset(&ports).to_string();
+    // The second memory server's port is taken.
+    let _taken = TcpListener::bind(("127.0.0.1", ports[2])).unwrap();
+    let mut extra = vec![
+        "--ssh",
+        ssh.to_str().unwrap(),
+        "--metrics-port-offset",
+        &offset,
+    ];
+    extra.extend_from_slice(&SMALL);
+    let (ok, out, err) = cluster("up", &settings, &run, &extra);
+    assert!(!ok, "{out}");
+    assert!(err.contains("stopped at memserver-2"), "{err}");
+    assert!(
+        err.contains("exited during start-up") && err.contains("cannot listen on"),
+        "the remote log's end is shown: {err}"
+    );
+    let started: Vec<u32> = out
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(2)?.parse().ok())
+        .collect();
+    assert_eq!(started.len(), 2, "{out}");
+    assert!(started.iter().all(|&p| !running(p)));
+    assert!(!run.join("cluster.json").exists());
+}

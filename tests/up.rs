@@ -39,3 +39,175 @@ fn up_runs_a_workload_and_stops_everything() {
         .expect("a Total get line");
     assert!(answered > 0, "{stdout}");
 }
+
+/// Runs `up` with `extra` on tiny models (cpu executor, real math), closed
+/// loop, writing a row to `csv`; returns stdout.
+fn up_row(work: &std::path::Path, csv: &std::path::Path, extra: &[&str]) -> String {
+    let s = settings_dir();
+    let mut args = vec![
+        "up",
+        "--settings",
+        s.to_str().unwrap(),
+        "--executor",
+        "cpu",
+        "--work-dir",
+        work.to_str().unwrap(),
+        "--mode",
+        "closed",
+        "--concurrency",
+        "2",
+        "--duration",
+        "2s",
+        "--devices",
+        "2",
+        "--csv",
+        csv.to_str().unwrap(),
+        "--test",
+        "baselines",
+    ];
+    args.extend_from_slice(extra);
+    let (ok, stdout, stderr) = run(&args);
+    assert!(ok, "distmind up {extra:?} failed:\n{stdout}\n{stderr}");
+    stdout
+}
+
+/// The counter `name` of the runtime in `up`'s headline metrics.
+fn runtime_counter(stdout: &str, name: &str) -> f64 {
+    let runtime = stdout
+        .split("  runtime (")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no runtime metrics in:\n{stdout}"));
+    runtime
+        .lines()
+        .find_map(|l| l.trim().strip_prefix(name))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[test]
+fn the_same_workload_runs_against_distmind_and_each_baseline_and_plots() {
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("results").join("r.csv");
+    let work = dir.path().join("work");
+    // DistMind pulls models on demand.
+    let out = up_row(&work, &csv, &["--models", "3", "--family", "densenet201"]);
+    assert!(out.contains("up: system distmind"), "{out}");
+    // MPS: the whole set in host memory before the workload, 12 resident.
+    let out = up_row(
+        &work,
+        &csv,
+        &[
+            "--models",
+            "3",
+            "--family",
+            "densenet201",
+            "--system",
+            "mps",
+        ],
+    );
+    assert!(
+        out.contains("up: mps warmed: 3 models in host memory"),
+        "{out}"
+    );
+    assert!(
+        out.contains("12 model(s) resident per GPU, whole-model loads"),
+        "{out}"
+    );
+    // Every request found its model in host memory or on the device: the
+    // workload fetched nothing over the network.
+    let cold = runtime_counter(&out, "distmind_runtime_serve_path_total{path=\"cold\"}");
+    assert_eq!(cold, 0.0, "{out}");
+    // Ray: one resident per GPU.
+    let out = up_row(
+        &work,
+        &csv,
+        &[
+            "--models",
+            "3",
+            "--family",
+            "densenet201",
+            "--system",
+            "ray",
+        ],
+    );
+    assert!(out.contains("1 model(s) resident per GPU"), "{out}");
+    // The GPU bound: one model, resident on both devices before the workload.
+    let out = up_row(&work, &csv, &["--family", "densenet201", "--system", "gpu"]);
+    assert!(out.contains("its model resident on every device"), "{out}");
+    let resident = runtime_counter(
+        &out,
+        "distmind_runtime_serve_path_total{path=\"device_resident\"}",
+    );
+    let total = runtime_counter(&out, "distmind_runtime_requests_total{status=\"ok\"}");
+    assert!(total > 0.0 && resident == total, "{out}");
+
+    let text = std::fs::read_to_string(&csv).unwrap();
+    let rows: Vec<Vec<&str>> = text
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').collect())
+        .collect();
+    let header: Vec<&str> = text.lines().next().unwrap().split(',').collect();
+    let col = |name: &str| header.iter().position(|h| *h == name).unwrap();
+    let systems: Vec<&str> = rows.iter().map(|r| r[col("system")]).collect();
+    assert_eq!(systems, ["distmind", "mps", "ray", "gpu"]);
+    for r in &rows {
+        let ok: u64 = r[col("ok")].parse().unwrap();
+        assert!(ok > 0, "{r:?}");
+        assert_eq!(r[col("executor")], "cpu");
+        assert!(r[col("lat_mean_ms")].parse::<f64>().unwrap() > 0.0);
+        assert!(r[col("runtime_rss_mib")].parse::<u64>().unwrap() > 0);
+    }
+
+    // The rows draw as a figure.
+    let png = dir.path().join("fig.png");
+    let (ok, stdout, stderr) = run(&[
+        "plot",
+        "bars",
+        "--csv",
+        csv.to_str().unwrap(),
+        "--out",
+        png.to_str().unwrap(),
+        "--x",
+        "family",
+        "--series",
+        "system",
+        "--y",
+        "lat_mean_ms",
+        "--reference",
+        "gpu",
+    ]);
+    assert!(ok, "plot failed:\n{stdout}\n{stderr}");
+    let bytes = std::fs::read(&png).unwrap();
+    assert!(bytes.starts_with(b"\x89PNG\r\n\x1a\n"));
+}
+
+#[test]
+fn up_refuses_contradicting_flags_clearly() {
+    let s = settings_dir();
+    let (ok, _, stderr) = run(&[
+        "up",
+        "--settings",
+        s.to_str().unwrap(),
+        "--system",
+        "gpu",
+        "--models",
+        "3",
+    ]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("one-model bound: --models must be 1"),
+        "{stderr}"
+    );
+    let (ok, _, stderr) = run(&[
+        "up",
+        "--settings",
+        s.to_str().unwrap(),
+        "--system",
+        "mps",
+        "--policy",
+        "slo",
+    ]);
+    assert!(!ok);
+    assert!(stderr.contains("--policy slo contradicts it"), "{stderr}");
+}

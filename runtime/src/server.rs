@@ -25,15 +25,20 @@
 //!   carry the request id, in completion order.
 //! * [`worker`]: resolves the model through the controller's catalog (cached
 //!   per name), runs [`pipeline::cold_start`](crate::pipeline::cold_start)
-//!   (or [`pipeline::load`](crate::pipeline::load) for a prefetch), runs the
+//!   ([`pipeline::sequential`](crate::pipeline::sequential) with
+//!   `whole_model`, the baselines' whole-model loads; [`pipeline::load`](crate::pipeline::load)
+//!   for a prefetch), runs the
 //!   training iterations, encodes the replies.
 //! * [`register`]: registration and heartbeats (with a snapshot of queues,
 //!   resident models, training jobs and the host cache) to the controller.
+//! * [`preload`] (`preload` on: the baselines): keeps every catalog model
+//!   in the host cache.
 //! * [`metrics`]: Prometheus metrics ([`RuntimeMonitor::render_metrics`]),
 //!   served over HTTP at `metrics_listen` when set.
 
 mod conn;
 mod metrics;
+mod preload;
 mod register;
 mod worker;
 
@@ -80,6 +85,8 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// Host-cache prefetches (`Prefetch` without a device) running at once per
 /// runtime; one more is answered `Busy`.
 pub const PREFETCHES_IN_FLIGHT_MAX: usize = 4;
+/// How often `preload` looks for newly deployed models.
+pub const PRELOAD_INTERVAL: Duration = Duration::from_secs(1);
 /// `Train` requests waiting for one device's next iteration boundary; one
 /// more is answered `Busy`.
 pub const TRAIN_CONTROLS_MAX: usize = 4;
@@ -127,6 +134,15 @@ pub struct RuntimeConfig {
     /// Where to serve Prometheus metrics (`GET /metrics`, `GET /health`);
     /// `None` (the default): no metrics port.
     pub metrics_listen: Option<SocketAddr>,
+    /// Load a model whole (fetch, then upload, then compute) instead of
+    /// pipelining the stages group by group: the baselines of the
+    /// evaluation (MPS, Ray Serve). Default false.
+    pub whole_model: bool,
+    /// Keep every model of the catalog in the host cache: fetch each one
+    /// as soon as it is deployed (checked every [`PRELOAD_INTERVAL`]), as
+    /// the baselines hold the whole model set in every GPU server's host
+    /// memory. The cache must be large enough. Default false.
+    pub preload: bool,
 }
 
 impl RuntimeConfig {
@@ -159,6 +175,8 @@ impl RuntimeConfig {
             train_batch: TRAIN_BATCH_DEFAULT,
             train_sgd: SgdConfig::default(),
             metrics_listen: None,
+            whole_model: false,
+            preload: false,
         }
     }
 }
@@ -243,6 +261,8 @@ pub(crate) struct Core {
     pub devices: Vec<DeviceState>,
     pub catalog: worker::Catalog,
     pub pipeline: PipelineOptions,
+    /// Load whole models, stages one after the other (the baselines).
+    pub whole_model: bool,
     pub served: AtomicU64,
     pub errors: AtomicU64,
     pub connections: AtomicU64,
@@ -501,6 +521,7 @@ pub struct RuntimeServer {
     advertise: Option<String>,
     max_connections: usize,
     boot_id: u64,
+    preload: bool,
 }
 
 impl RuntimeServer {
@@ -585,6 +606,7 @@ impl RuntimeServer {
                 .collect(),
             catalog: worker::Catalog::new(config.controller.clone(), config.key.clone()),
             pipeline: config.pipeline,
+            whole_model: config.whole_model,
             served: AtomicU64::new(0),
             errors: AtomicU64::new(0),
             connections: AtomicU64::new(0),
@@ -640,6 +662,7 @@ impl RuntimeServer {
             advertise: config.advertise,
             max_connections: config.max_connections,
             boot_id: rand::random(),
+            preload: config.preload,
         })
     }
 
@@ -703,6 +726,9 @@ impl RuntimeServer {
                 render,
                 stop_rx.clone(),
             ));
+        }
+        if self.preload {
+            tasks.spawn(preload::run(self.shared.core.clone(), stop_rx.clone()));
         }
         let advertise = self.advertise.clone().unwrap_or_else(|| local.to_string());
         tasks.spawn(register::run(

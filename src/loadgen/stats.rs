@@ -293,7 +293,7 @@ pub struct ModelReport {
 }
 
 /// What a load-generator run measured (`--json` writes it).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct Report {
     /// closed, poisson or trace.
     pub mode: String,

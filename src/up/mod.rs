@@ -26,6 +26,7 @@
 
 mod metrics;
 pub(crate) mod procs;
+pub mod results;
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -59,6 +60,8 @@ pub const RATE_DEFAULT: f64 = 20.0;
 pub const CACHE_BYTES_MAX_DEFAULT: u64 = 4 << 30;
 const MIB: u64 = 1 << 20;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// A baseline's setup loads whole models: allow for a slow one.
+const PREFETCH_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// `--executor` of `up`: `auto` picks cuda when this build has it and a
 /// device answers, else cpu.
@@ -127,6 +130,89 @@ pub struct UpArgs {
     /// How long each process may take to become ready.
     #[arg(long, default_value = "60s", value_parser = parse_duration)]
     pub ready_timeout: Duration,
+    /// The system under test: distmind (the controller's --policy), or a baseline of the
+    /// evaluation: mps, ray, gpu (the one-model bound; implies --models 1). The same models and
+    /// workload run against each.
+    #[arg(long, value_enum, default_value = "distmind")]
+    pub system: System,
+    /// Generate models of this family only (default: the five families in turn).
+    #[arg(long)]
+    pub family: Option<Family>,
+    /// GPUs (devices) of the GPU server, one worker each.
+    #[arg(long, default_value_t = 1)]
+    pub devices: u32,
+    /// Workload: poisson (open loop at --rate) or closed (--concurrency clients, one request
+    /// outstanding each, as the original's client).
+    #[arg(long, value_enum, default_value = "poisson")]
+    pub mode: loadgen::Mode,
+    /// Closed-loop clients.
+    #[arg(long, default_value_t = 1)]
+    pub concurrency: usize,
+    /// Seconds between the distmind policy's reassignments (default: controller.json's
+    /// rescheduling_period_s).
+    #[arg(long)]
+    pub period: Option<f64>,
+    /// Append the results as one row to this CSV file (written with a header when new): the
+    /// input of `distmind plot`.
+    #[arg(long)]
+    pub csv: Option<PathBuf>,
+    /// The row's `system` column (default: the system's name), e.g. distmind_cache.
+    #[arg(long)]
+    pub label: Option<String>,
+    /// The row's `test` column (which experiment it belongs to).
+    #[arg(long, default_value = "up")]
+    pub test: String,
+    /// Balancer of the distmind policy: lor or lfu (the controller's --balancer).
+    #[arg(long)]
+    pub balancer: Option<String>,
+    /// Sharding of the deploy: hybrid, per-app, horizontal or vertical (default: controller.json's).
+    #[arg(long)]
+    pub strategy: Option<distmind_controller::placement::Strategy>,
+    /// Parameter memory of each GPU (the runtime's --device-memory; default: its host cache size):
+    /// a smaller simulated GPU holds fewer models resident.
+    #[arg(long, value_parser = parse_size)]
+    pub device_memory: Option<u64>,
+    /// Before the workload, load every model into the GPU server's host cache (not timed), so
+    /// DistMind starts from a warm cache; the mps and ray baselines always start so.
+    #[arg(long)]
+    pub warm_cache: bool,
+    /// Largest parameter group of the generated models in bytes (default: controller.json's
+    /// group_bytes; 1 = one group per layer).
+    #[arg(long)]
+    pub group_bytes: Option<u64>,
+}
+
+/// What `distmind up --system` runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum System {
+    /// DistMind: models pulled from the memory servers group by group, pipelined.
+    Distmind,
+    /// Baseline: NVIDIA MPS (whole model set in host memory, 12 resident per GPU, whole loads).
+    Mps,
+    /// Baseline: Ray Serve (whole model set in host memory, one resident per GPU).
+    Ray,
+    /// The GPU bound: one model, never switched.
+    Gpu,
+}
+
+impl System {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            System::Distmind => "distmind",
+            System::Mps => "mps",
+            System::Ray => "ray",
+            System::Gpu => "gpu",
+        }
+    }
+
+    fn baseline(self) -> Option<services::Baseline> {
+        match self {
+            System::Distmind => None,
+            System::Mps => Some(services::Baseline::Mps),
+            System::Ray => Some(services::Baseline::Ray),
+            System::Gpu => Some(services::Baseline::Gpu),
+        }
+    }
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -234,13 +320,37 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
     })
     .map_err(anyhow::Error::msg)?;
     let scale = args.scale.unwrap_or(default_scale(executor));
-    let n_models = args.models.unwrap_or(match scale {
-        Scale::Tiny => MODELS_TINY_DEFAULT,
-        Scale::Full => MODELS_FULL_DEFAULT,
+    let n_models = args.models.unwrap_or(match (args.system, scale) {
+        (System::Gpu, _) => 1,
+        (_, Scale::Tiny) => MODELS_TINY_DEFAULT,
+        (_, Scale::Full) => MODELS_FULL_DEFAULT,
     });
     if !(1..=MODELS_MAX).contains(&n_models) {
         bail!("--models must be 1..={MODELS_MAX}, got {n_models}");
     }
+    if args.system == System::Gpu && n_models != 1 {
+        bail!("--system gpu is the one-model bound: --models must be 1, got {n_models}");
+    }
+    if !(1..=distmind_runtime::server::DEVICES_MAX as u32).contains(&args.devices) {
+        bail!(
+            "--devices must be 1..={}, got {}",
+            distmind_runtime::server::DEVICES_MAX,
+            args.devices
+        );
+    }
+    if args.mode == loadgen::Mode::Trace {
+        bail!("--mode trace is not available in up: run `distmind client --mode trace` against a cluster");
+    }
+    let policy = match (args.system.baseline(), &args.policy) {
+        (None, p) => p.clone(),
+        (Some(_), Some(p)) if p != args.system.as_str() => bail!(
+            "--system {} runs the controller with --policy {}; --policy {p} contradicts it",
+            args.system.as_str(),
+            args.system.as_str()
+        ),
+        (Some(_), _) => Some(args.system.as_str().to_string()),
+    };
+    println!("up: system {}", args.system.as_str());
     println!("up: executor {executor} ({why}), {n_models} {scale} models");
     if executor == ExecutorKind::Cpu && scale == Scale::Full {
         println!("up: note: full-scale models on the cpu executor take seconds per request; expect rejections and few answers");
@@ -263,10 +373,13 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
     let t = Instant::now();
     let packages = generate(
         &model_dir,
-        scale,
-        n_models,
-        args.seed,
-        settings.controller.group_bytes,
+        &Models {
+            scale,
+            n: n_models,
+            seed: args.seed,
+            group_bytes: args.group_bytes.unwrap_or(settings.controller.group_bytes),
+            family: args.family,
+        },
         stop,
     )?;
     let mut total_bytes = 0u64;
@@ -298,8 +411,10 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
     let capacity = args
         .capacity
         .unwrap_or_else(|| with_slack(total_bytes * replication / args.memservers as u64));
-    let cache = args.cache.unwrap_or_else(|| {
-        with_slack(cached_bytes).min(CACHE_BYTES_MAX_DEFAULT.max(with_slack(largest)))
+    // The baselines hold the whole model set in host memory, uncapped.
+    let cache = args.cache.unwrap_or_else(|| match args.system {
+        System::Mps | System::Ray => with_slack(cached_bytes),
+        _ => with_slack(cached_bytes).min(CACHE_BYTES_MAX_DEFAULT.max(with_slack(largest))),
     });
     let settings_arg = args.settings.as_os_str().to_owned();
     let mut cluster = procs::Cluster::new(&exe, &args.child_log, true);
@@ -318,8 +433,17 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
         "--metrics",
         "127.0.0.1:0",
     ]));
-    if let Some(p) = &args.policy {
+    if let Some(p) = &policy {
         a.extend(os(&["--policy", p]));
+    }
+    if let Some(p) = args.period {
+        a.extend(os(&["--period", &p.to_string()]));
+    }
+    if let Some(z) = args.zipf {
+        a.extend(os(&["--zipf", &z.to_string()]));
+    }
+    if let Some(b) = &args.balancer {
+        a.extend(os(&["--balancer", b]));
     }
     let c = cluster.start(
         "controller",
@@ -386,7 +510,29 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
         &size_arg(cache),
         "--metrics",
         "127.0.0.1:0",
+        "--devices",
+        &(0..args.devices)
+            .map(|d| d.to_string())
+            .collect::<Vec<_>>()
+            .join(","),
     ]));
+    if let Some(m) = args.device_memory {
+        a.extend(os(&["--device-memory", &size_arg(m)]));
+    }
+    if let Some(b) = args.system.baseline() {
+        a.extend(os(&["--baseline", args.system.as_str()]));
+        let (resident, _, _) = b.preset();
+        println!(
+            "up: baseline {}: {resident} model(s) resident per GPU, whole-model loads{}",
+            args.system.as_str(),
+            if b.preset().2 {
+                ", every model in the GPU server's host memory"
+            } else {
+                ""
+            }
+        );
+    }
+    let mut profile_label = "-".to_string();
     if executor == ExecutorKind::Sim {
         let profile = args.profile.clone().unwrap_or_else(|| {
             let p = args.settings.join("profiles").join("h200-estimated.json");
@@ -404,11 +550,13 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
             profile.display(),
             p.source.as_str()
         );
+        profile_label = format!("{} ({})", profile.display(), p.source.as_str());
         a.push("--profile".into());
         a.push(profile.into_os_string());
     }
     let r = cluster.start("runtime", &a, &["runtime", "metrics"], timeout, stop)?;
     let runtime = r.addr("runtime").to_string();
+    let runtime_pid = r.pid();
     println!(
         "up: runtime      pid {:>7}  requests {runtime}  executor {executor}  host cache {}  metrics {}",
         r.pid(),
@@ -435,7 +583,7 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
         controller: ctl.clone(),
         key: key.clone(),
     };
-    let opts = crate::deploy::Options::from_settings(&settings, None, None, None, false);
+    let opts = crate::deploy::Options::from_settings(&settings, args.strategy, None, None, false);
     for pkg in &opened {
         if stop.load(Ordering::Relaxed) {
             bail!("interrupted during the deploy; every process was stopped");
@@ -449,13 +597,23 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
         total_bytes as f64 / 1e6,
         t.elapsed().as_secs_f64()
     );
+    if args.system != System::Distmind || args.warm_cache {
+        warm(args, &runtime, &key, &names, stop)?;
+    }
 
     // 4. Workload.
     let mut ca = loadgen::ClientArgs::with_settings(args.settings.clone());
     ca.addr = Some(dispatcher.clone());
     ca.controller = Some(ctl.clone());
-    ca.mode = Some(loadgen::Mode::Poisson);
-    ca.rate = Some(args.rate);
+    ca.mode = Some(args.mode);
+    match args.mode {
+        loadgen::Mode::Closed => {
+            ca.concurrency = Some(args.concurrency);
+            // The run lasts --duration, not GLOBAL_NUM_REQUEST requests.
+            ca.requests = Some(0);
+        }
+        _ => ca.rate = Some(args.rate),
+    }
     ca.duration = Some(args.duration);
     ca.zipf = args.zipf;
     ca.slo_ms = args.slo_ms;
@@ -463,9 +621,12 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
     ca.json = args.json.clone();
     // Most popular first, families interleaved, as generated.
     ca.models = names;
+    let shape = match args.mode {
+        loadgen::Mode::Closed => format!("closed loop, {} client(s)", args.concurrency),
+        _ => format!("poisson {} req/s", args.rate),
+    };
     println!(
-        "up: workload: poisson {} req/s for {:.0} s through the dispatcher at {dispatcher} (Ctrl-C stops early)",
-        args.rate,
+        "up: workload: {shape} for {:.0} s through the dispatcher at {dispatcher} (Ctrl-C stops early)",
         args.duration.as_secs_f64()
     );
     let report = loadgen::run_until(&ca, stop)?;
@@ -481,6 +642,8 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
             metrics::print_headline(&s.name, &addr, scrape_timeout);
         }
     }
+    // The GPU server's host memory, measured before it stops (figure 10).
+    let runtime_rss = rss_bytes(runtime_pid);
     let died = cluster.exited();
     println!();
     for (name, pid, what) in cluster.stop_all() {
@@ -496,6 +659,30 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
             report.sent
         );
     }
+    if let Some(path) = &args.csv {
+        let row = results::Row {
+            test: args.test.clone(),
+            system: args
+                .label
+                .clone()
+                .unwrap_or_else(|| args.system.as_str().to_string()),
+            family: args
+                .family
+                .map_or_else(|| "mixed".to_string(), |f| f.to_string()),
+            models: n_models,
+            devices: args.devices,
+            zipf: ca_zipf(args, &settings),
+            period_s: args
+                .period
+                .unwrap_or(settings.controller.rescheduling_period_s),
+            cache_bytes: cache,
+            executor: executor.to_string(),
+            profile: profile_label.clone(),
+            runtime_rss_bytes: runtime_rss,
+        };
+        results::append(path, &row, &report)?;
+        println!("up: results appended to {}", path.display());
+    }
     println!(
         "up: done in {:.1} s: {} of {} requests answered",
         started.elapsed().as_secs_f64(),
@@ -505,38 +692,66 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Writes the packages; returns their directories in model order (the
-/// families interleaved).
-fn generate(
-    dir: &Path,
+/// Which packages `up` generates.
+struct Models {
     scale: Scale,
     n: usize,
     seed: u64,
     group_bytes: u64,
-    stop: &AtomicBool,
-) -> anyhow::Result<Vec<PathBuf>> {
+    /// One family only; `None`: the five in turn.
+    family: Option<Family>,
+}
+
+/// The family and variant index of model `i`.
+fn model_family(m: &Models, i: usize) -> (Family, usize) {
+    match m.family {
+        Some(f) => (f, i),
+        None => family_of(i),
+    }
+}
+
+/// Writes the packages; returns their directories in model order (the
+/// families interleaved). Packages already in `dir` with the same name,
+/// seed and group size are kept (a given --work-dir is reused across runs).
+fn generate(dir: &Path, m: &Models, stop: &AtomicBool) -> anyhow::Result<Vec<PathBuf>> {
     let mut per_family: Vec<Vec<PathBuf>> = Vec::new();
     for (f, family) in Family::ALL.iter().enumerate() {
-        let variants = (0..n).filter(|&i| family_of(i).0 == *family).count();
+        let variants = (0..m.n)
+            .filter(|&i| model_family(m, i).0 == *family)
+            .count();
         if stop.load(Ordering::Relaxed) {
             bail!("interrupted while generating models");
+        }
+        let seed = m.seed.wrapping_add(1000 * f as u64);
+        let expected: Vec<PathBuf> = (0..variants)
+            .map(|v| dir.join(distmind_models::variant_name(*family, m.scale, v)))
+            .collect();
+        let reusable = expected.iter().enumerate().all(|(v, d)| {
+            distmind_models::Package::open(d).is_ok_and(|p| {
+                p.manifest.seed == Some(seed.wrapping_add(v as u64))
+                    && p.manifest.group_bytes == m.group_bytes
+            })
+        });
+        if reusable {
+            per_family.push(expected);
+            continue;
         }
         let opts = distmind_models::GenOptions {
             family: *family,
             variants,
             out_dir: dir.to_path_buf(),
-            scale,
-            seed: seed.wrapping_add(1000 * f as u64),
-            group_bytes,
+            scale: m.scale,
+            seed,
+            group_bytes: m.group_bytes,
         };
         per_family.push(
             distmind_models::generate(&opts)
                 .with_context(|| format!("generating {variants} {family} packages"))?,
         );
     }
-    Ok((0..n)
+    Ok((0..m.n)
         .map(|i| {
-            let (family, v) = family_of(i);
+            let (family, v) = model_family(m, i);
             let f = Family::ALL
                 .iter()
                 .position(|x| *x == family)
@@ -544,6 +759,66 @@ fn generate(
             per_family[f][v].clone()
         })
         .collect())
+}
+
+/// A process's resident memory (VmRSS of /proc/<pid>/status), if readable.
+fn rss_bytes(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
+}
+
+/// The zipf exponent the workload uses (the client's default).
+fn ca_zipf(args: &UpArgs, settings: &distmind_common::settings::Settings) -> f64 {
+    args.zipf.unwrap_or(settings.controller.zipf_s)
+}
+
+/// Brings a system to the state the paper measures it in (setup, not
+/// timed): mps and ray (and distmind with --warm-cache) with every model in
+/// the GPU server's host memory; the gpu bound with its model resident on
+/// every device.
+fn warm(
+    args: &UpArgs,
+    runtime: &str,
+    key: &ClusterKey,
+    names: &[String],
+    stop: &AtomicBool,
+) -> anyhow::Result<()> {
+    let t = Instant::now();
+    let mut c = distmind_runtime::client::RuntimeClient::connect(runtime, key, PREFETCH_TIMEOUT)
+        .with_context(|| format!("cannot reach the runtime at {runtime}"))?;
+    for name in names {
+        if stop.load(Ordering::Relaxed) {
+            bail!("interrupted while warming the GPU server");
+        }
+        if args.system == System::Gpu {
+            for d in 0..args.devices {
+                c.prefetch(name, Some(d))
+                    .with_context(|| format!("loading {name} onto device {d}"))?;
+            }
+        } else {
+            c.prefetch(name, None)
+                .with_context(|| format!("loading {name} into the host memory of {runtime}"))?;
+        }
+    }
+    println!(
+        "up: {} warmed: {} in {:.1} s (setup, not timed)",
+        args.system.as_str(),
+        if args.system == System::Gpu {
+            "its model resident on every device".to_string()
+        } else {
+            format!("{} models in host memory", names.len())
+        },
+        t.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 /// Polls the controller until every memory server and the runtime are
@@ -664,7 +939,14 @@ mod tests {
     fn generate_interleaves_families() {
         let dir = std::env::temp_dir().join(format!("distmind-up-test-{}", std::process::id()));
         let stop = AtomicBool::new(false);
-        let dirs = generate(&dir, Scale::Tiny, 7, 0, 1 << 20, &stop).unwrap();
+        let m = Models {
+            scale: Scale::Tiny,
+            n: 7,
+            seed: 0,
+            group_bytes: 1 << 20,
+            family: None,
+        };
+        let dirs = generate(&dir, &m, &stop).unwrap();
         let names: Vec<String> = dirs
             .iter()
             .map(|d| d.file_name().unwrap().to_string_lossy().into_owned())

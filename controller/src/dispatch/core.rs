@@ -230,6 +230,8 @@ pub struct Dispatcher {
     /// Requests routed to each (runtime, model), queued or outstanding: a
     /// model with any is never cached out.
     active: IdMap<(u32, u32), u32>,
+    /// The `gpu` bound's one model (the first one asked for).
+    only_model: Option<u32>,
 }
 
 impl Dispatcher {
@@ -256,6 +258,7 @@ impl Dispatcher {
             last_rate_at: 0,
             training_started: HashSet::new(),
             active: IdMap::default(),
+            only_model: None,
         })
     }
 
@@ -590,13 +593,24 @@ impl Dispatcher {
 
     fn routable(&self, gi: usize) -> bool {
         let g = &self.gpus[gi];
-        g.link_up && (self.cfg.policy == PolicyKind::Slo || g.role == GpuRole::Inference)
+        g.link_up && (self.cfg.policy != PolicyKind::DistMind || g.role == GpuRole::Inference)
     }
 
     fn route(&mut self, now: Micros, id: ReqId, r: Req, out: &mut Vec<Action>) {
+        if self.cfg.policy == PolicyKind::Gpu {
+            let only = *self.only_model.get_or_insert(r.model);
+            if r.model != only {
+                let message = format!(
+                    "request for {} refused: the gpu bound serves one model, {}, and never switches",
+                    self.models[r.model as usize].meta.name, self.models[only as usize].meta.name
+                );
+                self.fail(id, ErrorCode::BadRequest, message, out);
+                return;
+            }
+        }
         match self.cfg.policy {
             PolicyKind::Slo => self.route_slo(now, id, r, out),
-            PolicyKind::DistMind => {
+            PolicyKind::DistMind | PolicyKind::Mps | PolicyKind::Ray | PolicyKind::Gpu => {
                 self.reqs.insert(id, r);
                 if !self.route_balanced(now, id, out) {
                     if self.pending.len() >= PENDING_MAX {
@@ -737,10 +751,14 @@ impl Dispatcher {
         });
     }
 
-    /// The `distmind` policy's balancer: sends the request now if a GPU has
-    /// room, else returns false (it waits in `pending`).
+    /// The balancer of the `distmind` policy and of the baselines: sends
+    /// the request now if a GPU has room, else returns false (it waits in
+    /// `pending`). The baselines hold every model in every GPU server's host
+    /// memory, so any GPU may serve any model: the least outstanding GPU
+    /// where it is resident if one has room, else the least outstanding.
     fn route_balanced(&mut self, now: Micros, id: ReqId, out: &mut Vec<Action>) -> bool {
         let model = self.reqs[&id].model;
+        let baseline = self.cfg.policy.is_baseline();
         // Least outstanding (< 8) in three tiers: GPUs holding the model
         // (resident or assigned; `lor` only), hosts caching it, any GPU.
         let mut best = [None::<(u32, usize)>; 3];
@@ -752,9 +770,13 @@ impl Dispatcher {
                 continue;
             }
             let g = &self.gpus[gi];
-            let holds = self.cfg.balancer == Balancer::LeastOutstanding
-                && (g.assigned == Some(model) || g.resident.contains(&model));
-            held_somewhere |= holds;
+            let holds = if baseline {
+                g.resident.contains(&model)
+            } else {
+                self.cfg.balancer == Balancer::LeastOutstanding
+                    && (g.assigned == Some(model) || g.resident.contains(&model))
+            };
+            held_somewhere |= holds && !baseline;
             if g.outstanding >= LOR_OUTSTANDING_MAX {
                 continue;
             }
@@ -770,7 +792,9 @@ impl Dispatcher {
                 best[tier] = Some(key);
             }
         }
-        let target = if held_somewhere {
+        let target = if baseline {
+            best[0].or(best[1]).or(best[2]).map(|(_, gi)| gi)
+        } else if held_somewhere {
             best[0].map(|(_, gi)| gi)
         } else {
             best[1].or(best[2]).map(|(_, gi)| gi)
@@ -778,7 +802,9 @@ impl Dispatcher {
         let Some(gi) = target else {
             return false;
         };
-        self.cache_out_for(gi, model, out);
+        if !baseline {
+            self.cache_out_for(gi, model, out);
+        }
         let at = self.where_is(gi, model);
         let service = self
             .cost
@@ -900,7 +926,9 @@ impl Dispatcher {
         let gpu = self.gpus[gi].gpu;
         match self.cfg.policy {
             PolicyKind::Slo => self.pump(now, gi, out),
-            PolicyKind::DistMind => self.drain_pending(now, out),
+            PolicyKind::DistMind | PolicyKind::Mps | PolicyKind::Ray | PolicyKind::Gpu => {
+                self.drain_pending(now, out)
+            }
         }
         Some(DispatchInfo {
             runtime: gpu.runtime,
@@ -961,6 +989,8 @@ impl Dispatcher {
                 self.start_training_everywhere(out);
                 self.prefetch_hot(now, out);
             }
+            // No placement and no training: requests wait for a GPU only.
+            PolicyKind::Mps | PolicyKind::Ray | PolicyKind::Gpu => self.drain_pending(now, out),
         }
     }
 
@@ -1146,7 +1176,7 @@ impl Dispatcher {
                             .collect(),
                         None => Vec::new(),
                     },
-                    PolicyKind::Slo => g
+                    PolicyKind::Slo | PolicyKind::Mps | PolicyKind::Ray | PolicyKind::Gpu => g
                         .resident
                         .iter()
                         .map(|&m| self.models[m as usize].meta.name.clone())

@@ -472,3 +472,88 @@ fn lfu_routes_to_the_host_that_caches_the_model_and_evicts_the_least_used() {
     assert_eq!(ev, vec![(1, "m0".to_string())], "{out:?}");
     assert_eq!(sent(&out), vec![(r, gpu(1))]);
 }
+
+#[test]
+fn baselines_route_to_a_gpu_holding_the_model_else_the_least_outstanding_and_never_place() {
+    for policy in [PolicyKind::Mps, PolicyKind::Ray] {
+        let mut d = dispatcher(policy, 2);
+        let a = model(&mut d, "a");
+        let b = model(&mut d, "b");
+        make_resident(&mut d, 1, "a");
+        let mut out = Vec::new();
+        // No placement, no prefetch, no training on ticks.
+        d.tick(0, &mut out);
+        d.tick(2_000 * MS, &mut out);
+        assert!(out.is_empty(), "{policy}: {out:?}");
+        // `a` goes where it is resident, while that GPU has room.
+        let first = d.submit(0, a, Some(1e6), &mut out);
+        assert_eq!(sent(&out), vec![(first, gpu(1))], "{policy}");
+        out.clear();
+        // `b` is resident nowhere: any GPU may load it (the whole set is in
+        // every host's memory), the least outstanding first.
+        let second = d.submit(0, b, Some(1e6), &mut out);
+        assert_eq!(sent(&out), vec![(second, gpu(0))], "{policy}");
+        // Never a cache-out: the baselines hold every model in host memory.
+        assert!(
+            !out.iter().any(|a| matches!(a, Action::Evict { .. })),
+            "{policy}: {out:?}"
+        );
+        out.clear();
+        // Full GPUs: requests wait, then go out as replies come.
+        let more: Vec<ReqId> = (0..20)
+            .map(|_| d.submit(0, a, Some(1e6), &mut out))
+            .collect();
+        assert_eq!(sent(&out).len(), 2 * LOR_OUTSTANDING_MAX as usize - 2);
+        out.clear();
+        let t = timing(ServePath::DeviceResident, 10.0);
+        let c = Completion {
+            timing: Some(&t),
+            resident: &["a".to_string()],
+        };
+        d.complete(10 * MS, first, &c, &mut out);
+        assert_eq!(
+            sent(&out).len(),
+            1,
+            "{policy}: one waiting request goes out"
+        );
+        assert!(more.contains(&sent(&out)[0].0));
+    }
+}
+
+#[test]
+fn the_gpu_bound_serves_its_first_model_only() {
+    let mut d = dispatcher(PolicyKind::Gpu, 1);
+    let a = model(&mut d, "a");
+    let b = model(&mut d, "b");
+    let mut out = Vec::new();
+    let first = d.submit(0, a, Some(1e6), &mut out);
+    assert_eq!(sent(&out), vec![(first, gpu(0))]);
+    out.clear();
+    let other = d.submit(0, b, Some(1e6), &mut out);
+    assert_eq!(failed(&out), vec![(other, ErrorCode::BadRequest)]);
+    let Some(Action::Fail { error, .. }) = out.first() else {
+        panic!("{out:?}")
+    };
+    assert!(error.message.contains("one model, a"), "{}", error.message);
+    out.clear();
+    let again = d.submit(0, a, Some(1e6), &mut out);
+    assert_eq!(sent(&out), vec![(again, gpu(0))]);
+}
+
+#[test]
+fn policy_names_parse_and_name_the_baselines() {
+    for (name, kind) in [
+        ("distmind", PolicyKind::DistMind),
+        ("slo", PolicyKind::Slo),
+        ("mps", PolicyKind::Mps),
+        ("ray", PolicyKind::Ray),
+        ("gpu", PolicyKind::Gpu),
+    ] {
+        let parsed: PolicyKind = name.parse().unwrap();
+        assert_eq!(parsed, kind);
+        assert_eq!(parsed.as_str(), name);
+        assert_eq!(kind.is_baseline(), matches!(name, "mps" | "ray" | "gpu"));
+    }
+    let e = "lru".parse::<PolicyKind>().unwrap_err();
+    assert!(e.contains("mps") && e.contains("lru"), "{e}");
+}

@@ -58,6 +58,29 @@ pub enum PolicyKind {
     /// Ours: earliest feasible finish, EDF queues, admission control,
     /// demand-driven prefetching, training on idle GPUs.
     Slo,
+    /// Baseline of the evaluation: NVIDIA MPS. Every GPU serves every model
+    /// (the GPU servers hold the whole model set in host memory and keep up
+    /// to 12 models resident per GPU, loaded whole, no pipelining; those are
+    /// runtime settings, see `distmind runtime --baseline`); routing: least
+    /// outstanding among the GPUs where the model is resident, else among
+    /// all. No placement, no cache-out, no training.
+    Mps,
+    /// Baseline of the evaluation: Ray Serve. Routing as [`PolicyKind::Mps`];
+    /// its GPU servers keep one model resident and switch whole models.
+    Ray,
+    /// The GPU bound: one model, never switched. The first model asked for
+    /// is the only one served; requests for another are refused.
+    Gpu,
+}
+
+impl PolicyKind {
+    /// Every policy name `FromStr` accepts.
+    pub const NAMES: &'static str = "distmind, slo, mps, ray or gpu";
+
+    /// A baseline of the evaluation (mps, ray, gpu), not a DistMind policy.
+    pub fn is_baseline(&self) -> bool {
+        matches!(self, PolicyKind::Mps | PolicyKind::Ray | PolicyKind::Gpu)
+    }
 }
 
 impl PolicyKind {
@@ -65,6 +88,9 @@ impl PolicyKind {
         match self {
             PolicyKind::DistMind => "distmind",
             PolicyKind::Slo => "slo",
+            PolicyKind::Mps => "mps",
+            PolicyKind::Ray => "ray",
+            PolicyKind::Gpu => "gpu",
         }
     }
 }
@@ -75,7 +101,13 @@ impl FromStr for PolicyKind {
         match s {
             "distmind" => Ok(PolicyKind::DistMind),
             "slo" => Ok(PolicyKind::Slo),
-            _ => Err(format!("unknown policy {s:?}: expected distmind or slo")),
+            "mps" => Ok(PolicyKind::Mps),
+            "ray" => Ok(PolicyKind::Ray),
+            "gpu" => Ok(PolicyKind::Gpu),
+            _ => Err(format!(
+                "unknown policy {s:?}: expected {}",
+                PolicyKind::NAMES
+            )),
         }
     }
 }

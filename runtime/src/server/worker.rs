@@ -34,7 +34,9 @@ use crate::cache::CacheError;
 use crate::device::DeviceError;
 use crate::exec::{ExecError, HostTensor, TraceEvent};
 use crate::npy::{encode_npy, parse_npy};
-use crate::pipeline::{cache_in, cold_start, load, LoadPath, MergedTrace, PipelineError};
+use crate::pipeline::{
+    cache_in, cold_start, load, sequential, LoadPath, MergedTrace, PipelineError,
+};
 use crate::pipeline::{PipelineEvent, Request, Stages, Timing};
 use crate::train::{check_trainable, sgd_step_with_state, SgdState};
 
@@ -177,6 +179,37 @@ impl Catalog {
 
     /// `GetModel`, reconnecting once if the shared connection broke.
     fn fetch_entry(&self, model: &str) -> Result<ModelEntry, ErrorReply> {
+        match self.call(|c| c.get_model(model)) {
+            Ok(entry) => Ok(entry),
+            Err(e @ ClientError::Server { .. }) => {
+                let reply = e.error_reply().cloned().expect("a server error");
+                Err(match reply.code {
+                    ErrorCode::UnknownModel => ErrorReply::new(
+                        ErrorCode::UnknownModel,
+                        format!("unknown model {model:?}: it is not in the controller's catalog (deploy it first)"),
+                    ),
+                    _ => reply,
+                })
+            }
+            Err(e) => Err(ErrorReply::new(
+                ErrorCode::Internal,
+                format!("model {model}: cannot ask the catalog: {e}"),
+            )),
+        }
+    }
+
+    /// Every model name in the catalog (`ListModels`).
+    pub fn list(&self) -> Result<Vec<String>, ClientError> {
+        self.call(|c| c.list_models())
+            .map(|models| models.into_iter().map(|m| m.name).collect())
+    }
+
+    /// One request on the shared controller connection, reconnecting once
+    /// if it broke (a server's error reply is returned as is).
+    fn call<T>(
+        &self,
+        mut f: impl FnMut(&mut ControllerClient) -> Result<T, ClientError>,
+    ) -> Result<T, ClientError> {
         let mut client = self.client.lock().unwrap_or_else(|p| p.into_inner());
         let mut last = None;
         for _ in 0..2 {
@@ -189,32 +222,16 @@ impl Catalog {
                     }
                 }
             }
-            let c = client.as_mut().expect("connected above");
-            match c.get_model(model) {
-                Ok(entry) => return Ok(entry),
-                Err(e @ ClientError::Server { .. }) => {
-                    let reply = e.error_reply().cloned().expect("a server error");
-                    return Err(match reply.code {
-                        ErrorCode::UnknownModel => ErrorReply::new(
-                            ErrorCode::UnknownModel,
-                            format!("unknown model {model:?}: it is not in the controller's catalog (deploy it first)"),
-                        ),
-                        _ => reply,
-                    });
-                }
+            match f(client.as_mut().expect("connected above")) {
+                Ok(v) => return Ok(v),
+                Err(e @ ClientError::Server { .. }) => return Err(e),
                 Err(e) => {
                     *client = None;
                     last = Some(e);
                 }
             }
         }
-        Err(ErrorReply::new(
-            ErrorCode::Internal,
-            format!(
-                "model {model}: cannot ask the catalog: {}",
-                last.map_or_else(|| "no attempt made".to_string(), |e| e.to_string())
-            ),
-        ))
+        Err(last.expect("each attempt failed with an error"))
     }
 }
 
@@ -438,7 +455,11 @@ fn serve(core: &Core, index: usize, job: &Job, train_yield: Duration) -> Outgoin
         arrived: job.arrived,
     };
     let busy = Instant::now();
-    let served = cold_start(&stages, &request, &core.pipeline);
+    let served = if core.whole_model {
+        sequential(&stages, &request, &core.pipeline)
+    } else {
+        cold_start(&stages, &request, &core.pipeline)
+    };
     device.add_busy(busy);
     let (outputs, timing, trace) = match served {
         Ok(v) => v,
