@@ -25,7 +25,7 @@ for fam in resnet152 inception_v3 densenet201 bert_base gpt2; do
     echo "== $fam"
     # distmind_cache: the host cache holds the set; distmind_remote: it holds
     # 2 models, so most requests pull from the memory servers.
-    up "${common[@]}" --system distmind --models "$N" --capacity "$cap" --cache "$all" --warm-cache \
+    up "${common[@]}" --system distmind --models "$N" --capacity "$cap" --cache "$all" \
         --label distmind_cache >/dev/null
     up "${common[@]}" --system distmind --models "$N" --capacity "$cap" \
         --cache "$(( 2 * mib + 8 ))MiB" --label distmind_remote >/dev/null
