@@ -21,16 +21,8 @@ fn free_ports(n: usize) -> Vec<u16> {
 /// The shipped settings in `dir/settings`, the metadata endpoint, the two
 /// memory servers, the client port and the cache port moved to `ports`.
 fn settings_copy(dir: &Path, ports: &[u16]) -> PathBuf {
-    let out = dir.join("settings");
-    std::fs::create_dir(&out).unwrap();
-    for f in std::fs::read_dir(settings_dir()).unwrap() {
-        let f = f.unwrap();
-        if !f.file_type().unwrap().is_file() {
-            continue;
-        }
-        let name = f.file_name().into_string().unwrap();
-        let text = std::fs::read_to_string(f.path()).unwrap_or_default();
-        let text = match name.as_str() {
+    copy_settings(dir, |name, text| {
+        Some(match name {
             "storage_list.txt" => text
                 .replace("7777", &ports[0].to_string())
                 .replace("7778", &ports[1].to_string())
@@ -42,27 +34,9 @@ fn settings_copy(dir: &Path, ports: &[u16]) -> PathBuf {
                 .replace("=7777", &format!("={}", ports[0]))
                 .replace("=9999", &format!("={}", ports[3]))
                 .replace("=10009", &format!("={}", ports[4])),
-            _ => {
-                std::fs::copy(f.path(), out.join(&name)).unwrap();
-                continue;
-            }
-        };
-        std::fs::write(out.join(&name), text).unwrap();
-    }
-    out
-}
-
-fn cluster(cmd: &str, settings: &Path, run: &Path, extra: &[&str]) -> (bool, String, String) {
-    let mut args = vec![
-        "cluster",
-        cmd,
-        "--settings",
-        settings.to_str().unwrap(),
-        "--run-dir",
-        run.to_str().unwrap(),
-    ];
-    args.extend_from_slice(extra);
-    support::run(&args)
+            _ => return None,
+        })
+    })
 }
 
 /// Pids in `cluster.json`.

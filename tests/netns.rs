@@ -35,16 +35,8 @@ const CACHE_PORT: u16 = 10009;
 /// has its own network namespace.
 fn remote_settings(dir: &Path, lab: &netns::Lab) -> PathBuf {
     let ctl = &lab.host("ctl").ip;
-    let out = dir.join("settings");
-    std::fs::create_dir(&out).unwrap();
-    for f in std::fs::read_dir(settings_dir()).unwrap() {
-        let f = f.unwrap();
-        if !f.file_type().unwrap().is_file() {
-            continue;
-        }
-        let name = f.file_name().into_string().unwrap();
-        let text = std::fs::read_to_string(f.path()).unwrap_or_default();
-        let text = match name.as_str() {
+    copy_settings(dir, |name, text| {
+        Some(match name {
             "storage_list.txt" => format!(
                 "storage_address, storage_port\n{ctl}, {METADATA_PORT}\n{}, {MEMSERVER_PORT}\n{}, {MEMSERVER_PORT}\n",
                 lab.host("ms1").ip,
@@ -64,27 +56,9 @@ fn remote_settings(dir: &Path, lab: &netns::Lab) -> PathBuf {
                 assert!(t.contains("MODE='remote'"), "config.sh: {t}");
                 t
             }
-            _ => {
-                std::fs::copy(f.path(), out.join(&name)).unwrap();
-                continue;
-            }
-        };
-        std::fs::write(out.join(&name), text).unwrap();
-    }
-    out
-}
-
-fn cluster(cmd: &str, settings: &Path, run: &Path, extra: &[&str]) -> (bool, String, String) {
-    let mut args = vec![
-        "cluster",
-        cmd,
-        "--settings",
-        settings.to_str().unwrap(),
-        "--run-dir",
-        run.to_str().unwrap(),
-    ];
-    args.extend_from_slice(extra);
-    support::run(&args)
+            _ => return None,
+        })
+    })
 }
 
 /// Stops the recorded cluster (over the recorded ssh), pass or fail; drops

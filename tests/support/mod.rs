@@ -297,3 +297,45 @@ pub fn input_for(pkg: &distmind_models::Package) -> distmind_runtime::exec::Host
         ),
     }
 }
+
+/// A copy of the shipped settings in `dir/settings`: `edit(name, text)`
+/// returns a file's new text, or `None` to copy it unchanged (binary files
+/// such as `cluster.key` included). Subdirectories are not copied.
+pub fn copy_settings(dir: &Path, mut edit: impl FnMut(&str, &str) -> Option<String>) -> PathBuf {
+    let out = dir.join("settings");
+    std::fs::create_dir(&out).unwrap();
+    for f in std::fs::read_dir(settings_dir()).unwrap() {
+        let f = f.unwrap();
+        if !f.file_type().unwrap().is_file() {
+            continue;
+        }
+        let name = f.file_name().into_string().unwrap();
+        let text = std::fs::read_to_string(f.path()).unwrap_or_default();
+        match edit(&name, &text) {
+            Some(t) => std::fs::write(out.join(&name), t).unwrap(),
+            None => {
+                std::fs::copy(f.path(), out.join(&name)).unwrap();
+            }
+        }
+    }
+    out
+}
+
+/// `distmind cluster <cmd> --settings S --run-dir R <extra>`.
+pub fn cluster(
+    cmd: &str,
+    settings: &Path,
+    run_dir: &Path,
+    extra: &[&str],
+) -> (bool, String, String) {
+    let mut args = vec![
+        "cluster",
+        cmd,
+        "--settings",
+        settings.to_str().unwrap(),
+        "--run-dir",
+        run_dir.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    run(&args)
+}
