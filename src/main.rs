@@ -165,6 +165,9 @@ struct InferCmd {
 enum ModelCommand {
     /// Write packages of a model family with its exact parameter shapes and seeded random weights.
     Gen(GenCmd),
+    /// Make a package from a PyTorch / Hugging Face checkpoint (.safetensors with the
+    /// framework's parameter names), checking every tensor against the architecture.
+    Import(ImportCmd),
     /// Print a package's layer and group table.
     Inspect {
         /// The package directory (DIR/<name>).
@@ -192,6 +195,53 @@ struct GenCmd {
     /// Largest parameter group in bytes (1 = one group per layer; a layer larger than this is a group of its own).
     #[arg(long, default_value_t = distmind_common::limits::GROUP_BYTES_DEFAULT)]
     group_bytes: u64,
+}
+
+#[derive(Args)]
+#[command(after_help = "\
+Names: torchvision `state_dict` names (resnet152, inception_v3, densenet201) and Hugging Face
+`BertModel` / `GPT2Model` names (bert_base, gpt2); a `module.`, `model.`, `bert.` or
+`transformer.` prefix is stripped. Buffers inference does not read (num_batches_tracked,
+Inception's AuxLogits, attention mask buffers) are left out and listed by `model inspect`.
+F16 and BF16 checkpoints are widened to f32 exactly (every executor computes in f32).
+
+Hyper-parameters: for bert_base and gpt2 from Hugging Face's config.json (--config, required);
+for the CNNs from the tensor shapes (stage and block counts, widths, classes; BatchNorm eps
+at torchvision's defaults), or from a distmind config (--config, a manifest's `config` object).
+Smaller and larger variants of each architecture import the same way.
+
+Example:
+  distmind model import --family gpt2 --weights model.safetensors --config config.json \\
+      --out models/gpt2-finetuned --seq-len 128")]
+struct ImportCmd {
+    /// resnet152, inception_v3, densenet201, bert_base or gpt2: the architecture.
+    #[arg(long)]
+    family: distmind_models::Family,
+    /// The checkpoint (.safetensors), e.g. `safetensors.torch.save_file(model.state_dict(), F)`.
+    #[arg(long)]
+    weights: PathBuf,
+    /// Hugging Face config.json (bert_base, gpt2), or a distmind config for the CNNs.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// The package directory to create, DIR/<name>; <name> is the model's name.
+    #[arg(long)]
+    out: PathBuf,
+    /// Input batch size of the package [default: the config's, else 8].
+    #[arg(long)]
+    batch_size: Option<usize>,
+    /// CNN input height and width [default: 224; inception_v3 299].
+    #[arg(long)]
+    image_size: Option<usize>,
+    /// Transformer sequence length [default: min(512, the config's positions)].
+    #[arg(long)]
+    seq_len: Option<usize>,
+    /// Largest parameter group in bytes (as for `model gen`).
+    #[arg(long, default_value_t = distmind_common::limits::GROUP_BYTES_DEFAULT)]
+    group_bytes: u64,
+    /// Leave out tensors that are not part of the base model (a task head such as
+    /// `cls.*` or `lm_head.weight`) instead of failing on them.
+    #[arg(long)]
+    ignore_extra: bool,
 }
 
 #[derive(Args)]
@@ -367,6 +417,30 @@ fn run(command: Command) -> anyhow::Result<()> {
             for dir in distmind_models::generate(&opts)? {
                 println!("{}", dir.display());
             }
+            Ok(())
+        }
+        Command::Model(ModelCommand::Import(c)) => {
+            let m = distmind_models::import(&distmind_models::ImportOptions {
+                family: c.family,
+                weights: c.weights.clone(),
+                config: c.config,
+                out: c.out.clone(),
+                batch_size: c.batch_size,
+                image_size: c.image_size,
+                seq_len: c.seq_len,
+                group_bytes: c.group_bytes,
+                ignore_extra: c.ignore_extra,
+            })?;
+            let dropped = m.origin.as_ref().map_or(0, |o| o.dropped.len());
+            eprintln!(
+                "imported {} {} params ({} values) into {} groups; {} checkpoint tensors left out",
+                m.family,
+                m.params.len(),
+                m.params.iter().map(|p| p.nbytes / 4).sum::<u64>(),
+                m.groups.len(),
+                dropped
+            );
+            println!("{}", c.out.display());
             Ok(())
         }
         Command::Model(ModelCommand::Inspect { package }) => {

@@ -153,6 +153,37 @@ impl ModelConfig {
         }
     }
 
+    /// The batch size of the model's input.
+    pub fn batch_size(&self) -> usize {
+        match self {
+            ModelConfig::Resnet152(c) => c.batch_size,
+            ModelConfig::InceptionV3(c) => c.batch_size,
+            ModelConfig::Densenet201(c) => c.batch_size,
+            ModelConfig::BertBase(c) => c.batch_size,
+            ModelConfig::Gpt2(c) => c.batch_size,
+        }
+    }
+
+    /// The same config with another batch size.
+    pub fn with_batch_size(mut self, batch: usize) -> Self {
+        match &mut self {
+            ModelConfig::Resnet152(c) => c.batch_size = batch,
+            ModelConfig::InceptionV3(c) => c.batch_size = batch,
+            ModelConfig::Densenet201(c) => c.batch_size = batch,
+            ModelConfig::BertBase(c) => c.batch_size = batch,
+            ModelConfig::Gpt2(c) => c.batch_size = batch,
+        }
+        self
+    }
+
+    /// The preset this config equals, batch size aside: `Full`, `Tiny`, or
+    /// `None` for a config of its own (an imported smaller or larger variant).
+    pub fn preset(&self) -> Option<Scale> {
+        [Scale::Full, Scale::Tiny]
+            .into_iter()
+            .find(|&s| self.family().config(s).with_batch_size(self.batch_size()) == *self)
+    }
+
     /// Builds the layer graph and parameter declarations.
     pub fn build(&self) -> Architecture {
         match self {

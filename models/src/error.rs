@@ -48,6 +48,21 @@ pub enum ModelError {
     UnknownFamily(String),
     #[error("unknown scale `{0}`; expected full or tiny")]
     UnknownScale(String),
+    #[error("{}: {what}", path.display())]
+    ImportConfig { path: PathBuf, what: String },
+    #[error(
+        "{}: the checkpoint does not match {family} (hyper-parameters from {config_source}); \
+         {} problem(s):{}",
+        path.display(),
+        problems.len(),
+        crate::import::problem_list(problems)
+    )]
+    Checkpoint {
+        path: PathBuf,
+        family: crate::Family,
+        config_source: String,
+        problems: Vec<String>,
+    },
     #[error("invalid option: {0}")]
     InvalidOption(String),
 }

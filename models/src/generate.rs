@@ -56,8 +56,9 @@ pub fn generate(opts: &GenOptions) -> Result<Vec<PathBuf>> {
         let spec = PackageSpec {
             name: variant_name(opts.family, opts.scale, i),
             config: config.clone(),
-            scale: opts.scale,
+            scale: Some(opts.scale),
             seed: Some(seed),
+            origin: None,
             group_bytes: opts.group_bytes,
         };
         write_package(&opts.out_dir, &spec, &arch, &data)?;

@@ -14,9 +14,38 @@ pub fn inspect(pkg: &Package) -> String {
         "model {} (family {}, scale {}, seed {})",
         m.name,
         m.family,
-        m.scale,
+        m.scale.map_or("custom (imported config)", |s| s.as_str()),
         m.seed.map_or("none".to_string(), |v| v.to_string())
     );
+    if let Some(o) = &m.origin {
+        let _ = writeln!(
+            s,
+            "imported from {} ({}); hyper-parameters from {}",
+            o.checkpoint,
+            o.checkpoint_dtypes.join(" + "),
+            o.config_source
+        );
+        if o.converted_to_f32 {
+            let _ = writeln!(
+                s,
+                "stored as F32: the half-precision values were widened exactly at import \
+                 (every executor computes in f32)"
+            );
+        }
+        if !o.stripped_prefix.is_empty() {
+            let _ = writeln!(s, "key prefix `{}` stripped", o.stripped_prefix);
+        }
+        if !o.dropped.is_empty() {
+            let shown: Vec<&str> = o.dropped.iter().take(3).map(String::as_str).collect();
+            let _ = writeln!(
+                s,
+                "{} checkpoint tensors not used by inference left out ({}{})",
+                o.dropped.len(),
+                shown.join(", "),
+                if o.dropped.len() > 3 { ", ..." } else { "" }
+            );
+        }
+    }
     for i in &m.inputs {
         let _ = writeln!(s, "input  {}: {:?} {:?}", i.name, i.dtype, i.shape);
     }

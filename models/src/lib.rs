@@ -8,7 +8,8 @@
 //! - [`graph`]: layers and ops (semantics in `OPS.md`); [`shape`]: shape rules.
 //! - [`layout`]: params in layer order, 512-byte aligned, grouped at layer boundaries.
 //! - [`package`]: [`Package::open`], [`Package::group_bytes`], [`Package::verify`].
-//! - [`generate()`]: seeded packages; [`inspect()`]: a readable table.
+//! - [`generate()`]: seeded packages; [`import()`]: packages from PyTorch /
+//!   Hugging Face safetensors checkpoints; [`inspect()`]: a readable table.
 //!
 //! **Architecture invariant:** nothing here executes a graph or does IO
 //! beyond the package directory; executors live in `runtime`.
@@ -19,6 +20,7 @@ mod error;
 mod families;
 pub mod generate;
 pub mod graph;
+pub mod import;
 pub mod inspect;
 pub mod layout;
 pub mod package;
@@ -31,8 +33,9 @@ pub use config::{
 pub use error::{ModelError, Result};
 pub use generate::{generate, variant_name, GenOptions};
 pub use graph::{Architecture, Dtype, Layer, Op, OutputSpec, TensorSpec};
+pub use import::{import, ImportOptions};
 pub use inspect::inspect;
-pub use package::{write_package, GroupEntry, Manifest, Package, PackageSpec, ParamEntry};
+pub use package::{write_package, GroupEntry, Manifest, Origin, Package, PackageSpec, ParamEntry};
 
 #[cfg(test)]
 mod tests;

@@ -63,9 +63,14 @@ pub struct Manifest {
     pub format_version: u32,
     pub name: String,
     pub family: Family,
-    pub scale: Scale,
+    /// The preset the config equals (batch size aside): `full` or `tiny`;
+    /// `null` for an imported checkpoint with a config of its own.
+    pub scale: Option<Scale>,
     /// Seed the weights were drawn from; `None` for imported checkpoints.
     pub seed: Option<u64>,
+    /// Where imported weights came from; absent for generated packages.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<Origin>,
     pub config: ModelConfig,
     pub inputs: Vec<TensorSpec>,
     pub outputs: Vec<OutputSpec>,
@@ -87,13 +92,35 @@ impl Manifest {
     }
 }
 
+/// The checkpoint an imported package was made from (`distmind model import`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Origin {
+    /// The checkpoint's file name as given to the importer.
+    pub checkpoint: String,
+    /// The checkpoint's parameter dtypes (safetensors spelling: `F32`, `F16`, `BF16`).
+    pub checkpoint_dtypes: Vec<String>,
+    /// Parameters are stored as f32: half-precision values were widened
+    /// exactly at import (every executor computes in f32).
+    pub converted_to_f32: bool,
+    /// The key prefix stripped from every name (`bert.`, `module.`, ...), if any.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub stripped_prefix: String,
+    /// Checkpoint tensors not used by inference and left out (BatchNorm
+    /// `num_batches_tracked`, Inception's `AuxLogits.*`, attention mask
+    /// buffers, task heads with `--ignore-extra`).
+    pub dropped: Vec<String>,
+    /// Where the hyper-parameters came from (`config.json`, the tensor shapes).
+    pub config_source: String,
+}
+
 /// What names a package being written.
 #[derive(Debug, Clone)]
 pub struct PackageSpec {
     pub name: String,
     pub config: ModelConfig,
-    pub scale: Scale,
+    pub scale: Option<Scale>,
     pub seed: Option<u64>,
+    pub origin: Option<Origin>,
     pub group_bytes: u64,
 }
 
@@ -228,6 +255,7 @@ pub fn write_package(
         family: spec.config.family(),
         scale: spec.scale,
         seed: spec.seed,
+        origin: spec.origin.clone(),
         config: spec.config.clone(),
         inputs: arch.inputs.clone(),
         outputs: arch.outputs.clone(),
@@ -279,11 +307,64 @@ pub struct Package {
     group_ranges: Vec<std::ops::Range<usize>>,
 }
 
-#[derive(Deserialize)]
-struct SafetensorsEntry {
-    dtype: String,
-    shape: Vec<usize>,
-    data_offsets: [u64; 2],
+/// One tensor of a safetensors header.
+#[derive(Debug, Clone, Deserialize)]
+pub(crate) struct SafetensorsEntry {
+    pub dtype: String,
+    pub shape: Vec<usize>,
+    /// Byte range relative to the start of the data section.
+    pub data_offsets: [u64; 2],
+}
+
+/// A safetensors file's header, read with a bounded length.
+#[derive(Debug)]
+pub(crate) struct SafetensorsHeader {
+    pub file: File,
+    pub file_len: u64,
+    /// Absolute offset of the data section (8 + header length).
+    pub data_start: u64,
+    /// Every tensor (the `__metadata__` entry left out).
+    pub tensors: HashMap<String, SafetensorsEntry>,
+}
+
+/// Opens `path` and parses its safetensors header. Errors name the file.
+pub(crate) fn read_safetensors_header(path: &Path) -> Result<SafetensorsHeader> {
+    let bad = |what: String| ModelError::BadWeights {
+        path: path.to_path_buf(),
+        what,
+    };
+    let mut file = File::open(path).map_err(ModelError::io(path, "cannot open"))?;
+    let file_len = file
+        .metadata()
+        .map_err(ModelError::io(path, "cannot stat"))?
+        .len();
+    let mut n = [0u8; 8];
+    file.read_exact(&mut n)
+        .map_err(|_| bad("shorter than a safetensors header".into()))?;
+    let n = u64::from_le_bytes(n);
+    if n > SAFETENSORS_HEADER_BYTES_MAX || 8 + n > file_len {
+        return Err(bad(format!(
+            "header length {n} does not fit a {file_len}-byte file (not a safetensors file?)"
+        )));
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact(&mut header)
+        .map_err(ModelError::io(path, "cannot read header"))?;
+    let mut entries: HashMap<String, serde_json::Value> = serde_json::from_slice(&header)
+        .map_err(|e| bad(format!("header is not valid JSON: {e}")))?;
+    entries.remove("__metadata__");
+    let mut tensors = HashMap::with_capacity(entries.len());
+    for (name, v) in entries {
+        let e: SafetensorsEntry = serde_json::from_value(v)
+            .map_err(|err| bad(format!("tensor {name}: bad header entry: {err}")))?;
+        tensors.insert(name, e);
+    }
+    Ok(SafetensorsHeader {
+        file,
+        file_len,
+        data_start: 8 + n,
+        tensors,
+    })
 }
 
 impl Package {
@@ -536,35 +617,18 @@ fn check_weights(path: &Path, m: &Manifest) -> Result<(File, Vec<u64>)> {
         path: path.to_path_buf(),
         what,
     };
-    let mut file = File::open(path).map_err(ModelError::io(path, "cannot open weights"))?;
-    let file_len = file
-        .metadata()
-        .map_err(ModelError::io(path, "cannot stat weights"))?
-        .len();
-    let mut n = [0u8; 8];
-    file.read_exact(&mut n)
-        .map_err(|_| bad("shorter than a safetensors header".into()))?;
-    let n = u64::from_le_bytes(n);
-    if n > SAFETENSORS_HEADER_BYTES_MAX || 8 + n > file_len {
-        return Err(bad(format!(
-            "header length {n} does not fit a {file_len}-byte file"
-        )));
-    }
-    let mut header = vec![0u8; n as usize];
-    file.read_exact(&mut header)
-        .map_err(ModelError::io(path, "cannot read header"))?;
-    let mut entries: HashMap<String, serde_json::Value> = serde_json::from_slice(&header)
-        .map_err(|e| bad(format!("header is not valid JSON: {e}")))?;
-    entries.remove("__metadata__");
-    let data_start = 8 + n;
+    let SafetensorsHeader {
+        file,
+        file_len,
+        data_start,
+        mut tensors,
+    } = read_safetensors_header(path)?;
     let mut data_end = 0u64;
     let mut offsets = Vec::with_capacity(m.params.len());
     for p in &m.params {
-        let v = entries
+        let e = tensors
             .remove(&p.name)
             .ok_or_else(|| bad(format!("tensor {} is missing", p.name)))?;
-        let e: SafetensorsEntry = serde_json::from_value(v)
-            .map_err(|err| bad(format!("tensor {}: bad header entry: {err}", p.name)))?;
         if e.dtype != "F32" || e.shape != p.shape {
             return Err(bad(format!(
                 "tensor {} is {} {:?}, expected F32 {:?}",
@@ -581,7 +645,7 @@ fn check_weights(path: &Path, m: &Manifest) -> Result<(File, Vec<u64>)> {
         data_end = data_end.max(t);
         offsets.push(data_start + s);
     }
-    if let Some(extra) = entries.keys().next() {
+    if let Some(extra) = tensors.keys().next() {
         return Err(bad(format!("tensor {extra} is not in the manifest")));
     }
     if data_start + data_end != file_len {

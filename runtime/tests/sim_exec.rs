@@ -122,7 +122,7 @@ fn run_checked(
     let batch = m.inputs[0].shape[0];
     let total = exec
         .profile()
-        .get(m.family, m.scale, batch)
+        .get(m.family, m.scale.expect("a generated package"), batch)
         .unwrap()
         .total_s;
     // A lower bound only: the machine may be slower, never faster.

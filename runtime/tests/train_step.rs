@@ -432,6 +432,7 @@ fn train_step_changes_inference_and_groups() {
         config: m.config.clone(),
         scale: m.scale,
         seed: None,
+        origin: None,
         group_bytes: m.group_bytes,
     };
     let out_dir = tempfile::tempdir().unwrap();

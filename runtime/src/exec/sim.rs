@@ -108,11 +108,19 @@ impl Executor for SimExecutor {
             .first()
             .and_then(|i| i.shape.first().copied())
             .ok_or_else(|| model_err("has no input with a batch dimension".into()))?;
-        let key = model_key(manifest.family, manifest.scale, batch);
+        let scale = manifest.scale.ok_or_else(|| {
+            model_err(format!(
+                "has a config of its own (imported; neither the full nor the tiny {} preset), \
+                 and GPU profiles cover only the presets; import it with the preset's \
+                 input size or run it with the cpu or cuda executor",
+                manifest.family
+            ))
+        })?;
+        let key = model_key(manifest.family, scale, batch);
         let origin = self.profile.origin();
         let profile = self
             .profile
-            .get(manifest.family, manifest.scale, batch)
+            .get(manifest.family, scale, batch)
             .ok_or_else(|| {
                 model_err(format!(
                     "profile {origin} has no layer times for {key} (it has {}); \

@@ -134,16 +134,9 @@ pub fn estimated_h200(date: &str) -> Profile {
     p
 }
 
-fn with_batch(mut config: ModelConfig, batch: usize) -> ModelConfig {
+fn with_batch(config: ModelConfig, batch: usize) -> ModelConfig {
     assert!(batch > 0, "batch size 0");
-    match &mut config {
-        ModelConfig::Resnet152(c) => c.batch_size = batch,
-        ModelConfig::InceptionV3(c) => c.batch_size = batch,
-        ModelConfig::Densenet201(c) => c.batch_size = batch,
-        ModelConfig::BertBase(c) => c.batch_size = batch,
-        ModelConfig::Gpt2(c) => c.batch_size = batch,
-    }
-    config
+    config.with_batch_size(batch)
 }
 
 fn round_ns(s: f64) -> f64 {
