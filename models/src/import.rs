@@ -474,30 +474,52 @@ fn validate(config: &ModelConfig) -> Result<(), String> {
             stage_counts("dense layers per block", &c.blocks)?;
             eps(c.bn_eps)
         }
-        ModelConfig::BertBase(c) => {
-            all_positive(&[("token type vocabulary", c.type_vocab_size)])?;
-            transformer(&TransformerDims {
-                hidden: c.hidden,
-                heads: c.heads,
-                layers: c.layers,
-                seq_len: c.seq_len,
-                max_positions: c.max_positions,
-                vocab_size: c.vocab_size,
-                intermediate: c.intermediate,
-            })?;
-            eps(c.layer_norm_eps)
-        }
-        ModelConfig::Gpt2(c) => {
-            transformer(&TransformerDims {
-                hidden: c.hidden,
-                heads: c.heads,
-                layers: c.layers,
-                seq_len: c.seq_len,
-                max_positions: c.max_positions,
-                vocab_size: c.vocab_size,
-                intermediate: c.intermediate,
-            })?;
-            eps(c.layer_norm_eps)
+        ModelConfig::BertBase(BertConfig {
+            hidden,
+            heads,
+            layers,
+            seq_len,
+            max_positions,
+            vocab_size,
+            intermediate,
+            layer_norm_eps,
+            ..
+        })
+        | ModelConfig::Gpt2(Gpt2Config {
+            hidden,
+            heads,
+            layers,
+            seq_len,
+            max_positions,
+            vocab_size,
+            intermediate,
+            layer_norm_eps,
+            ..
+        }) => {
+            if let ModelConfig::BertBase(c) = config {
+                all_positive(&[("token type vocabulary", c.type_vocab_size)])?;
+            }
+            all_positive(&[
+                ("hidden size", *hidden),
+                ("attention heads", *heads),
+                ("vocabulary size", *vocab_size),
+                ("intermediate size", *intermediate),
+                ("sequence length", *seq_len),
+            ])?;
+            if *layers > DEPTH_MAX {
+                return Err(format!("the layer count is {layers}; at most {DEPTH_MAX}"));
+            }
+            if !hidden.is_multiple_of(*heads) {
+                return Err(format!(
+                    "hidden size {hidden} is not a multiple of the {heads} attention heads"
+                ));
+            }
+            if seq_len > max_positions {
+                return Err(format!(
+                    "sequence length {seq_len} exceeds the {max_positions} position embeddings"
+                ));
+            }
+            eps(*layer_norm_eps)
         }
     }
 }
@@ -518,46 +540,6 @@ fn stage_counts(what: &str, counts: &[usize]) -> Result<(), String> {
     if total > DEPTH_MAX {
         return Err(format!(
             "{what} {counts:?}: {total} in all, at most {DEPTH_MAX}"
-        ));
-    }
-    Ok(())
-}
-
-/// What BERT and GPT-2 configs share, for [`validate`].
-struct TransformerDims {
-    hidden: usize,
-    heads: usize,
-    layers: usize,
-    seq_len: usize,
-    max_positions: usize,
-    vocab_size: usize,
-    intermediate: usize,
-}
-
-fn transformer(d: &TransformerDims) -> Result<(), String> {
-    all_positive(&[
-        ("hidden size", d.hidden),
-        ("attention heads", d.heads),
-        ("vocabulary size", d.vocab_size),
-        ("intermediate size", d.intermediate),
-        ("sequence length", d.seq_len),
-    ])?;
-    if d.layers > DEPTH_MAX {
-        return Err(format!(
-            "the layer count is {}; at most {DEPTH_MAX}",
-            d.layers
-        ));
-    }
-    if !d.hidden.is_multiple_of(d.heads) {
-        return Err(format!(
-            "hidden size {} is not a multiple of the {} attention heads",
-            d.hidden, d.heads
-        ));
-    }
-    if d.seq_len > d.max_positions {
-        return Err(format!(
-            "sequence length {} exceeds the {} position embeddings",
-            d.seq_len, d.max_positions
         ));
     }
     Ok(())
