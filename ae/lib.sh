@@ -33,3 +33,55 @@ up() {
     "$BIN" --log-level warn up --settings "$SETTINGS" --work-dir "$WORK" \
         --executor sim --child-log error "$@"
 }
+
+# The loopback rate every host's bucket holds under an emulated link, the same
+# for every run of a script: EMU_LOOPBACK, else measured once here
+# (`distmind bench loopback`: a quarter of one TCP stream's rate).
+EMU_LOOPBACK="${EMU_LOOPBACK:-$("$BIN" --log-level warn bench loopback --bucket)}"
+
+# The two hardware balances: the paper's testbed (V100, PCIe 3 at ~12 GB/s,
+# 100 Gbit/s EFA) and today's (H200, PCIe 5 at ~50 GB/s, 400 Gbit/s).
+# Sets PROFILE and LINK for balance $1.
+balance() {
+    case "$1" in
+        paper) PROFILE="$SETTINGS/profiles/v100-estimated.json"; LINK=100gbit ;;
+        today) PROFILE="$SETTINGS/profiles/h200-estimated.json"; LINK=400gbit ;;
+        *) echo "unknown balance $1 (paper or today)" >&2; return 1 ;;
+    esac
+}
+
+# Emulated seconds a run of balance $1 lasts so that it takes about
+# $WALL_PER_RUN seconds of wall time (default 60) at this machine's K, at
+# least 0.5 s: a faster link means a larger K and a shorter emulated run.
+emu_duration() {
+    balance "$1"
+    awk -v link="${LINK%gbit}" -v lo="${EMU_LOOPBACK%MB/s}" -v wall="${WALL_PER_RUN:-60}" \
+        'BEGIN { k = link * 125 / lo; d = wall / k; if (d < 0.5) d = 0.5; printf "%.2fs\n", d }'
+}
+
+# K of balance $1: the link rate over the loopback bucket.
+emu_k() {
+    balance "$1"
+    awk -v link="${LINK%gbit}" -v lo="${EMU_LOOPBACK%MB/s}" 'BEGIN { printf "%.2f\n", link * 125 / lo }'
+}
+
+# up on an emulated link of balance $1 (the rest of the arguments are up's).
+up_emu() {
+    balance "$1"; shift
+    up --profile "$PROFILE" --emulate-link "$LINK" --emulate-loopback "$EMU_LOOPBACK" "$@"
+}
+
+# Prints the value of column $2 in the rows of CSV $1 whose columns match
+# the name=value pairs that follow (the first match).
+csv_get() {
+    local csv="$1" col="$2"; shift 2
+    awk -F, -v col="$col" -v conds="$*" '
+        NR == 1 { for (i = 1; i <= NF; i++) idx[$i] = i; n = split(conds, c, " "); next }
+        { ok = 1; for (j = 1; j <= n; j++) { split(c[j], kv, "="); if ($(idx[kv[1]]) != kv[2]) ok = 0 }
+          if (ok) { print $(idx[col]); exit } }' "$csv"
+}
+
+# $1 / $2 with 2 decimals ("-" when either is missing or $2 is 0).
+ratio() {
+    awk -v a="$1" -v b="$2" 'BEGIN { if (a == "" || b == "" || b + 0 == 0) print "-"; else printf "%.2f", a / b }'
+}

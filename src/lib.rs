@@ -5,6 +5,7 @@
 pub mod bench;
 pub mod cluster;
 pub mod deploy;
+pub mod emulate;
 pub mod loadgen;
 pub mod logging;
 pub mod plot;

@@ -140,6 +140,8 @@ struct RuntimeCmd {
     /// (the host cache must hold them all).
     #[arg(long)]
     preload: bool,
+    #[command(flatten)]
+    emulate: distmind::emulate::EmulateArgs,
 }
 
 #[derive(Args)]
@@ -281,6 +283,8 @@ struct MemserverCmd {
     /// GID index of the RDMA device's port (RoCE v2: often 1 or 3); default: transport.json, else 0.
     #[arg(long)]
     verbs_gid_index: Option<u8>,
+    #[command(flatten)]
+    emulate: distmind::emulate::EmulateArgs,
 }
 
 #[derive(Args)]
@@ -323,6 +327,8 @@ struct ControllerCmd {
     /// Seed of the policy's random draws.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    #[command(flatten)]
+    emulate: distmind::emulate::EmulateArgs,
 }
 
 #[derive(Args)]
@@ -357,26 +363,8 @@ enum BenchCommand {
     Coldstart(bench::coldstart::ColdstartArgs),
     /// Controller routing decisions per second on one core, and the latency the dispatcher adds per request.
     Dispatch(bench::dispatch::DispatchArgs),
-}
-
-/// Builds the executor named on the command line.
-fn executor(
-    kind: distmind_runtime::exec::ExecutorKind,
-    profile: &std::path::Path,
-) -> anyhow::Result<Box<dyn distmind_runtime::exec::Executor>> {
-    use distmind_runtime::exec::{cpu::CpuExecutor, sim::SimExecutor, ExecutorKind};
-    match kind {
-        ExecutorKind::Cpu => Ok(Box::new(CpuExecutor::new())),
-        ExecutorKind::Sim => {
-            let p = distmind_runtime::profile::Profile::load(profile)?;
-            Ok(Box::new(SimExecutor::new(p)))
-        }
-        // Without the `cuda` feature this returns a clear "rebuild with
-        // --features cuda" error; without a driver, one naming libcuda.
-        ExecutorKind::Cuda => Ok(Box::new(distmind_runtime::exec::cuda::CudaExecutor::new(
-            0,
-        )?)),
-    }
+    /// This machine's loopback TCP rate, and the bucket rate emulated links would hold each host to.
+    Loopback(distmind::emulate::LoopbackArgs),
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -461,6 +449,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             fabric_provider: m.fabric_provider,
             verbs_device: m.verbs_device,
             verbs_gid_index: m.verbs_gid_index,
+            emulate: m.emulate,
         }),
         Command::Controller(c) => services::run_controller(services::ControllerArgs {
             settings: &c.settings,
@@ -475,6 +464,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             period_s: c.period,
             zipf_s: c.zipf,
             seed: c.seed,
+            emulate: c.emulate,
         }),
         Command::Deploy(d) => {
             let settings = services::load_settings(&d.settings)?;
@@ -504,12 +494,16 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Client(a) => distmind::loadgen::run(&a).map(|_| ()),
         Command::Bench(BenchCommand::Transfer(a)) => bench::transfer::run(&a),
         Command::Bench(BenchCommand::Dispatch(a)) => bench::dispatch::run(&a),
-        Command::Bench(BenchCommand::Coldstart(a)) => {
-            let exec = executor(a.executor, &a.profile)?;
-            bench::coldstart::run(&a, exec.as_ref())
-        }
+        Command::Bench(BenchCommand::Loopback(a)) => distmind::emulate::run_loopback(&a),
+        Command::Bench(BenchCommand::Coldstart(a)) => bench::coldstart::run(&a),
         Command::Runtime(r) => {
-            let exec = executor(r.executor, &r.profile)?;
+            let settings = services::load_settings(&r.settings)?;
+            let emulated = r.emulate.resolve(&settings)?;
+            let exec = services::executor(
+                r.executor,
+                &r.profile,
+                distmind_common::emulate::dilation(emulated.as_ref()),
+            )?;
             services::run_runtime(services::RuntimeArgs {
                 settings: &r.settings,
                 listen: r.listen,
@@ -533,12 +527,13 @@ fn run(command: Command) -> anyhow::Result<()> {
                 resident_max: r.resident_max,
                 whole_model: r.whole_model,
                 preload: r.preload,
+                emulate: emulated,
             })
         }
         Command::Train(t) => distmind::train::run(&t),
         Command::Plot(p) => distmind::plot::run(&p),
         Command::Infer(i) => {
-            let exec = executor(i.executor, &i.profile)?;
+            let exec = services::executor(i.executor, &i.profile, 1.0)?;
             let report =
                 distmind_runtime::infer::infer_files(&i.model, &i.input, &i.output, exec.as_ref())?;
             for o in &report.outputs {

@@ -48,6 +48,35 @@ pub fn cluster_key(settings: &Settings) -> ClusterKey {
     ClusterKey::from_secret(settings.cluster_key.as_bytes())
 }
 
+/// Builds the executor named on the command line.
+/// `time_dilation`: K of an emulated link (1: none); only the sim executor's
+/// modelled times stretch, real executors take the time they take.
+pub fn executor(
+    kind: distmind_runtime::exec::ExecutorKind,
+    profile: &std::path::Path,
+    time_dilation: f64,
+) -> anyhow::Result<Box<dyn distmind_runtime::exec::Executor>> {
+    use distmind_runtime::exec::{cpu::CpuExecutor, sim::SimExecutor, ExecutorKind};
+    anyhow::ensure!(
+        time_dilation == 1.0 || kind == ExecutorKind::Sim,
+        "an emulated link dilates the clock by {time_dilation:.2}, and only the sim executor's times can be \
+         dilated: the {kind} executor computes in real time, which would look \
+         {time_dilation:.2}x faster; use --executor sim or drop the emulation"
+    );
+    match kind {
+        ExecutorKind::Cpu => Ok(Box::new(CpuExecutor::new())),
+        ExecutorKind::Sim => {
+            let p = distmind_runtime::profile::Profile::load(profile)?;
+            Ok(Box::new(SimExecutor::with_dilation(p, time_dilation)?))
+        }
+        // Without the `cuda` feature this returns a clear "rebuild with
+        // --features cuda" error; without a driver, one naming libcuda.
+        ExecutorKind::Cuda => Ok(Box::new(distmind_runtime::exec::cuda::CudaExecutor::new(
+            0,
+        )?)),
+    }
+}
+
 pub struct MemserverArgs<'a> {
     pub settings: &'a Path,
     pub listen: SocketAddr,
@@ -61,10 +90,13 @@ pub struct MemserverArgs<'a> {
     pub fabric_provider: Option<String>,
     pub verbs_device: Option<String>,
     pub verbs_gid_index: Option<u8>,
+    /// Emulated link: the tcp data path is held to its loopback rate.
+    pub emulate: crate::emulate::EmulateArgs,
 }
 
 pub fn run_memserver(args: MemserverArgs<'_>) -> anyhow::Result<()> {
     let settings = load_settings(args.settings)?;
+    let emulated = args.emulate.resolve(&settings)?;
     let controller = args
         .controller
         .unwrap_or_else(|| settings.metadata_endpoint().to_string());
@@ -78,6 +110,10 @@ pub fn run_memserver(args: MemserverArgs<'_>) -> anyhow::Result<()> {
     config.max_connections = args.max_connections;
     config.huge_pages = args.huge_pages;
     config.metrics_listen = args.metrics;
+    if let Some(e) = &emulated {
+        config.nic_bytes_per_s = Some(e.loopback_bytes_per_s() as u64);
+        log::info!("{e}: tcp replies held to the loopback rate");
+    }
     let me = config
         .advertise
         .clone()
@@ -132,6 +168,8 @@ pub struct ControllerArgs<'a> {
     /// Overrides controller.json's `zipf_s` (the `distmind` policy's draws).
     pub zipf_s: Option<f64>,
     pub seed: u64,
+    /// Emulated link: SLOs, the period and timeouts are dilated by its K.
+    pub emulate: crate::emulate::EmulateArgs,
 }
 
 /// The dispatcher's configuration from controller.json and the flags.
@@ -153,6 +191,8 @@ pub fn dispatch_config(
         (Some(m), PolicyKind::Mps) => (m, "mps_controller.json"),
         _ => (&settings.controller, "controller.json"),
     };
+    let emulated = args.emulate.resolve(settings)?;
+    let k = distmind_common::emulate::dilation(emulated.as_ref());
     let period_s = args.period_s.unwrap_or(c.rescheduling_period_s);
     anyhow::ensure!(
         period_s.is_finite() && period_s > 0.0,
@@ -175,7 +215,8 @@ pub fn dispatch_config(
     let mut cfg = distmind_controller::dispatch::DispatchConfig::new(
         policy,
         DistMindConfig {
-            period: (period_s * 1e6) as u64,
+            // In emulated seconds: K real seconds each.
+            period: (period_s * k * 1e6) as u64,
             zipf_s,
             inference_workload_s: c.inference_workload_s.clone(),
             use_train,
@@ -188,6 +229,18 @@ pub fn dispatch_config(
             .map_err(|e| anyhow::anyhow!("--balancer: {e}"))?;
     }
     cfg.slo_ms_by_family = c.slo_ms.clone().unwrap_or_default();
+    if let Some(e) = &emulated {
+        // Every time the dispatcher is told or assumes is on the dilated clock.
+        cfg.time_dilation = k;
+        for slo in cfg.slo_ms_by_family.values_mut() {
+            *slo *= k;
+        }
+        cfg.slo_ms_default *= k;
+        cfg.priors.net_bytes_per_s = e.loopback_bytes_per_s();
+        cfg.priors.h2d_bytes_per_s /= k;
+        cfg.priors.compute_ms *= k;
+        log::info!("{e}: SLOs, the period and timeouts are dilated by K");
+    }
     cfg.train_model = args.train_model.clone();
     anyhow::ensure!(
         !cfg.distmind.use_train || cfg.train_model.is_some(),
@@ -263,6 +316,9 @@ pub struct RuntimeArgs<'a> {
     pub whole_model: bool,
     /// Keep every catalog model in the host cache (default: the baseline's, else off).
     pub preload: bool,
+    /// Emulated link (resolved by the caller, which also built the executor
+    /// with its dilation): the tcp reads are held to its loopback rate.
+    pub emulate: Option<distmind_common::emulate::EmulatedLink>,
 }
 
 /// How a GPU server of a baseline of the evaluation serves (the paper's
@@ -324,6 +380,14 @@ pub fn run_runtime(args: RuntimeArgs<'_>) -> anyhow::Result<()> {
             "--rate-limit-gbps must be a positive number of Gbit/s, got {g}"
         );
         config.rate_limit_bytes_per_s = Some((g * 1e9 / 8.0).max(1.0) as u64);
+    }
+    if let Some(e) = &args.emulate {
+        anyhow::ensure!(
+            args.rate_limit_gbps.is_none(),
+            "--rate-limit-gbps and an emulated link both limit the NIC: give one"
+        );
+        config.rate_limit_bytes_per_s = Some(e.loopback_bytes_per_s() as u64);
+        log::info!("{e}: tcp reads held to the loopback rate");
     }
     config.advertise = args.advertise;
     config.max_connections = args.max_connections;

@@ -211,3 +211,56 @@ fn up_refuses_contradicting_flags_clearly() {
     assert!(!ok);
     assert!(stderr.contains("--policy slo contradicts it"), "{stderr}");
 }
+
+/// The default without a GPU: two clusters one after the other (DistMind
+/// with half the set cached, mps with all of it), sim executor, emulated
+/// link, a side-by-side table. Tiny models and a short workload here; the
+/// README's command runs 8 full-size ResNet-152s.
+#[test]
+fn up_without_a_system_runs_the_side_by_side() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = settings_dir();
+    let (ok, stdout, stderr) = run(&[
+        "up",
+        "--settings",
+        s.to_str().unwrap(),
+        "--models",
+        "2",
+        "--scale",
+        "tiny",
+        "--duration",
+        "0.5s",
+        "--emulate-link",
+        "100gbit",
+        "--emulate-loopback",
+        "1GB/s",
+        "--work-dir",
+        dir.path().to_str().unwrap(),
+    ]);
+    assert!(ok, "distmind up failed:\n{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("== DistMind vs MPS: 2 resnet152 (tiny size)"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("emulated 100gbit link (K 12.50, loopback 1.000GB/s)"),
+        "{stdout}"
+    );
+    let ratios = stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with("distmind / mps: throughput"))
+        .unwrap_or_else(|| panic!("no ratio line:\n{stdout}"));
+    assert!(ratios.contains("x, p99"), "{ratios}");
+    // Both clusters answered requests.
+    let tput = stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with("throughput (req/s)"))
+        .expect("a throughput row");
+    let v: Vec<f64> = tput
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    assert_eq!(v.len(), 2, "{tput}");
+    assert!(v.iter().all(|&x| x > 0.0), "{tput}");
+    assert!(stdout.contains("both clusters stopped"), "{stdout}");
+}

@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 pub mod checksum;
+pub mod emulate;
 pub mod handshake;
 pub mod hex;
 pub mod limits;

@@ -126,6 +126,13 @@ pub(crate) async fn serve(
         }
         .encode();
         let send = async {
+            // The host's NIC (an emulated link): one bucket for every connection.
+            if let Some(nic) = &shared.nic {
+                let wait = nic.reserve(req.len);
+                if !wait.is_zero() {
+                    tokio::time::sleep(wait).await;
+                }
+            }
             stream.write_all(&header).await?;
             stream.write_all(lease.bytes()).await
         };

@@ -55,6 +55,9 @@ pub struct MemserverConfig {
     pub huge_pages: bool,
     /// One-sided data paths to serve besides tcp (default: none).
     pub one_sided: OneSidedConfig,
+    /// Hold the tcp replies of every connection together to this rate: the
+    /// host's NIC, for emulated links (default: none).
+    pub nic_bytes_per_s: Option<u64>,
 }
 
 impl MemserverConfig {
@@ -71,6 +74,7 @@ impl MemserverConfig {
             read_bytes_in_flight_max: READ_BYTES_IN_FLIGHT_MAX_DEFAULT,
             huge_pages: true,
             one_sided: OneSidedConfig::default(),
+            nic_bytes_per_s: None,
         }
     }
 }
@@ -116,6 +120,8 @@ pub(crate) struct Shared {
     pub read_bytes_max: usize,
     /// Every counter, the data path's included.
     pub metrics: Metrics,
+    /// [`MemserverConfig::nic_bytes_per_s`].
+    pub nic: Option<distmind_transport::TokenBucket>,
 }
 
 impl Shared {
@@ -195,6 +201,11 @@ impl Memserver {
                 config.read_bytes_in_flight_max, READ_CHUNK_BYTES_MAX
             )));
         }
+        if config.nic_bytes_per_s == Some(0) {
+            return Err(MemserverError::Config(
+                "nic_bytes_per_s is 0: use None for no limit".into(),
+            ));
+        }
         let in_flight = usize::try_from(config.read_bytes_in_flight_max)
             .ok()
             .filter(|&n| n <= Semaphore::MAX_PERMITS)
@@ -262,6 +273,9 @@ impl Memserver {
             read_bytes: Semaphore::new(in_flight),
             read_bytes_max: in_flight,
             metrics,
+            nic: config
+                .nic_bytes_per_s
+                .map(distmind_transport::TokenBucket::new),
         });
         Ok(Memserver {
             listener,

@@ -11,7 +11,7 @@
 //! so an estimate is never mistaken for a measurement.
 //!
 //! - [`Profile::load`] reads and validates a file; [`Profile::get`] looks a
-//!   model up, scaling the closest batch linearly when the exact one is absent.
+//!   model up, interpolating between batches when the exact one is absent.
 //! - [`estimate`] (in `profile/estimate.rs`) computes a model's profile from
 //!   its architecture and [`Peaks::H200_ESTIMATED`]; [`estimated_h200`] builds
 //!   the shipped `settings/profiles/h200-estimated.json`, and
@@ -28,13 +28,21 @@ use std::path::{Path, PathBuf};
 use distmind_models::{Family, Scale};
 use serde::{Deserialize, Serialize};
 
-pub use estimate::{estimate, estimate_config, estimated_h200, ESTIMATED_METHOD};
+pub use estimate::{
+    estimate, estimate_config, estimate_with, estimated_h200, estimated_v100, ESTIMATED_METHOD,
+    V100_ESTIMATED_METHOD,
+};
 
 /// Version of the profile format this build reads and writes.
 pub const PROFILE_FORMAT_VERSION: u32 = 1;
 
-/// The shipped estimate, relative to the repository root.
+/// The shipped H200 estimate (the default profile), relative to the
+/// repository root.
 pub const SHIPPED_ESTIMATED_PATH: &str = "settings/profiles/h200-estimated.json";
+
+/// The shipped V100 estimate (the paper's GPU), relative to the repository
+/// root.
+pub const SHIPPED_V100_ESTIMATED_PATH: &str = "settings/profiles/v100-estimated.json";
 
 /// Where a profile's numbers came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -85,6 +93,18 @@ impl Peaks {
         launch_overhead_s: 5.0e-6,
     };
 
+    /// NVIDIA V100 SXM2, the paper's GPU, from its datasheet (see
+    /// `V100_ESTIMATED_METHOD`): FP16 tensor-core rate for matrix ops, FP32
+    /// CUDA-core rate for the rest, HBM2 bandwidth, a typical PCIe Gen3 x16
+    /// pinned host-to-device rate.
+    pub const V100_ESTIMATED: Peaks = Peaks {
+        matrix_flops_per_s: 1.25e14,
+        vector_flops_per_s: 1.57e13,
+        memory_bytes_per_s: 9.0e11,
+        h2d_bytes_per_s: 1.2e10,
+        launch_overhead_s: 5.0e-6,
+    };
+
     fn fields(&self) -> [(&'static str, f64); 5] {
         [
             ("matrix_flops_per_s", self.matrix_flops_per_s),
@@ -129,8 +149,46 @@ impl ModelProfile {
         self.layers.iter().map(|l| l.bytes).sum()
     }
 
+    /// The point `t` of the way from `lo` to `hi`, layer by layer (`t` above
+    /// 1 extrapolates; with `floor`, no value falls below `hi`'s). `None`
+    /// when the two have different layers.
+    pub fn between(
+        lo: &ModelProfile,
+        hi: &ModelProfile,
+        t: f64,
+        floor: bool,
+    ) -> Option<ModelProfile> {
+        if lo.layers.len() != hi.layers.len() {
+            return None;
+        }
+        let mix = |a: f64, b: f64| {
+            let v = a + (b - a) * t;
+            if floor {
+                v.max(b)
+            } else {
+                v
+            }
+        };
+        let mut layers = Vec::with_capacity(lo.layers.len());
+        for (a, b) in lo.layers.iter().zip(&hi.layers) {
+            if a.name != b.name || a.op != b.op {
+                return None;
+            }
+            layers.push(LayerProfile {
+                flops: mix(a.flops as f64, b.flops as f64).round() as u64,
+                bytes: mix(a.bytes as f64, b.bytes as f64).round() as u64,
+                time_s: mix(a.time_s, b.time_s),
+                ..b.clone()
+            });
+        }
+        Some(ModelProfile {
+            total_s: layers.iter().map(|l| l.time_s).sum(),
+            layers,
+        })
+    }
+
     /// Every layer's flops, bytes and time multiplied by `factor` (the
-    /// linear batch fallback of [`Profile::get`]).
+    /// single-batch fallback of [`Profile::get`]).
     pub fn scaled(&self, factor: f64) -> ModelProfile {
         let layers: Vec<LayerProfile> = self
             .layers
@@ -373,22 +431,44 @@ impl Profile {
     }
 
     /// The model at `batch`: borrowed when the profile has that batch;
-    /// otherwise the closest batch present for the same family and scale
-    /// (the smaller one on a tie), every layer's flops, bytes and time
-    /// multiplied by `batch / closest` (owned). Linear scaling also scales the
-    /// per-layer launch overhead, so scaling up overestimates and scaling down
-    /// underestimates small-batch times. `None` when the family and scale are
-    /// absent.
+    /// otherwise built layer by layer from the batches present for the same
+    /// family and scale (owned):
+    ///
+    /// - between two batches present, each layer's flops, bytes and time are
+    ///   interpolated linearly in the batch;
+    /// - above the largest, extrapolated along the line through the two
+    ///   largest (a layer's time never falls below the largest's);
+    /// - below the smallest, the smallest's times are kept: a smaller batch
+    ///   does not shrink a layer's launch overhead or its weight reads, so
+    ///   scaling down would underestimate;
+    /// - with a single batch present and a larger one asked for, every layer
+    ///   is scaled by `batch / present` (overestimates: launch overhead and
+    ///   weight reads scale too).
+    ///
+    /// `None` when the family and scale are absent.
     pub fn get(&self, family: Family, scale: Scale, batch: usize) -> Option<Cow<'_, ModelProfile>> {
         if let Some(m) = self.get_exact(family, scale, batch) {
             return Some(Cow::Borrowed(m));
         }
-        let closest = self
-            .batches(family, scale)
-            .into_iter()
-            .min_by_key(|&b| (b.abs_diff(batch), b))?;
-        let m = self.get_exact(family, scale, closest)?;
-        Some(Cow::Owned(m.scaled(batch as f64 / closest as f64)))
+        let present = self.batches(family, scale);
+        let (&smallest, &largest) = (present.first()?, present.last()?);
+        let at = |b: usize| self.get_exact(family, scale, b);
+        let m = if batch < smallest {
+            at(smallest)?.clone()
+        } else if present.len() == 1 {
+            at(smallest)?.scaled(batch as f64 / smallest as f64)
+        } else {
+            let (lo, hi) = if batch > largest {
+                (present[present.len() - 2], largest)
+            } else {
+                let i = present.partition_point(|&b| b < batch);
+                (present[i - 1], present[i])
+            };
+            let t = (batch as f64 - lo as f64) / (hi as f64 - lo as f64);
+            let floor = batch > largest;
+            ModelProfile::between(at(lo)?, at(hi)?, t, floor)?
+        };
+        Some(Cow::Owned(m))
     }
 
     /// The profile as written to disk: top-level fields one per line, one

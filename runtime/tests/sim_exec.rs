@@ -324,3 +324,98 @@ fn sim_upload_takes_the_h2d_time_and_checks_range() {
     let e = arena.upload(1, u64::MAX, &bytes[..1]).unwrap_err();
     assert!(matches!(e, ExecError::UploadOutOfRange { .. }), "{e}");
 }
+
+/// Zero inputs of the manifest's shapes with the batch dimension set to `b`.
+fn inputs_at(pkg: &Package, b: usize) -> Vec<HostTensor> {
+    inputs(pkg)
+        .into_iter()
+        .map(|t| {
+            let mut shape = t.shape.clone();
+            shape[0] = b;
+            let n = shape.iter().product();
+            match t.data {
+                distmind_runtime::exec::TensorData::F32(_) => HostTensor::f32(shape, vec![0.0; n]),
+                distmind_runtime::exec::TensorData::I64(_) => HostTensor::i64(shape, vec![0; n]),
+            }
+        })
+        .collect()
+}
+
+/// Runs `pkg` once at request batch `b` with every group uploaded; returns
+/// the simulated timeline's end (the last LayerEnd).
+fn timeline_end(exec: &SimExecutor, pkg: &Package, b: usize) -> Duration {
+    let m = &pkg.manifest;
+    let arena = exec.alloc_arena(m.stored_bytes).unwrap();
+    let mut program = exec.program(m, arena).unwrap();
+    let mut trace = Trace::new();
+    let out = program
+        .run(&inputs_at(pkg, b), &mut all_ready, &mut trace)
+        .unwrap();
+    assert_eq!(out[0].shape[0], b);
+    trace
+        .iter()
+        .filter_map(|&(t, e)| matches!(e, TraceEvent::LayerEnd { .. }).then_some(t))
+        .max()
+        .unwrap()
+}
+
+/// `got` is `want_s` up to the per-layer nanosecond rounding.
+fn assert_close(got: Duration, want_s: f64, layers: usize, what: &str) {
+    let diff = (got.as_secs_f64() - want_s).abs();
+    assert!(
+        diff <= layers as f64 * 1e-9 + 1e-12,
+        "{what}: timeline {got:?}, want {want_s} s"
+    );
+}
+
+#[test]
+fn sim_request_batches_take_the_profile_time_at_their_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let pkg = package(Family::Resnet152, Scale::Tiny, dir.path());
+    assert_eq!(pkg.manifest.inputs[0].shape[0], 1);
+    let layers = pkg.manifest.layers.len();
+    // A profile with tiny ResNet-152 at batch 1 and 8.
+    let mut profile = shipped();
+    let b8 = distmind_runtime::profile::estimate(Family::Resnet152, Scale::Tiny, 8);
+    profile
+        .models
+        .insert(model_key(Family::Resnet152, Scale::Tiny, 8), b8.clone());
+    let b1 = profile
+        .get_exact(Family::Resnet152, Scale::Tiny, 1)
+        .unwrap()
+        .clone();
+    let exec = SimExecutor::new(profile);
+    assert_close(timeline_end(&exec, &pkg, 1), b1.total_s, layers, "b1");
+    assert_close(timeline_end(&exec, &pkg, 8), b8.total_s, layers, "b8");
+    // Batch 4 lies 3/7 of the way from 1 to 8, not 4x batch 1.
+    let want4 = b1.total_s + (b8.total_s - b1.total_s) * 3.0 / 7.0;
+    assert_close(timeline_end(&exec, &pkg, 4), want4, layers, "b4");
+    assert!(want4 < 4.0 * b1.total_s);
+    // Back to batch 1 after another batch: the manifest's times again.
+    assert_close(timeline_end(&exec, &pkg, 1), b1.total_s, layers, "b1 again");
+}
+
+#[test]
+fn sim_dilation_stretches_layers_and_uploads() {
+    let dir = tempfile::tempdir().unwrap();
+    let pkg = package(Family::Resnet152, Scale::Tiny, dir.path());
+    let layers = pkg.manifest.layers.len();
+    let total = shipped()
+        .get_exact(Family::Resnet152, Scale::Tiny, 1)
+        .unwrap()
+        .total_s;
+    let exec = SimExecutor::with_dilation(shipped(), 4.0).unwrap();
+    assert_eq!(exec.dilation(), 4.0);
+    assert!(exec.describe().contains("x4"), "{}", exec.describe());
+    assert_close(timeline_end(&exec, &pkg, 1), 4.0 * total, layers, "x4");
+    // Uploads: 4 MB at a quarter of the profile's H2D rate.
+    let h2d = exec.profile().peaks.h2d_bytes_per_s;
+    let arena = exec.alloc_arena(8 << 20).unwrap();
+    let t0 = Instant::now();
+    arena.upload(0, 0, &vec![0u8; 4 << 20]).unwrap();
+    assert!(t0.elapsed() >= Duration::from_secs_f64(4.0 * (4 << 20) as f64 / h2d));
+    for bad in [0.5, 0.0, f64::NAN, f64::INFINITY, 1e6] {
+        let e = SimExecutor::with_dilation(shipped(), bad).unwrap_err();
+        assert!(e.to_string().contains("dilation"), "{bad}: {e}");
+    }
+}

@@ -3,8 +3,10 @@
 //! compute, group by group) against load-then-run, in the same run, with
 //! transfer-only and compute-only times measured too.
 //!
-//! Per family it prints `pipelined/sequential` and `ratio to ideal` =
-//! pipelined / max(transfer-only, compute-only). `--match-rate` rate-limits
+//! Per family it prints `pipelined/sequential` and `to ideal` = pipelined /
+//! the ideal pipeline: with G equal groups and stage times network, H2D and
+//! compute, the slowest stage plus 1/G of each other one (the first group
+//! must cross the stages before it, the last group those after it). `--match-rate` rate-limits
 //! the GPU server's link so that transfer-only is about compute-only, where
 //! pipelining matters most.
 //!
@@ -19,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
+use distmind_common::emulate::{dilation, format_link, EmulatedLink};
 use distmind_common::handshake::ClusterKey;
 use distmind_controller::ControllerClient;
 use distmind_models::{Dtype, Family, Package, Scale};
@@ -73,6 +76,11 @@ pub struct ColdstartArgs {
     /// Print, per group, when it was in host memory, uploaded, and when its first layer started (last pipelined run).
     #[arg(long)]
     pub trace: bool,
+    /// Emulated link (sim executor only): the memory servers' and this GPU server's links are held
+    /// to the loopback rate (measured and chosen at start unless given), the GPU clock is dilated
+    /// by K, and every figure is reported in emulated time.
+    #[command(flatten)]
+    pub emulate: crate::emulate::EmulateArgs,
 }
 
 #[derive(Serialize, Debug, Clone)]
@@ -81,11 +89,17 @@ pub struct Row {
     pub link: String,
     pub groups: usize,
     pub bytes: u64,
+    /// Network only (memory servers to host cache), in emulated time.
+    pub network_ms: f64,
+    /// `bytes / link rate` when the link is emulated or limited.
+    pub network_ideal_ms: Option<f64>,
     pub transfer_ms: f64,
     pub compute_ms: f64,
     pub pipelined_ms: f64,
     pub sequential_ms: f64,
     pub pipelined_over_sequential: f64,
+    /// Pipelined over the ideal pipeline of its measured stages
+    /// (`ideal_pipeline_ms`).
     pub ratio_to_ideal: f64,
 }
 
@@ -95,10 +109,22 @@ struct Bench<'a> {
     exec: &'a dyn Executor,
     cluster: &'a LocalCluster,
     key: &'a ClusterKey,
+    emulated: Option<EmulatedLink>,
 }
 
-pub fn run(args: &ColdstartArgs, exec: &dyn Executor) -> anyhow::Result<()> {
+pub fn run(args: &ColdstartArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.repeat >= 1, "--repeat must be at least 1");
+    // The memory servers and this GPU server: one bucket each.
+    let emulated = args
+        .emulate
+        .resolve_measuring(None, args.memservers.max(1) + 1)?;
+    anyhow::ensure!(
+        emulated.is_none() || (args.rate_limit_gbps.is_none() && !args.match_rate),
+        "--emulate-link sets the link: drop --rate-limit-gbps and --match-rate"
+    );
+    let exec =
+        crate::services::executor(args.executor, &args.profile, dilation(emulated.as_ref()))?;
+    let exec = exec.as_ref();
     let families = if args.family.is_empty() {
         Family::ALL.to_vec()
     } else {
@@ -120,10 +146,11 @@ pub fn run(args: &ColdstartArgs, exec: &dyn Executor) -> anyhow::Result<()> {
     let total: u64 = packages.iter().map(|p| p.manifest.stored_bytes).sum();
     let key = ClusterKey::from_secret(format!("coldstart-{}", rand::random::<u64>()).as_bytes());
     let n = args.memservers.max(1);
-    let cluster = LocalCluster::start(
+    let cluster = LocalCluster::start_with_nic(
         n,
         total.div_ceil(n as u64) + (64 << 20) + total / 8,
         key.clone(),
+        emulated.map(|e| e.loopback_bytes_per_s() as u64),
     )?;
     let target = deploy::Target {
         controller: cluster.controller.clone(),
@@ -135,6 +162,9 @@ pub fn run(args: &ColdstartArgs, exec: &dyn Executor) -> anyhow::Result<()> {
 
     println!("coldstart bench: {}", machine_line());
     println!("executor: {}", exec.describe());
+    if let Some(e) = &emulated {
+        println!("link: {e}; every time below is emulated (measured / K)");
+    }
     if exec.kind() == ExecutorKind::Sim {
         println!(
             "GPU time simulated from {} (transfers, cache and pipeline are real)",
@@ -142,11 +172,13 @@ pub fn run(args: &ColdstartArgs, exec: &dyn Executor) -> anyhow::Result<()> {
         );
     }
     println!(
-        "{:<13} {:<10} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9}",
+        "{:<13} {:<10} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9}",
         "family",
         "link",
         "groups",
         "MB",
+        "network",
+        "net/ideal",
         "transfer",
         "compute",
         "pipelined",
@@ -159,10 +191,15 @@ pub fn run(args: &ColdstartArgs, exec: &dyn Executor) -> anyhow::Result<()> {
         exec,
         cluster: &cluster,
         key: &key,
+        emulated,
     };
     let mut rows = Vec::new();
     for p in &packages {
-        let base = bench.measure(p, args.rate_limit_gbps.map(|g| g * 1e9 / 8.0))?;
+        let limit = match &emulated {
+            Some(e) => Some(e.loopback_bytes_per_s()),
+            None => args.rate_limit_gbps.map(|g| g * 1e9 / 8.0),
+        };
+        let base = bench.measure(p, limit)?;
         rows.push(base.clone());
         if args.match_rate {
             if base.compute_ms < base.transfer_ms {
@@ -228,11 +265,16 @@ impl Bench<'_> {
         };
 
         let (mut transfer, mut compute, mut pipelined, mut seq) = (vec![], vec![], vec![], vec![]);
+        let mut network = vec![];
+        // Measured on the dilated clock, reported in emulated time.
+        let k = dilation(self.emulated.as_ref());
+        let ms = |d: Duration| ms(d) / k;
         let mut last_trace = None;
         for _ in 0..self.args.repeat {
             forget();
             let (_, t, _) = sequential(&stages, &request(), &opts)?;
             seq.push(ms(t.total));
+            network.push(ms(t.fetch));
             transfer.push(ms(t.fetch + t.h2d));
             // Resident now: a warm run is compute only.
             let (_, w, _) = cold_start(&stages, &request(), &opts)?;
@@ -243,6 +285,13 @@ impl Bench<'_> {
             last_trace = Some(tr);
         }
         forget();
+        let network = median(network);
+        // The link the bytes cross: emulated, or the limit's rate.
+        let link_rate = match &self.emulated {
+            Some(e) => Some(e.link_bytes_per_s()),
+            None => rate_bytes_per_s,
+        };
+        let network_ideal = link_rate.map(|r| m.stored_bytes as f64 / r * 1e3);
         let (transfer, compute, pipelined, sequential) = (
             median(transfer),
             median(compute),
@@ -251,25 +300,32 @@ impl Bench<'_> {
         );
         let row = Row {
             family: m.family.to_string(),
-            link: match rate_bytes_per_s {
-                Some(r) => format!("{:.2} Gb/s", r * 8.0 / 1e9),
-                None => "loopback".into(),
+            link: match (&self.emulated, rate_bytes_per_s) {
+                (Some(e), _) => format!("{} emu", format_link(e.link_bytes_per_s())),
+                (None, Some(r)) => format!("{:.2} Gb/s", r * 8.0 / 1e9),
+                (None, None) => "loopback".into(),
             },
             groups: m.groups.len(),
             bytes: m.stored_bytes,
+            network_ms: network,
+            network_ideal_ms: network_ideal,
             transfer_ms: transfer,
             compute_ms: compute,
             pipelined_ms: pipelined,
             sequential_ms: sequential,
             pipelined_over_sequential: pipelined / sequential,
-            ratio_to_ideal: pipelined / transfer.max(compute),
+            ratio_to_ideal: pipelined
+                / ideal_pipeline_ms(&[network, transfer - network, compute], m.groups.len()),
         };
         println!(
-            "{:<13} {:<10} {:>6} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>9.2} {:>9.2}",
+            "{:<13} {:<10} {:>6} {:>10.1} {:>10.2} {:>10} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>9.2} {:>9.2}",
             row.family,
             row.link,
             row.groups,
             row.bytes as f64 / 1e6,
+            row.network_ms,
+            row.network_ideal_ms
+                .map_or("-".to_string(), |i| format!("{:.3}", row.network_ms / i)),
             row.transfer_ms,
             row.compute_ms,
             row.pipelined_ms,
@@ -292,6 +348,15 @@ impl Bench<'_> {
 }
 
 /// One line per group: host-ready, uploaded, gate opened, first layer start (ms).
+/// The shortest a pipeline of `groups` equal groups through stages taking
+/// `stages` (ms, whole model each) can take: the slowest stage, plus one
+/// group's worth of every other stage (filling and draining the pipeline).
+fn ideal_pipeline_ms(stages: &[f64], groups: usize) -> f64 {
+    let slowest = stages.iter().copied().fold(0.0, f64::max);
+    let rest: f64 = stages.iter().sum::<f64>() - slowest;
+    slowest + rest / groups.max(1) as f64
+}
+
 fn print_trace(m: &distmind_models::Manifest, tr: &distmind_runtime::pipeline::MergedTrace) {
     let f = |d: Option<Duration>| d.map_or("-".to_string(), |d| format!("{:.1}", ms(d)));
     println!(
@@ -347,4 +412,18 @@ fn tempfile_dir() -> anyhow::Result<PathBuf> {
     let dir = std::env::temp_dir().join(format!("distmind-coldstart-{}", std::process::id()));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ideal_pipeline_ms;
+
+    #[test]
+    fn the_ideal_pipeline_is_the_slowest_stage_plus_one_group_of_the_rest() {
+        // Network 20, H2D 16, compute 8 over 8 groups: 20 + (16 + 8) / 8.
+        assert_eq!(ideal_pipeline_ms(&[20.0, 16.0, 8.0], 8), 23.0);
+        // One group: nothing overlaps, the stages add up.
+        assert_eq!(ideal_pipeline_ms(&[20.0, 16.0, 8.0], 1), 44.0);
+        assert_eq!(ideal_pipeline_ms(&[5.0], 0), 5.0);
+    }
 }

@@ -50,7 +50,32 @@ impl LocalCluster {
         key: ClusterKey,
         dispatch: Option<distmind_controller::dispatch::DispatchConfig>,
     ) -> anyhow::Result<LocalCluster> {
-        Self::start_full(n, capacity_bytes, key, dispatch, &OneSidedConfig::default())
+        Self::start_full(
+            n,
+            capacity_bytes,
+            key,
+            dispatch,
+            &OneSidedConfig::default(),
+            None,
+        )
+    }
+
+    /// [`start`](Self::start) with every memory server's tcp replies held
+    /// to `nic_bytes_per_s` (its own NIC, for emulated links).
+    pub fn start_with_nic(
+        n: usize,
+        capacity_bytes: u64,
+        key: ClusterKey,
+        nic_bytes_per_s: Option<u64>,
+    ) -> anyhow::Result<LocalCluster> {
+        Self::start_full(
+            n,
+            capacity_bytes,
+            key,
+            None,
+            &OneSidedConfig::default(),
+            nic_bytes_per_s,
+        )
     }
 
     /// [`start`](Self::start) with every memory server also serving its
@@ -62,7 +87,7 @@ impl LocalCluster {
         key: ClusterKey,
         one_sided: &OneSidedConfig,
     ) -> anyhow::Result<LocalCluster> {
-        Self::start_full(n, capacity_bytes, key, None, one_sided)
+        Self::start_full(n, capacity_bytes, key, None, one_sided, None)
     }
 
     fn start_full(
@@ -71,6 +96,7 @@ impl LocalCluster {
         key: ClusterKey,
         dispatch: Option<distmind_controller::dispatch::DispatchConfig>,
         one_sided: &OneSidedConfig,
+        nic_bytes_per_s: Option<u64>,
     ) -> anyhow::Result<LocalCluster> {
         let runtime = crate::services::runtime()?;
         let (stop, stop_rx) = watch::channel(false);
@@ -93,6 +119,7 @@ impl LocalCluster {
                     MemserverConfig::new("127.0.0.1:0".parse()?, capacity_bytes, key.clone());
                 cfg.controller = Some(controller.clone());
                 cfg.one_sided = one_sided.clone();
+                cfg.nic_bytes_per_s = nic_bytes_per_s;
                 let m = Memserver::bind(cfg).await?;
                 memservers.push(m.local_addr().to_string());
                 tokio::spawn(m.serve(shutdown()));

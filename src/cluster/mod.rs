@@ -122,6 +122,11 @@ pub struct UpArgs {
     /// Seconds one service may take to become healthy.
     #[arg(long, default_value_t = 60)]
     pub ready_timeout: u64,
+    /// Every service gets the same emulation (needs --executor sim). Without
+    /// --emulate-loopback and an `emulate` section in transport.json, local mode measures this
+    /// machine's loopback and picks the bucket rate.
+    #[command(flatten)]
+    pub emulate: crate::emulate::EmulateArgs,
 }
 
 /// Where a service runs.

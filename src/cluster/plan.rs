@@ -120,6 +120,29 @@ pub(super) fn plan(
 ) -> anyhow::Result<Vec<Planned>> {
     let s = settings_arg;
     let meta = settings.metadata_endpoint();
+    // The same K and R for every service: explicit flags, so that a service
+    // whose host has other settings still agrees.
+    let emulated = match remote {
+        None => a
+            .emulate
+            .resolve_measuring(Some(settings), settings.memservers().len() + 1)?,
+        Some(_) => a.emulate.resolve(settings)?,
+    };
+    if emulated.is_some() && a.executor != "sim" {
+        bail!(
+            "an emulated link dilates the cluster's clock, and only the sim executor's times can be \
+             dilated: use --executor sim (got --executor {})",
+            a.executor
+        );
+    }
+    let emulate_flags = |p: &mut Planned| {
+        if let Some(e) = &emulated {
+            let f = crate::emulate::EmulateArgs::flags_for(e);
+            for pair in f.chunks(2) {
+                p.flag(&pair[0], &pair[1]);
+            }
+        }
+    };
     let on = |ep: &Endpoint| remote.map(|_| ep.host.clone());
     let mut ports = Ports::default();
     let mut plan = Vec::new();
@@ -147,6 +170,7 @@ pub(super) fn plan(
             )?;
         }
     }
+    emulate_flags(&mut c);
     plan.push(c);
 
     for (i, m) in settings.memservers().iter().enumerate() {
@@ -178,6 +202,7 @@ pub(super) fn plan(
                 p.flag("--controller", meta);
             }
         }
+        emulate_flags(&mut p);
         plan.push(p);
     }
 
@@ -229,7 +254,59 @@ pub(super) fn plan(
             }
             _ => p.flag("--metrics", "127.0.0.1:0"),
         }
+        emulate_flags(&mut p);
         plan.push(p);
     }
     Ok(plan)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        up: UpArgs,
+    }
+
+    fn planned(args: &[&str]) -> anyhow::Result<Vec<Planned>> {
+        let cli = Cli::try_parse_from(std::iter::once("up").chain(args.iter().copied()))?;
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("settings");
+        let settings = crate::services::load_settings(&dir)?;
+        plan(&settings, &cli.up, "settings", None)
+    }
+
+    #[test]
+    fn every_service_gets_the_same_emulation() {
+        let p = planned(&[
+            "--executor",
+            "sim",
+            "--emulate-link",
+            "100gbit",
+            "--emulate-loopback",
+            "1GB/s",
+        ])
+        .unwrap();
+        assert!(p.len() >= 3);
+        for s in &p {
+            let at = s.argv.iter().position(|a| a == "--emulate-link");
+            let at = at.unwrap_or_else(|| panic!("{}: {:?}", s.name, s.argv));
+            assert_eq!(s.argv[at + 1], "12500MB/s", "{}", s.name);
+            assert_eq!(s.argv[at + 2], "--emulate-loopback");
+            assert_eq!(s.argv[at + 3], "1000MB/s", "{}", s.name);
+        }
+        // Without emulation, no service gets the flags.
+        let p = planned(&["--executor", "sim"]).unwrap();
+        assert!(p
+            .iter()
+            .all(|s| !s.argv.iter().any(|a| a.starts_with("--emulate"))));
+    }
+
+    #[test]
+    fn an_emulated_cluster_needs_the_sim_executor() {
+        let e = planned(&["--emulate-link", "100gbit", "--emulate-loopback", "1GB/s"]).unwrap_err();
+        assert!(e.to_string().contains("--executor sim"), "{e}");
+    }
 }

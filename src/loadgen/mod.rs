@@ -129,6 +129,10 @@ pub struct ClientArgs {
     /// Give up on a reply after this long (the connection is then counted lost).
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub timeout: Duration,
+    /// Emulated link: --slo-ms, --duration, --timeout and trace times are emulated time (x K on
+    /// the real clock), --rate is per emulated second, and the report is in emulated time.
+    #[command(flatten)]
+    pub emulate: crate::emulate::EmulateArgs,
 }
 
 impl ClientArgs {
@@ -153,6 +157,7 @@ impl ClientArgs {
             json: None,
             batch: 1,
             timeout: Duration::from_secs(30),
+            emulate: crate::emulate::EmulateArgs::default(),
         }
     }
 }
@@ -183,16 +188,25 @@ pub fn run_until(args: &ClientArgs, stop: &AtomicBool) -> anyhow::Result<Report>
         Mode::Closed
     });
     check_flags(args, mode)?;
+    // On an emulated link every stated time runs K times longer on the real
+    // clock and every stated rate K times slower; the report is converted back.
+    let emulated = args.emulate.resolve(&settings)?;
+    let k = distmind_common::emulate::dilation(emulated.as_ref());
+    let dilate_ms = |ms: u64| (ms as f64 * k).round() as u64;
+    let slo_ms_real = args.slo_ms.map(dilate_ms);
+    let timeout = args.timeout.mul_f64(k);
+    if let Some(e) = &emulated {
+        println!("client: {e}: stated times x K on the real clock, the report in emulated time");
+    }
     let trace = match (&args.trace, mode) {
         (Some(path), Mode::Trace) => Some(load_trace(path)?),
         _ => None,
     };
 
     // The model list and one input per model, from the catalog.
-    let mut catalog =
-        ControllerClient::connect(&controller, &key, args.timeout).with_context(|| {
-            format!("cannot reach the controller at {controller} for the model list")
-        })?;
+    let mut catalog = ControllerClient::connect(&controller, &key, timeout).with_context(|| {
+        format!("cannot reach the controller at {controller} for the model list")
+    })?;
     let models: Vec<String> = match &trace {
         Some(rows) => {
             let mut names: Vec<String> = rows.iter().map(|r| r.model.clone()).collect();
@@ -254,7 +268,7 @@ pub fn run_until(args: &ClientArgs, stop: &AtomicBool) -> anyhow::Result<Report>
     let common = drive::Common {
         addr: &addr,
         key: &key,
-        timeout: args.timeout,
+        timeout,
         inputs: &inputs,
         models: &models,
         stop,
@@ -263,7 +277,7 @@ pub fn run_until(args: &ClientArgs, stop: &AtomicBool) -> anyhow::Result<Report>
     let connect = |n: usize| -> anyhow::Result<Vec<RuntimeClient>> {
         (0..n)
             .map(|_| {
-                RuntimeClient::connect(&addr, &key, args.timeout).with_context(|| {
+                RuntimeClient::connect(&addr, &key, timeout).with_context(|| {
                     format!("cannot reach the dispatcher at {addr} (the controller's client port; is the controller running?)")
                 })
             })
@@ -285,7 +299,7 @@ pub fn run_until(args: &ClientArgs, stop: &AtomicBool) -> anyhow::Result<Report>
                 .unwrap_or(settings.config.world_size as usize);
             let requests = args.requests.unwrap_or(settings.config.num_request);
             let clients = connect(threads)?;
-            let d = duration.unwrap_or(DURATION_DEFAULT);
+            let d = duration.unwrap_or(DURATION_DEFAULT).mul_f64(k);
             println!(
                 "client: closed loop, {threads} thread(s) x {} against {addr}, {} models (zipf {zipf_s}), {slo_note}, for at most {:.1} s",
                 if requests == 0 {
@@ -297,20 +311,20 @@ pub fn run_until(args: &ClientArgs, stop: &AtomicBool) -> anyhow::Result<Report>
                 d.as_secs_f64()
             );
             started = Instant::now();
-            let c = drive::closed(&common, clients, requests, d, args.slo_ms, &draw, args.seed);
+            let c = drive::closed(&common, clients, requests, d, slo_ms_real, &draw, args.seed);
             (c, threads)
         }
         Mode::Poisson => {
-            let rate = args.rate.expect("checked");
+            let rate = args.rate.expect("checked") / k;
             let n = args.connections;
-            let d = duration.unwrap_or(DURATION_DEFAULT).as_secs_f64();
+            let d = duration.unwrap_or(DURATION_DEFAULT).as_secs_f64() * k;
             let arrivals = (0..n)
                 .map(|i| {
                     drive::Arrivals::poisson(
                         rate / n as f64,
                         d,
                         &draw,
-                        args.slo_ms,
+                        slo_ms_real,
                         drive::thread_rng(args.seed, i),
                     )
                 })
@@ -334,9 +348,9 @@ pub fn run_until(args: &ClientArgs, stop: &AtomicBool) -> anyhow::Result<Report>
                 .enumerate()
             {
                 per_conn[i % n].push(drive::Due {
-                    at_s: r.time_s,
+                    at_s: r.time_s * k,
                     model: models.binary_search(&r.model).expect("listed"),
-                    slo_ms: r.slo_ms.map(|s| s.ceil() as u64).or(args.slo_ms),
+                    slo_ms: r.slo_ms.map(|s| (s * k).ceil() as u64).or(slo_ms_real),
                 });
             }
             let total: usize = per_conn.iter().map(Vec::len).sum();
@@ -355,12 +369,13 @@ pub fn run_until(args: &ClientArgs, stop: &AtomicBool) -> anyhow::Result<Report>
             (drive::open(&common, clients, arrivals), n)
         }
     };
-    let elapsed_s = started.elapsed().as_secs_f64();
+    let elapsed_s = started.elapsed().as_secs_f64() / k;
     let mut all = stats::Collector::new(models.len());
     for c in collectors {
         all.merge(c);
     }
-    let report = Report::build(
+    all.undilate(k);
+    let mut report = Report::build(
         stats::RunInfo {
             mode: mode.as_str(),
             target: &addr,
@@ -377,6 +392,7 @@ pub fn run_until(args: &ClientArgs, stop: &AtomicBool) -> anyhow::Result<Report>
         },
         all,
     );
+    report.emulated_link = emulated.as_ref().map(|e| e.label());
     print!("{}", report.render());
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&report).context("serialising the report")?;

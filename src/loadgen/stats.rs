@@ -76,6 +76,21 @@ pub fn code_name(code: ErrorCode) -> String {
 }
 
 impl Collector {
+    /// Turns latencies measured on a clock dilated by `k` (an emulated
+    /// link) into emulated time.
+    pub fn undilate(&mut self, k: f64) {
+        if k == 1.0 {
+            return;
+        }
+        self.latency_sum_ms /= k;
+        for l in &mut self.latencies_ms {
+            *l /= k;
+        }
+        for m in &mut self.models {
+            m.latency_sum_ms /= k;
+        }
+    }
+
     pub fn new(models: usize) -> Collector {
         Collector {
             sent: 0,
@@ -330,6 +345,9 @@ pub struct Report {
     pub simulated: u64,
     /// Ok requests per second of `elapsed_s`.
     pub throughput_rps: f64,
+    /// The emulated link the times are reported for (`None`: real time).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub emulated_link: Option<String>,
     pub latency: LatencySummary,
     /// Present when some SLO was known (the dispatcher's record, --slo-ms or the trace).
     pub slo: Option<SloSummary>,
@@ -406,6 +424,7 @@ impl Report {
             send_failed: c.send_failed,
             dropped_by_client: c.dropped_by_client,
             simulated: c.simulated,
+            emulated_link: None,
             throughput_rps: if info.elapsed_s > 0.0 {
                 c.ok as f64 / info.elapsed_s
             } else {
@@ -452,6 +471,12 @@ impl Report {
                 ""
             }
         );
+        if let Some(e) = &self.emulated_link {
+            let _ = writeln!(
+                s,
+                "  times and rates in emulated time: {e} (measured latencies / K, rates x K)"
+            );
+        }
         let _ = writeln!(s, "  {:<22}{:>10}", "sent", self.sent);
         let _ = writeln!(s, "  {:<22}{:>10}", "ok", self.ok);
         let _ = writeln!(s, "  {:<22}{:>10}", "rejected (admission)", self.rejected);

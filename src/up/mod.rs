@@ -24,6 +24,7 @@
 //!   and in the runtime's host cache, so 20 of them (about 5.5 GB, three
 //!   times) is left to `--models 20` on a machine with the memory.
 
+mod compare;
 mod metrics;
 pub(crate) mod procs;
 pub mod results;
@@ -79,7 +80,8 @@ pub struct UpArgs {
     /// Settings directory (cluster.key, config.sh, controller.json; ports are ephemeral, not the files').
     #[arg(long, default_value = "settings")]
     pub settings: PathBuf,
-    /// auto (cuda if built with it and a device is present, else cpu), cpu, sim or cuda.
+    /// auto (cuda if built with it and a device is present, else sim: full-size models, GPU time
+    /// from a profile), cpu (tiny models, real math), sim or cuda.
     #[arg(long, value_enum, default_value = "auto")]
     pub executor: ExecutorChoice,
     /// Model scale: tiny or full (default: tiny for cpu, full for sim and cuda).
@@ -88,9 +90,10 @@ pub struct UpArgs {
     /// Models to generate, spread over the five families (default: 20 tiny, 6 full).
     #[arg(long)]
     pub models: Option<usize>,
-    /// How long the workload runs, e.g. 60s, 10s, 2m.
-    #[arg(long, default_value = "60s", value_parser = parse_duration)]
-    pub duration: Duration,
+    /// How long the workload runs, e.g. 60s, 10s, 2m (emulated time under --emulate-link;
+    /// default: 60 s, 3 s for the side-by-side).
+    #[arg(long, value_parser = parse_duration)]
+    pub duration: Option<Duration>,
     /// Requests per second of the Poisson workload.
     #[arg(long, default_value_t = RATE_DEFAULT)]
     pub rate: f64,
@@ -133,8 +136,10 @@ pub struct UpArgs {
     /// The system under test: distmind (the controller's --policy), or a baseline of the
     /// evaluation: mps, ray, gpu (the one-model bound; implies --models 1). The same models and
     /// workload run against each.
-    #[arg(long, value_enum, default_value = "distmind")]
-    pub system: System,
+    /// Default: without a GPU (the sim executor), the side-by-side of DistMind and mps; otherwise
+    /// distmind.
+    #[arg(long, value_enum)]
+    pub system: Option<System>,
     /// Generate models of this family only (default: the five families in turn).
     #[arg(long)]
     pub family: Option<Family>,
@@ -180,6 +185,13 @@ pub struct UpArgs {
     /// group_bytes; 1 = one group per layer).
     #[arg(long)]
     pub group_bytes: Option<u64>,
+    /// Batch size of every request (the sim executor takes the profile's time for this batch).
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Emulated link for every process of the cluster (sim executor only); without
+    /// --emulate-loopback the bucket rate is chosen from a measurement of this machine's loopback.
+    #[command(flatten)]
+    pub emulate: crate::emulate::EmulateArgs,
 }
 
 /// What `distmind up --system` runs.
@@ -238,14 +250,19 @@ pub fn choose_executor(
         )),
         ExecutorChoice::Cuda => Ok((ExecutorKind::Cuda, "asked for".into())),
         ExecutorChoice::Auto if !cuda_compiled => Ok((
-            ExecutorKind::Cpu,
-            "auto: this build has no cuda feature; tiny models, real numbers".into(),
+            ExecutorKind::Sim,
+            "auto: this build has no cuda feature; full-size models, GPU time from a profile \
+             (--executor cpu: tiny models, real numbers)"
+                .into(),
         )),
         ExecutorChoice::Auto => match probe_cuda() {
             Ok(()) => Ok((ExecutorKind::Cuda, "auto: CUDA device 0 answered".into())),
             Err(why) => Ok((
-                ExecutorKind::Cpu,
-                format!("auto: no usable CUDA device ({why}); tiny models, real numbers"),
+                ExecutorKind::Sim,
+                format!(
+                    "auto: no usable CUDA device ({why}); full-size models, GPU time from a profile \
+                     (--executor cpu: tiny models, real numbers)"
+                ),
             )),
         },
     }
@@ -292,10 +309,41 @@ impl Drop for WorkDir {
     }
 }
 
-/// Runs `distmind up`: see the module documentation.
+/// Default duration of a single run's workload.
+pub const DURATION_DEFAULT: Duration = Duration::from_secs(60);
+
+/// Runs `distmind up`: see the module documentation. Without `--system` on
+/// the sim executor (no GPU here), the side-by-side of [`compare`].
 pub fn run(args: &UpArgs) -> anyhow::Result<()> {
+    let (executor, why) = choose_executor(args.executor, cfg!(feature = "cuda"), || {
+        println!("up: probing CUDA device 0 ...");
+        distmind_runtime::exec::cuda::CudaExecutor::new(0)
+            .map(drop)
+            .map_err(|e| e.to_string())
+    })
+    .map_err(anyhow::Error::msg)?;
+    if args.system.is_none() && executor == ExecutorKind::Sim {
+        return compare::run(args);
+    }
+    run_one(args, executor, &why).map(drop)
+}
+
+/// What one run measured, for the side-by-side.
+pub struct Outcome {
+    pub report: loadgen::Report,
+    pub runtime_rss_bytes: Option<u64>,
+    /// The GPU server's host cache.
+    pub cache_bytes: u64,
+    pub profile_label: String,
+    pub emulated: Option<distmind_common::emulate::EmulatedLink>,
+}
+
+/// One cluster, one system, one workload.
+pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Result<Outcome> {
     let stop = loadgen::interrupt_flag();
     let started = Instant::now();
+    let system = args.system.unwrap_or(System::Distmind);
+    let duration = args.duration.unwrap_or(DURATION_DEFAULT);
     if !(1..=MEMSERVERS_MAX).contains(&args.memservers) {
         bail!(
             "--memservers must be 1..={MEMSERVERS_MAX}, got {}",
@@ -311,16 +359,22 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
     let settings = services::load_settings(&args.settings)?;
     let key = services::cluster_key(&settings);
     let exe = std::env::current_exe().context("cannot find this program's path")?;
+    // Every memory server and the GPU server hold a bucket.
+    let emulated = args
+        .emulate
+        .resolve_measuring(Some(&settings), args.memservers + 1)?;
+    let emulate_flags: Vec<OsString> = emulated
+        .as_ref()
+        .map(|e| {
+            crate::emulate::EmulateArgs::flags_for(e)
+                .into_iter()
+                .map(OsString::from)
+                .collect()
+        })
+        .unwrap_or_default();
 
-    let (executor, why) = choose_executor(args.executor, cfg!(feature = "cuda"), || {
-        println!("up: probing CUDA device 0 ...");
-        distmind_runtime::exec::cuda::CudaExecutor::new(0)
-            .map(drop)
-            .map_err(|e| e.to_string())
-    })
-    .map_err(anyhow::Error::msg)?;
     let scale = args.scale.unwrap_or(default_scale(executor));
-    let n_models = args.models.unwrap_or(match (args.system, scale) {
+    let n_models = args.models.unwrap_or(match (system, scale) {
         (System::Gpu, _) => 1,
         (_, Scale::Tiny) => MODELS_TINY_DEFAULT,
         (_, Scale::Full) => MODELS_FULL_DEFAULT,
@@ -328,7 +382,7 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
     if !(1..=MODELS_MAX).contains(&n_models) {
         bail!("--models must be 1..={MODELS_MAX}, got {n_models}");
     }
-    if args.system == System::Gpu && n_models != 1 {
+    if system == System::Gpu && n_models != 1 {
         bail!("--system gpu is the one-model bound: --models must be 1, got {n_models}");
     }
     if !(1..=distmind_runtime::server::DEVICES_MAX as u32).contains(&args.devices) {
@@ -341,16 +395,28 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
     if args.mode == loadgen::Mode::Trace {
         bail!("--mode trace is not available in up: run `distmind client --mode trace` against a cluster");
     }
-    let policy = match (args.system.baseline(), &args.policy) {
+    let policy = match (system.baseline(), &args.policy) {
         (None, p) => p.clone(),
-        (Some(_), Some(p)) if p != args.system.as_str() => bail!(
+        (Some(_), Some(p)) if p != system.as_str() => bail!(
             "--system {} runs the controller with --policy {}; --policy {p} contradicts it",
-            args.system.as_str(),
-            args.system.as_str()
+            system.as_str(),
+            system.as_str()
         ),
-        (Some(_), _) => Some(args.system.as_str().to_string()),
+        (Some(_), _) => Some(system.as_str().to_string()),
     };
-    println!("up: system {}", args.system.as_str());
+    if emulated.is_some() && executor != ExecutorKind::Sim {
+        bail!(
+            "--emulate-link needs --executor sim: only simulated GPU time can run on the dilated clock \
+             (a real executor would look K times faster)"
+        );
+    }
+    println!("up: system {}", system.as_str());
+    if let Some(e) = &emulated {
+        println!(
+            "up: {e}: every process runs on a clock {:.2}x slower; results in emulated time",
+            e.dilation()
+        );
+    }
     println!("up: executor {executor} ({why}), {n_models} {scale} models");
     if executor == ExecutorKind::Cpu && scale == Scale::Full {
         println!("up: note: full-scale models on the cpu executor take seconds per request; expect rejections and few answers");
@@ -412,7 +478,7 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
         .capacity
         .unwrap_or_else(|| with_slack(total_bytes * replication / args.memservers as u64));
     // The baselines hold the whole model set in host memory, uncapped.
-    let cache = args.cache.unwrap_or_else(|| match args.system {
+    let cache = args.cache.unwrap_or_else(|| match system {
         System::Mps | System::Ray => with_slack(cached_bytes),
         _ => with_slack(cached_bytes).min(CACHE_BYTES_MAX_DEFAULT.max(with_slack(largest))),
     });
@@ -445,6 +511,7 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
     if let Some(b) = &args.balancer {
         a.extend(os(&["--balancer", b]));
     }
+    a.extend(emulate_flags.iter().cloned());
     let c = cluster.start(
         "controller",
         &a,
@@ -478,6 +545,7 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
             "--metrics",
             "127.0.0.1:0",
         ]));
+        a.extend(emulate_flags.iter().cloned());
         let m = cluster.start(
             &format!("memserver-{i}"),
             &a,
@@ -519,12 +587,13 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
     if let Some(m) = args.device_memory {
         a.extend(os(&["--device-memory", &size_arg(m)]));
     }
-    if let Some(b) = args.system.baseline() {
-        a.extend(os(&["--baseline", args.system.as_str()]));
+    a.extend(emulate_flags.iter().cloned());
+    if let Some(b) = system.baseline() {
+        a.extend(os(&["--baseline", system.as_str()]));
         let (resident, _, _) = b.preset();
         println!(
             "up: baseline {}: {resident} model(s) resident per GPU, whole-model loads{}",
-            args.system.as_str(),
+            system.as_str(),
             if b.preset().2 {
                 ", every model in the GPU server's host memory"
             } else {
@@ -550,7 +619,7 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
             profile.display(),
             p.source.as_str()
         );
-        profile_label = format!("{} ({})", profile.display(), p.source.as_str());
+        profile_label = format!("{} ({})", portable(&profile).display(), p.source.as_str());
         a.push("--profile".into());
         a.push(profile.into_os_string());
     }
@@ -597,8 +666,8 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
         total_bytes as f64 / 1e6,
         t.elapsed().as_secs_f64()
     );
-    if args.system != System::Distmind || args.warm_cache {
-        warm(args, &runtime, &key, &names, stop)?;
+    if system != System::Distmind || args.warm_cache {
+        warm(args, system, &runtime, &key, &names, stop)?;
     }
 
     // 4. Workload.
@@ -614,9 +683,17 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
         }
         _ => ca.rate = Some(args.rate),
     }
-    ca.duration = Some(args.duration);
+    ca.duration = Some(duration);
     ca.zipf = args.zipf;
     ca.slo_ms = args.slo_ms;
+    ca.batch = args.batch;
+    if let Some(e) = &emulated {
+        let flags = crate::emulate::EmulateArgs::flags_for(e);
+        ca.emulate = crate::emulate::EmulateArgs {
+            emulate_link: Some(flags[1].clone()),
+            emulate_loopback: Some(flags[3].clone()),
+        };
+    }
     ca.seed = args.seed;
     ca.json = args.json.clone();
     // Most popular first, families interleaved, as generated.
@@ -626,8 +703,10 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
         _ => format!("poisson {} req/s", args.rate),
     };
     println!(
-        "up: workload: {shape} for {:.0} s through the dispatcher at {dispatcher} (Ctrl-C stops early)",
-        args.duration.as_secs_f64()
+        "up: workload: {shape}, batch {}, for {:.0} s{} through the dispatcher at {dispatcher} (Ctrl-C stops early)",
+        args.batch,
+        duration.as_secs_f64(),
+        if emulated.is_some() { " (emulated time)" } else { "" }
     );
     let report = loadgen::run_until(&ca, stop)?;
     if stop.load(Ordering::Relaxed) {
@@ -665,7 +744,7 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
             system: args
                 .label
                 .clone()
-                .unwrap_or_else(|| args.system.as_str().to_string()),
+                .unwrap_or_else(|| system.as_str().to_string()),
             family: args
                 .family
                 .map_or_else(|| "mixed".to_string(), |f| f.to_string()),
@@ -679,6 +758,14 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
             executor: executor.to_string(),
             profile: profile_label.clone(),
             runtime_rss_bytes: runtime_rss,
+            link: emulated.as_ref().map_or("loopback".to_string(), |e| {
+                distmind_common::emulate::format_link(e.link_bytes_per_s())
+            }),
+            dilation: distmind_common::emulate::dilation(emulated.as_ref()),
+            loopback: emulated.as_ref().map_or("-".to_string(), |e| {
+                distmind_common::emulate::format_rate(e.loopback_bytes_per_s())
+            }),
+            source: "processes".into(),
         };
         results::append(path, &row, &report)?;
         println!("up: results appended to {}", path.display());
@@ -689,7 +776,13 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
         report.ok,
         report.sent
     );
-    Ok(())
+    Ok(Outcome {
+        report,
+        runtime_rss_bytes: runtime_rss,
+        cache_bytes: cache,
+        profile_label,
+        emulated,
+    })
 }
 
 /// Which packages `up` generates.
@@ -786,6 +879,7 @@ fn ca_zipf(args: &UpArgs, settings: &distmind_common::settings::Settings) -> f64
 /// every device.
 fn warm(
     args: &UpArgs,
+    system: System,
     runtime: &str,
     key: &ClusterKey,
     names: &[String],
@@ -798,7 +892,7 @@ fn warm(
         if stop.load(Ordering::Relaxed) {
             bail!("interrupted while warming the GPU server");
         }
-        if args.system == System::Gpu {
+        if system == System::Gpu {
             for d in 0..args.devices {
                 c.prefetch(name, Some(d))
                     .with_context(|| format!("loading {name} onto device {d}"))?;
@@ -810,8 +904,8 @@ fn warm(
     }
     println!(
         "up: {} warmed: {} in {:.1} s (setup, not timed)",
-        args.system.as_str(),
-        if args.system == System::Gpu {
+        system.as_str(),
+        if system == System::Gpu {
             "its model resident on every device".to_string()
         } else {
             format!("{} models in host memory", names.len())
@@ -872,6 +966,20 @@ fn wait_registered(
     }
 }
 
+/// `path` as results and captions carry it: relative to the working
+/// directory when it lies under it, else its file name, so that no CSV or
+/// figure names a directory of the machine that made it.
+pub fn portable(path: &Path) -> PathBuf {
+    if path.is_relative() {
+        return path.to_path_buf();
+    }
+    std::env::current_dir()
+        .ok()
+        .and_then(|cwd| path.strip_prefix(cwd).ok().map(Path::to_path_buf))
+        .or_else(|| path.file_name().map(PathBuf::from))
+        .unwrap_or_else(|| path.to_path_buf())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -898,12 +1006,12 @@ mod tests {
                 .0,
             ExecutorKind::Cuda
         );
-        // auto: cuda only when compiled in and a device answers.
+        // auto: cuda only when compiled in and a device answers, else sim.
         assert_eq!(
             choose_executor(ExecutorChoice::Auto, false, never)
                 .unwrap()
                 .0,
-            ExecutorKind::Cpu
+            ExecutorKind::Sim
         );
         assert_eq!(
             choose_executor(ExecutorChoice::Auto, true, || Ok(()))
@@ -913,7 +1021,7 @@ mod tests {
         );
         let (kind, why) =
             choose_executor(ExecutorChoice::Auto, true, || Err("no libcuda".into())).unwrap();
-        assert_eq!(kind, ExecutorKind::Cpu);
+        assert_eq!(kind, ExecutorKind::Sim);
         assert!(why.contains("no libcuda"));
         assert_eq!(default_scale(ExecutorKind::Cpu), Scale::Tiny);
         assert_eq!(default_scale(ExecutorKind::Sim), Scale::Full);
@@ -956,5 +1064,20 @@ mod tests {
         assert_eq!(names[5], "resnet152-tiny-00000001");
         assert!(dirs.iter().all(|d| d.join("manifest.json").exists()));
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn results_carry_no_absolute_path() {
+        let cwd = std::env::current_dir().unwrap();
+        let inside = cwd.join("settings/profiles/v100-estimated.json");
+        assert_eq!(
+            portable(&inside),
+            Path::new("settings/profiles/v100-estimated.json")
+        );
+        assert_eq!(
+            portable(Path::new("/elsewhere/p/h200.json")),
+            Path::new("h200.json")
+        );
+        assert_eq!(portable(Path::new("rel/x.json")), Path::new("rel/x.json"));
     }
 }

@@ -12,7 +12,7 @@ use crate::loadgen::Report;
 /// The columns, in order.
 pub const HEADER: &str = "test,system,family,models,devices,zipf,period_s,cache_mib,mode,concurrency,rate_rps,duration_s,\
 sent,ok,rejected,deadline_exceeded,busy,other_errors,throughput_rps,lat_mean_ms,lat_p50_ms,lat_p90_ms,lat_p95_ms,\
-lat_p99_ms,slo_attainment,goodput_rps,runtime_rss_mib,executor,profile";
+lat_p99_ms,slo_attainment,goodput_rps,runtime_rss_mib,executor,profile,batch,link,dilation,loopback,source";
 
 /// What the run was (the report says what happened).
 #[derive(Debug, Clone)]
@@ -33,6 +33,17 @@ pub struct Row {
     pub profile: String,
     /// The GPU server's resident memory at the end of the run.
     pub runtime_rss_bytes: Option<u64>,
+    /// The network: `loopback` (real, unshaped) or the emulated link's rate
+    /// (`100gbit`); times and rates of an emulated run are emulated time.
+    pub link: String,
+    /// K of the emulated link (1 on plain loopback).
+    pub dilation: f64,
+    /// The rate each host's bucket held on loopback (`-` without emulation).
+    pub loopback: String,
+    /// How the figures were produced: `processes` (real processes and
+    /// sockets; GPU time per the executor column) or `simulated`
+    /// (`distmind simulate`).
+    pub source: String,
 }
 
 /// Refuses text that would break the row (commas, quotes, newlines).
@@ -84,6 +95,11 @@ pub fn format(row: &Row, r: &Report) -> anyhow::Result<String> {
             .map_or(String::new(), |b| (b >> 20).to_string()),
         field("executor", &row.executor)?,
         field("profile", &row.profile)?,
+        r.batch.to_string(),
+        field("link", &row.link)?,
+        format!("{:.4}", row.dilation),
+        field("loopback", &row.loopback)?,
+        field("source", &row.source)?,
     ];
     Ok(cols.join(","))
 }
@@ -142,6 +158,10 @@ mod tests {
             executor: "sim".into(),
             profile: "settings/profiles/h200-estimated.json (estimated)".into(),
             runtime_rss_bytes: Some(3 << 30),
+            link: "100gbit".into(),
+            dilation: 12.5,
+            loopback: "1.000GB/s".into(),
+            source: "processes".into(),
         }
     }
 

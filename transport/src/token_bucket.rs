@@ -69,10 +69,16 @@ impl TokenBucket {
         }
     }
 
+    /// Takes `bytes` now and returns how long the caller must wait before
+    /// moving them (for async callers, which sleep on their own timer).
+    pub fn reserve(&self, bytes: u64) -> Duration {
+        let now_ns = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.reserve_at(bytes, now_ns)
+    }
+
     /// Takes `bytes`, sleeping as long as the link needs to carry them.
     pub fn acquire(&self, bytes: u64) {
-        let now_ns = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        let wait = self.reserve_at(bytes, now_ns);
+        let wait = self.reserve(bytes);
         if !wait.is_zero() {
             std::thread::sleep(wait);
         }

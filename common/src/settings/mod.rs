@@ -51,7 +51,7 @@ pub use simple_lists::{
 };
 pub use storage_list::{StorageList, MEMSERVERS_MAX};
 pub use transport_json::{
-    check_fabric_provider, GpuServerTransport, MemserverTransport, TransportKind,
+    check_fabric_provider, EmulateSection, GpuServerTransport, MemserverTransport, TransportKind,
     TransportSettings, FABRIC_PROVIDERS, FABRIC_PROVIDER_DEFAULT,
 };
 

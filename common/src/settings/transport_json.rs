@@ -149,6 +149,24 @@ pub struct TransportSettings {
     /// By GPU server host.
     #[serde(default)]
     pub gpu_server_overrides: BTreeMap<String, GpuServerTransport>,
+    /// Emulate faster links by time dilation (default: off). Every process
+    /// of the cluster reads it, so they all run on the same clock.
+    #[serde(default)]
+    pub emulate: Option<EmulateSection>,
+}
+
+/// `"emulate": {"link": "100gbit", "loopback": "1GB/s"}`: each host's data
+/// path is held at `loopback` and the cluster's clock is dilated by
+/// `link / loopback` (see [`crate::emulate`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EmulateSection {
+    /// The link rate emulated, e.g. `100gbit` or `400gbit`.
+    pub link: String,
+    /// The rate every host's token bucket holds its data path to on
+    /// loopback, e.g. `1GB/s`; keep the sum of the hosts' rates under what
+    /// loopback sustains.
+    pub loopback: String,
 }
 
 /// Checks a provider name against [`FABRIC_PROVIDERS`].
@@ -219,7 +237,19 @@ impl TransportSettings {
                 ));
             }
         }
+        if let Some(e) = &s.emulate {
+            crate::emulate::EmulatedLink::parse(&e.link, &e.loopback)
+                .map_err(|why| check.err("emulate", why))?;
+        }
         Ok(s)
+    }
+
+    /// The emulated link of the `emulate` section (checked by [`Self::parse`]).
+    pub fn emulated_link(&self) -> Option<crate::emulate::EmulatedLink> {
+        self.emulate.as_ref().map(|e| {
+            crate::emulate::EmulatedLink::parse(&e.link, &e.loopback)
+                .expect("checked when the settings were parsed")
+        })
     }
 
     /// What the memory server at `host:port` serves.
@@ -243,6 +273,22 @@ mod tests {
 
     fn parse(text: &str) -> Result<TransportSettings> {
         TransportSettings::parse(Path::new("settings/transport.json"), text)
+    }
+
+    #[test]
+    fn emulate_section_is_checked() {
+        let s = parse(r#"{"emulate": {"link": "100gbit", "loopback": "1GB/s"}}"#).unwrap();
+        let e = s.emulated_link().unwrap();
+        assert!((e.dilation() - 12.5).abs() < 1e-9);
+        assert_eq!(parse("{}").unwrap().emulated_link(), None);
+        let err = parse(r#"{"emulate": {"link": "1gbit", "loopback": "1GB/s"}}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("emulate") && err.contains("at least"), "{err}");
+        let err = parse(r#"{"emulate": {"link": "100 furlongs", "loopback": "1GB/s"}}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("unknown unit"), "{err}");
     }
 
     #[test]

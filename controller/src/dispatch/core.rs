@@ -87,6 +87,10 @@ pub struct DispatchConfig {
     pub priors: Priors,
     /// Training job for GPUs that train (`use_train`).
     pub train_model: Option<String>,
+    /// K of an emulated link (1: none): the clock runs K times slower, so
+    /// the training schedule's seconds and [`OUTSTANDING_TIMEOUT_US`] are
+    /// stretched by K. SLOs and the period come dilated already.
+    pub time_dilation: f64,
 }
 
 impl DispatchConfig {
@@ -100,6 +104,7 @@ impl DispatchConfig {
             distmind,
             priors: Priors::default(),
             train_model: None,
+            time_dilation: 1.0,
         }
     }
 }
@@ -236,7 +241,14 @@ pub struct Dispatcher {
 
 impl Dispatcher {
     pub fn new(cfg: DispatchConfig) -> Result<Self, String> {
-        let distmind = DistMindPolicy::new(cfg.distmind.clone())?;
+        let mut distmind = DistMindPolicy::new(cfg.distmind.clone())?;
+        if !(cfg.time_dilation.is_finite() && cfg.time_dilation >= 1.0) {
+            return Err(format!(
+                "the time dilation must be a number >= 1, got {}",
+                cfg.time_dilation
+            ));
+        }
+        distmind.set_time_dilation(cfg.time_dilation);
         if cfg.window == 0 {
             return Err("the dispatch window must be at least 1".into());
         }
@@ -994,14 +1006,16 @@ impl Dispatcher {
         }
     }
 
-    /// Fails requests a runtime has held for over [`OUTSTANDING_TIMEOUT_US`].
+    /// Fails requests a runtime has held for over [`OUTSTANDING_TIMEOUT_US`]
+    /// (times the time dilation).
     fn expire_outstanding(&mut self, now: Micros, out: &mut Vec<Action>) {
+        let timeout_us = (OUTSTANDING_TIMEOUT_US as f64 * self.cfg.time_dilation) as Micros;
         let stuck: Vec<ReqId> = self
             .reqs
             .iter()
             .filter(|(_, r)| {
                 r.sent_at
-                    .is_some_and(|s| now.saturating_sub(s) > OUTSTANDING_TIMEOUT_US)
+                    .is_some_and(|s| now.saturating_sub(s) > timeout_us)
             })
             .map(|(&id, _)| id)
             .collect();
@@ -1014,7 +1028,7 @@ impl Dispatcher {
                 "request for {} got no reply from {} within {} s; retry it",
                 self.models[r.model as usize].meta.name,
                 g.gpu,
-                OUTSTANDING_TIMEOUT_US / 1_000_000
+                timeout_us / 1_000_000
             );
             self.fail(id, ErrorCode::Internal, message, out);
         }

@@ -557,3 +557,27 @@ fn policy_names_parse_and_name_the_baselines() {
     let e = "lru".parse::<PolicyKind>().unwrap_err();
     assert!(e.contains("mps") && e.contains("lru"), "{e}");
 }
+
+#[test]
+fn a_dilated_clock_stretches_the_outstanding_timeout() {
+    let mut c = cfg(PolicyKind::Mps);
+    c.time_dilation = 3.0;
+    let mut d = Dispatcher::new(c).unwrap();
+    let mut out = Vec::new();
+    d.runtime_seen(0, 0, 1, &[0], 1 << 30, 4, None, &mut out);
+    d.link_up(0);
+    let m = model(&mut d, "m");
+    let req = d.submit(0, m, Some(1e9), &mut out);
+    assert_eq!(sent(&out), vec![(req, gpu(0))]);
+    out.clear();
+    // Past the undilated timeout the request is still waiting for its reply...
+    d.tick(2 * OUTSTANDING_TIMEOUT_US, &mut out);
+    assert!(failed(&out).is_empty(), "{out:?}");
+    // ... and past three times it, it is failed explicitly.
+    d.tick(3 * OUTSTANDING_TIMEOUT_US + 1, &mut out);
+    assert_eq!(failed(&out), vec![(req, ErrorCode::Internal)]);
+    // A dilation below 1 would run the clock faster than real time.
+    let mut bad = cfg(PolicyKind::Mps);
+    bad.time_dilation = 0.5;
+    assert!(Dispatcher::new(bad).unwrap_err().contains("dilation"));
+}

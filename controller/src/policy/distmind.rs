@@ -48,6 +48,9 @@ pub struct DistMindPolicy {
     next_at: Micros,
     /// Reassignments made per model rank (for tests and the AE).
     draws: Vec<u64>,
+    /// The length of one step of `inference_workload_s`: a second, or K
+    /// seconds on a clock dilated by K (emulated links).
+    second_us: Micros,
 }
 
 impl DistMindPolicy {
@@ -68,7 +71,15 @@ impl DistMindPolicy {
             cursor: 0,
             next_at: 0,
             draws: Vec::new(),
+            second_us: 1_000_000,
         })
+    }
+
+    /// Runs the inference/training schedule on a clock dilated by `k`
+    /// (emulated links): each step of `inference_workload_s` lasts `k`
+    /// seconds. The period is the caller's to dilate.
+    pub fn set_time_dilation(&mut self, k: f64) {
+        self.second_us = ((1e6 * k).round() as Micros).max(1);
     }
 
     /// Sets the model count (ranks `0..n`); assignments beyond it are dropped.
@@ -138,7 +149,7 @@ impl DistMindPolicy {
             return n;
         }
         let w = &self.cfg.inference_workload_s;
-        let second = (now / 1_000_000) as usize;
+        let second = (now / self.second_us) as usize;
         (w[second % w.len()] as usize).min(n)
     }
 
@@ -271,6 +282,26 @@ mod tests {
                 (c as f64 - expected).abs() < 5.0 * sd,
                 "model rank {k}: {c} reassignments, expected {expected:.0}"
             );
+        }
+    }
+
+    #[test]
+    fn a_dilated_clock_stretches_each_step_of_the_workload() {
+        let workload = vec![4, 1];
+        let mut p = policy(true, workload);
+        p.set_gpus(&gpus(2, 2));
+        p.set_models(5).unwrap();
+        p.set_time_dilation(2.5);
+        // Step 0 lasts 2.5 s of the real clock, then step 1 as long.
+        for (now, want) in [
+            (0, 4),
+            (2 * S, 4),
+            (5 * S / 2 - 1, 4),
+            (5 * S / 2, 1),
+            (4 * S, 1),
+            (5 * S, 4),
+        ] {
+            assert_eq!(p.inference_gpus(now), want, "at {now} us");
         }
     }
 

@@ -50,17 +50,47 @@ pub const SLEEP_DEBT_MIN: Duration = Duration::from_micros(100);
 /// uploaded before it was asked for.
 pub const GATE_INSTANT_MAX: Duration = Duration::from_micros(20);
 
+/// The largest time dilation a sim executor accepts (as
+/// [`distmind_common::emulate::DILATION_MAX`]).
+pub const DILATION_MAX: f64 = distmind_common::emulate::DILATION_MAX;
+
 /// Runs models with the layer times of a profile.
 #[derive(Debug, Clone)]
 pub struct SimExecutor {
     profile: Arc<Profile>,
+    /// Every layer and upload time is multiplied by this (1: real time).
+    dilation: f64,
 }
 
 impl SimExecutor {
     pub fn new(profile: Profile) -> Self {
         SimExecutor {
             profile: Arc::new(profile),
+            dilation: 1.0,
         }
+    }
+
+    /// A sim executor whose GPU runs `k` times slower than the profile says:
+    /// layer and upload times are multiplied by `k`. Used with an emulated
+    /// link (`common::emulate`), where the network is slowed by the same
+    /// factor, so every ratio between GPU and network time stays the
+    /// hardware's. Refuses `k` below 1, above [`DILATION_MAX`] or not finite.
+    pub fn with_dilation(profile: Profile, k: f64) -> Result<Self, ExecError> {
+        if !k.is_finite() || !(1.0..=DILATION_MAX).contains(&k) {
+            return Err(ExecError::Unavailable {
+                executor: ExecutorKind::Sim,
+                why: format!("time dilation {k} is outside 1..={DILATION_MAX}"),
+            });
+        }
+        Ok(SimExecutor {
+            profile: Arc::new(profile),
+            dilation: k,
+        })
+    }
+
+    /// The factor every simulated time is multiplied by.
+    pub fn dilation(&self) -> f64 {
+        self.dilation
     }
 
     pub fn profile(&self) -> &Profile {
@@ -80,8 +110,13 @@ impl Executor for SimExecutor {
     }
 
     fn describe(&self) -> String {
+        let dilated = if self.dilation == 1.0 {
+            String::new()
+        } else {
+            format!("; every time x{:.2} (dilated clock)", self.dilation)
+        };
         format!(
-            "sim (no math, zero outputs; layer times {}, from {})",
+            "sim (no math, zero outputs; layer times {}, from {}{dilated})",
             self.profile.source_label(),
             self.profile.origin()
         )
@@ -90,7 +125,7 @@ impl Executor for SimExecutor {
     fn alloc_arena(&self, bytes: u64) -> Result<Arc<dyn Arena>, ExecError> {
         Ok(Arc::new(SimArena {
             len: bytes,
-            h2d_bytes_per_s: self.profile.peaks.h2d_bytes_per_s,
+            h2d_bytes_per_s: self.profile.peaks.h2d_bytes_per_s / self.dilation,
         }))
     }
 
@@ -135,7 +170,7 @@ impl Executor for SimExecutor {
             })?;
         if let std::borrow::Cow::Owned(_) = profile {
             log::warn!(
-                "{}: profile {origin} has no {key}; layer times scaled linearly from the closest batch",
+                "{}: profile {origin} has no {key}; layer times interpolated from its other batches",
                 manifest.name
             );
         }
@@ -169,7 +204,7 @@ impl Executor for SimExecutor {
                 }
             }
             layers.push(SimLayer {
-                time: duration_ceil(p.time_s),
+                time: duration_ceil(p.time_s * self.dilation),
                 group: l.group,
             });
         }
@@ -183,6 +218,13 @@ impl Executor for SimExecutor {
         Ok(Box::new(SimProgram {
             model: manifest.name.clone(),
             batch,
+            other_batches: OtherBatches {
+                profile: self.profile.clone(),
+                family: manifest.family,
+                scale,
+                dilation: self.dilation,
+                cached: None,
+            },
             layers,
             gated: vec![false; manifest.groups.len()],
             inputs: manifest.inputs.clone(),
@@ -231,12 +273,39 @@ struct SimLayer {
     group: Option<usize>,
 }
 
+/// Layer times for requests whose batch is not the manifest's, from the
+/// profile's other batches ([`Profile::get`] interpolates).
+struct OtherBatches {
+    profile: Arc<Profile>,
+    family: distmind_models::Family,
+    scale: distmind_models::Scale,
+    dilation: f64,
+    /// The last batch asked for and its layer times.
+    cached: Option<(usize, Vec<Duration>)>,
+}
+
+impl OtherBatches {
+    fn times(&mut self, batch: usize) -> Option<&[Duration]> {
+        if self.cached.as_ref().map(|c| c.0) != Some(batch) {
+            let m = self.profile.get(self.family, self.scale, batch)?;
+            let times = m
+                .layers
+                .iter()
+                .map(|l| duration_ceil(l.time_s * self.dilation))
+                .collect();
+            self.cached = Some((batch, times));
+        }
+        self.cached.as_ref().map(|c| c.1.as_slice())
+    }
+}
+
 /// A model's layer times against a [`SimArena`].
 pub struct SimProgram {
     model: String,
-    /// The batch the layer times are for; a request of batch b takes
-    /// b / batch of them (linear in batch, as the profile's own fallback).
+    /// The batch `layers` times are for; a request of another batch takes
+    /// the profile's times at its batch (see [`Profile::get`]).
     batch: usize,
+    other_batches: OtherBatches,
     layers: Vec<SimLayer>,
     /// Per group: gated in this run (reset at the start of each run).
     gated: Vec<bool>,
@@ -262,7 +331,25 @@ impl Program for SimProgram {
         trace: &mut Trace,
     ) -> Result<Vec<HostTensor>, ExecError> {
         let batch = self.check_inputs(inputs)?;
-        let factor = batch as f64 / self.batch as f64;
+        let times: Vec<Duration> = if batch == self.batch {
+            self.layers.iter().map(|l| l.time).collect()
+        } else {
+            let model = &self.model;
+            let times = self
+                .other_batches
+                .times(batch)
+                .ok_or_else(|| ExecError::Model {
+                    model: model.clone(),
+                    why: format!("the profile has no layer times for batch {batch}"),
+                })?;
+            if times.len() != self.layers.len() {
+                return Err(ExecError::Model {
+                    model: model.clone(),
+                    why: format!("the profile's batch {batch} has a different layer count"),
+                });
+            }
+            times.to_vec()
+        };
         self.gated.fill(false);
         trace.reserve(2 * self.layers.len() + self.gated.len());
         let start = Instant::now();
@@ -287,7 +374,7 @@ impl Program for SimProgram {
                 }
             }
             trace.push((due, TraceEvent::LayerStart { layer: i }));
-            due += layer.time.mul_f64(factor);
+            due += times[i];
             trace.push((due, TraceEvent::LayerEnd { layer: i }));
             let now = start.elapsed();
             if due > now + SLEEP_DEBT_MIN {

@@ -6,23 +6,20 @@ use distmind_models::{BertConfig, Family, Scale};
 
 use super::*;
 
-fn shipped_path() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join(SHIPPED_ESTIMATED_PATH)
+fn repo_path(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(rel)
 }
 
 fn rel_err(got: f64, want: f64) -> f64 {
     (got - want).abs() / want
 }
 
-/// Regenerates the shipped estimate in memory and compares it byte for byte
-/// with `settings/profiles/h200-estimated.json`, keeping the shipped date.
-/// With `DISTMIND_WRITE_PROFILES=1` it rewrites the file instead (date from
-/// `DISTMIND_PROFILE_DATE`, else the shipped one).
-#[test]
-fn shipped_estimated_profile_is_current() {
-    let path = shipped_path();
+/// Regenerates a shipped estimate in memory and compares it byte for byte
+/// with the file, keeping the shipped date. With `DISTMIND_WRITE_PROFILES=1`
+/// it rewrites the file instead (date from `DISTMIND_PROFILE_DATE`, else the
+/// shipped one).
+fn check_shipped(rel: &str, build: fn(&str) -> Profile, label: &str) {
+    let path = repo_path(rel);
     let shipped = std::fs::read_to_string(&path).ok();
     let shipped_date = shipped
         .as_deref()
@@ -33,12 +30,12 @@ fn shipped_estimated_profile_is_current() {
             .ok()
             .or(shipped_date)
             .expect("set DISTMIND_PROFILE_DATE=YYYY-MM-DD for a first write");
-        estimated_h200(&date).write(&path).unwrap();
+        build(&date).write(&path).unwrap();
         return;
     }
     let shipped = shipped.unwrap_or_else(|| panic!("{} is missing", path.display()));
     let date = shipped_date.expect("shipped profile has a date");
-    let regenerated = estimated_h200(&date).to_json_text();
+    let regenerated = build(&date).to_json_text();
     assert!(
         regenerated == shipped,
         "{} is stale: the estimator or the models changed. Regenerate it with \
@@ -49,9 +46,37 @@ fn shipped_estimated_profile_is_current() {
     // And it loads, with the label every figure must carry.
     let p = Profile::load(&path).unwrap();
     assert_eq!(p.source, Source::Estimated);
-    assert_eq!(p.source_label(), "estimated (NVIDIA H200 peaks)");
+    assert_eq!(p.source_label(), label);
     assert_eq!(p.path(), Some(path.as_path()));
     assert_eq!(p.models.len(), 15);
+}
+
+#[test]
+fn shipped_estimated_profile_is_current() {
+    check_shipped(
+        SHIPPED_ESTIMATED_PATH,
+        estimated_h200,
+        "estimated (NVIDIA H200 peaks)",
+    );
+}
+
+#[test]
+fn shipped_estimated_profile_for_the_v100_is_current() {
+    check_shipped(
+        SHIPPED_V100_ESTIMATED_PATH,
+        estimated_v100,
+        "estimated (NVIDIA V100 SXM2 peaks)",
+    );
+}
+
+#[test]
+fn v100_estimate_is_slower_than_the_h200_one() {
+    // Same math, lower peaks: every full-scale model takes longer.
+    let v = estimated_v100("2026-01-01");
+    let h = estimated_h200("2026-01-01");
+    for (key, m) in &v.models {
+        assert!(m.total_s > h.models[key].total_s, "{key}");
+    }
 }
 
 #[test]
@@ -131,24 +156,41 @@ fn profile_full_scale_b8_totals_are_plausible() {
 }
 
 #[test]
-fn profile_get_scales_the_closest_batch() {
+fn profile_get_interpolates_between_batches() {
     let p = estimated_h200("2026-01-01");
     let exact = p.get(Family::Gpt2, Scale::Full, 8).unwrap();
     assert!(matches!(exact, Cow::Borrowed(_)));
-    // 6 is closer to 8 than to 1: 8's times x 6/8.
+    let b1 = p.get_exact(Family::Gpt2, Scale::Full, 1).unwrap();
+    let b8 = p.get_exact(Family::Gpt2, Scale::Full, 8).unwrap();
+    // 6 lies 5/7 of the way from 1 to 8, layer by layer.
     let six = p.get(Family::Gpt2, Scale::Full, 6).unwrap();
     assert!(matches!(six, Cow::Owned(_)));
-    let b8 = p.get_exact(Family::Gpt2, Scale::Full, 8).unwrap();
-    assert!(rel_err(six.total_s, b8.total_s * 0.75) < 1e-9);
     assert_eq!(six.layers.len(), b8.layers.len());
-    // 2 is closer to 1: 1's times x 2.
-    let two = p.get(Family::Gpt2, Scale::Full, 2).unwrap();
-    let b1 = p.get_exact(Family::Gpt2, Scale::Full, 1).unwrap();
-    assert!(rel_err(two.total_s, b1.total_s * 2.0) < 1e-9);
-    // Tiny has only batch 1.
+    let want = b1.total_s + (b8.total_s - b1.total_s) * 5.0 / 7.0;
+    assert!(
+        rel_err(six.total_s, want) < 1e-9,
+        "{} vs {want}",
+        six.total_s
+    );
+    assert!(six.total_s > b1.total_s && six.total_s < b8.total_s);
+    // 16 extrapolates along the line through 1 and 8.
+    let sixteen = p.get(Family::Gpt2, Scale::Full, 16).unwrap();
+    let want = b1.total_s + (b8.total_s - b1.total_s) * 15.0 / 7.0;
+    assert!(rel_err(sixteen.total_s, want) < 1e-9);
+    for (l16, l8) in sixteen.layers.iter().zip(&b8.layers) {
+        assert!(l16.time_s >= l8.time_s, "{}", l16.name);
+    }
+    // Tiny has only batch 1: larger batches scale it.
     let tiny4 = p.get(Family::BertBase, Scale::Tiny, 4).unwrap();
     let tiny1 = p.get_exact(Family::BertBase, Scale::Tiny, 1).unwrap();
     assert!(rel_err(tiny4.total_s, 4.0 * tiny1.total_s) < 1e-9);
+    // Below the smallest batch, the smallest's times are kept.
+    let mut no_b1 = p.clone();
+    no_b1
+        .models
+        .retain(|k, _| k != &model_key(Family::Gpt2, Scale::Full, 1));
+    let one = no_b1.get(Family::Gpt2, Scale::Full, 1).unwrap();
+    assert_eq!(one.total_s, b8.total_s);
     let mut none = p.clone();
     none.models.retain(|k, _| !k.starts_with("gpt2/"));
     assert!(none.get(Family::Gpt2, Scale::Full, 8).is_none());
