@@ -9,8 +9,6 @@ cd "$ROOT"
 SETTINGS="${SETTINGS:-settings}"
 # Generated packages (full scale: hundreds of MB each); delete to reclaim disk.
 WORK="${AE_WORK:-$AE/.work}"
-# How long each run's workload lasts.
-DUR="${DUR:-4s}"
 if [ ! -x "$BIN" ]; then
     (cd "$ROOT" && cargo build --release)
 fi

@@ -10,5 +10,6 @@ pub mod loadgen;
 pub mod logging;
 pub mod plot;
 pub mod services;
+pub mod simulate;
 pub mod train;
 pub mod up;

@@ -31,9 +31,14 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// The main job: start a controller, two memory servers and a GPU server on this machine, deploy
-    /// models, run a one-minute mixed workload, print the results and stop everything.
+    /// models, run a workload, print the results and stop everything (without a GPU: DistMind and
+    /// MPS side by side on an emulated 100 Gbit/s link).
     #[command(alias = "demo")]
     Up(distmind::up::UpArgs),
+    /// Simulate a cluster on a virtual clock: the controller's own dispatcher, GPU time from a
+    /// profile, max-min fair links, the runtime's cache rules; the client's workload and report.
+    /// For scales this machine cannot run as processes.
+    Simulate(distmind::simulate::SimulateArgs),
     /// Start (up), inspect (status) or stop (down) the cluster settings/ describes, left running
     /// in the background; pids, logs and state in the run directory.
     #[command(subcommand)]
@@ -490,6 +495,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Up(a) => distmind::up::run(&a),
+        Command::Simulate(a) => distmind::simulate::run(&a).map(|_| ()),
         Command::Cluster(c) => distmind::cluster::run(&c),
         Command::Client(a) => distmind::loadgen::run(&a).map(|_| ()),
         Command::Bench(BenchCommand::Transfer(a)) => bench::transfer::run(&a),

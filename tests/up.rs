@@ -106,7 +106,7 @@ fn the_same_workload_runs_against_distmind_and_each_baseline_and_plots() {
         ],
     );
     assert!(
-        out.contains("up: mps warmed: 3 models in host memory"),
+        out.contains("up: mps warmed: 3 models prefetched into host memory"),
         "{out}"
     );
     assert!(

@@ -18,9 +18,9 @@
 //! in U(-1, 1); token ids: int64 in [0, vocab)) and reused. Latency is
 //! measured by the client, from the send to the reply.
 
-mod drive;
-mod parse;
-mod stats;
+pub mod drive;
+pub mod parse;
+pub mod stats;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -217,7 +217,7 @@ impl System {
         }
     }
 
-    fn baseline(self) -> Option<services::Baseline> {
+    pub fn baseline(self) -> Option<services::Baseline> {
         match self {
             System::Distmind => None,
             System::Mps => Some(services::Baseline::Mps),
@@ -875,8 +875,8 @@ fn ca_zipf(args: &UpArgs, settings: &distmind_common::settings::Settings) -> f64
 
 /// Brings a system to the state the paper measures it in (setup, not
 /// timed): mps and ray (and distmind with --warm-cache) with every model in
-/// the GPU server's host memory; the gpu bound with its model resident on
-/// every device.
+/// the GPU server's host memory, or as many of the most popular as its
+/// cache holds; the gpu bound with its model resident on every device.
 fn warm(
     args: &UpArgs,
     system: System,
@@ -888,7 +888,10 @@ fn warm(
     let t = Instant::now();
     let mut c = distmind_runtime::client::RuntimeClient::connect(runtime, key, PREFETCH_TIMEOUT)
         .with_context(|| format!("cannot reach the runtime at {runtime}"))?;
-    for name in names {
+    // Least popular first: the client draws rank k of its Zipf as the k-th
+    // model, so when the host cache holds only part of the set, LRU keeps
+    // the most popular ones (the state a cache reaches under the workload).
+    for name in names.iter().rev() {
         if stop.load(Ordering::Relaxed) {
             bail!("interrupted while warming the GPU server");
         }
@@ -908,7 +911,10 @@ fn warm(
         if system == System::Gpu {
             "its model resident on every device".to_string()
         } else {
-            format!("{} models in host memory", names.len())
+            format!(
+                "{} models prefetched into host memory, most popular last",
+                names.len()
+            )
         },
         t.elapsed().as_secs_f64()
     );

@@ -1,0 +1,866 @@
+//! The discrete-event core of `distmind simulate`: a virtual clock, the
+//! controller's real [`Dispatcher`] deciding, and a model of the GPU
+//! servers, memory servers and links it drives.
+//!
+//! Per GPU server (runtime): one host cache ([`Lru`], the runtime's rule),
+//! one fetch at a time (the runtime's cache serialises fetches), a NIC.
+//! Per GPU: a FIFO of jobs run one at a time (the runtime's device worker),
+//! device residency ([`Lru`] within its parameter budget and at most N
+//! models), one PCIe link at the profile's H2D rate.
+//!
+//! A request runs one of three paths, as the runtime's pipeline does:
+//! resident (compute only), host-cached (upload group by group, each
+//! group's layers computing once it is up) and cold (the same, each group's
+//! upload waiting for its bytes over the network). Baselines load the whole
+//! model before computing. Memory servers hold every model, each group
+//! split evenly over all of them (hybrid sharding); their NICs and the GPU
+//! servers' NICs share bandwidth max-min fairly ([`Network`]).
+//!
+//! Not modelled: CPU time of any process (routing, framing, checksums,
+//! wake-ups), heartbeat jitter, training.
+
+use std::cmp::Ordering;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+
+use distmind_common::proto::{
+    DeviceSnapshot, ErrorCode, ErrorReply, RuntimeSnapshot, ServePath, TimingMsg,
+};
+use distmind_controller::dispatch::{Action, Completion, Dispatcher, ReqId};
+use distmind_controller::policy::{Gpu, Micros};
+use rand::{Rng, SeedableRng};
+
+use super::lru::Lru;
+use super::net::Network;
+use crate::loadgen::stats::{Collector, Outcome};
+
+/// The controller's tick (as `dispatch::net`).
+pub const TICK_S: f64 = 0.05;
+/// The runtime's heartbeat (the registry's default).
+pub const HEARTBEAT_S: f64 = 1.0;
+
+/// One model's shape: all variants of a family share it.
+#[derive(Debug, Clone)]
+pub struct Shape {
+    /// Stored bytes per parameter group.
+    pub group_bytes: Vec<u64>,
+    /// Bytes it takes in the host cache (whole cache blocks).
+    pub cache_bytes: u64,
+    /// Layers before the first group's first layer (no params).
+    pub prefix_s: f64,
+    /// Per group: the layers from its first to the next group's first.
+    pub group_compute_s: Vec<f64>,
+}
+
+impl Shape {
+    pub fn stored_bytes(&self) -> u64 {
+        self.group_bytes.iter().sum()
+    }
+
+    pub fn compute_s(&self) -> f64 {
+        self.prefix_s + self.group_compute_s.iter().sum::<f64>()
+    }
+}
+
+/// Where a warm start puts models before the workload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Warm {
+    Nothing,
+    /// Every model prefetched into each host cache, least popular first.
+    HostCache,
+    /// Model 0 resident on every device (the GPU bound).
+    Device,
+}
+
+/// Open or closed loop.
+#[derive(Debug, Clone, Copy)]
+pub enum Load {
+    Closed { clients: usize },
+    Poisson { rate: f64 },
+}
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub gpu_servers: usize,
+    pub gpus_per_server: usize,
+    pub memservers: usize,
+    pub link_bytes_per_s: f64,
+    pub h2d_bytes_per_s: f64,
+    pub cache_bytes: u64,
+    pub device_bytes: u64,
+    pub resident_max: usize,
+    pub whole_model: bool,
+    pub warm: Warm,
+    pub names: Vec<String>,
+    pub shape: Shape,
+    pub load: Load,
+    /// Zipf exponent of model popularity (rank k is model k).
+    pub zipf: f64,
+    pub slo_ms: Option<f64>,
+    pub duration_s: f64,
+    pub seed: u64,
+}
+
+#[derive(Debug, Default, Clone)]
+pub struct Counts {
+    pub events: u64,
+    pub host_hits: u64,
+    pub cold: u64,
+    pub resident: u64,
+    pub fetched_bytes: u64,
+    pub evictions_ordered: u64,
+    pub prefetches: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Ev {
+    Issue { client: usize },
+    Arrival,
+    Tick,
+    Heartbeat,
+    Net { epoch: u64 },
+    DeviceDone { gpu: usize, job: u64 },
+}
+
+#[derive(Debug, PartialEq)]
+struct At {
+    t: f64,
+    seq: u64,
+    ev: Ev,
+}
+
+impl Eq for At {}
+impl PartialOrd for At {
+    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for At {
+    /// Reversed: the heap pops the earliest (then the first scheduled).
+    fn cmp(&self, o: &Self) -> Ordering {
+        o.t.total_cmp(&self.t).then(o.seq.cmp(&self.seq))
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum JobKind {
+    Infer { req: ReqId, budget_s: f64 },
+    Prefetch,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Job {
+    kind: JobKind,
+    model: u32,
+    enqueued: f64,
+}
+
+/// The job a device runs, and its pipeline so far.
+#[derive(Debug)]
+struct Running {
+    job: Job,
+    seq: u64,
+    start: f64,
+    path: ServePath,
+    /// End of the last upload and of the last compute on the timeline.
+    h2d_end: f64,
+    compute_end: f64,
+    /// Time the pipeline spent in each stage (for the timing reply).
+    fetch_s: f64,
+    h2d_s: f64,
+}
+
+struct Device {
+    runtime: usize,
+    device: u32,
+    queue: VecDeque<Job>,
+    running: Option<Running>,
+    residency: Lru,
+}
+
+/// A fetch in progress on a host: group `group` is on the wire.
+struct Fetch {
+    model: u32,
+    gpu: usize,
+    group: usize,
+    parts_left: usize,
+    started: f64,
+}
+
+struct Host {
+    cache: Lru,
+    fetch: Option<Fetch>,
+    /// Devices waiting to fetch (in order).
+    fetch_queue: VecDeque<(usize, u32)>,
+    snapshot_seq: u64,
+}
+
+struct Pending {
+    client: Option<usize>,
+    model: u32,
+    issued: f64,
+    slo_ms: f64,
+}
+
+pub struct Sim {
+    cfg: Config,
+    d: Dispatcher,
+    ids: Vec<u32>,
+    heap: BinaryHeap<At>,
+    seq: u64,
+    now: f64,
+    hosts: Vec<Host>,
+    devices: Vec<Device>,
+    net: Network,
+    net_epoch: u64,
+    pending: HashMap<ReqId, Pending>,
+    rng: rand::rngs::StdRng,
+    zipf: crate::loadgen::drive::ModelDraw,
+    out: Vec<Action>,
+    job_seq: u64,
+    /// Latencies kept, bounded as the client bounds them.
+    stored_latencies: std::sync::atomic::AtomicUsize,
+    pub collector: Collector,
+    pub counts: Counts,
+}
+
+fn us(t: f64) -> Micros {
+    (t * 1e6).round().max(0.0) as Micros
+}
+
+impl Sim {
+    pub fn new(cfg: Config, mut d: Dispatcher) -> anyhow::Result<Sim> {
+        anyhow::ensure!(!cfg.names.is_empty(), "no models to simulate");
+        anyhow::ensure!(
+            cfg.gpu_servers > 0 && cfg.gpus_per_server > 0 && cfg.memservers > 0,
+            "need at least one GPU server, one GPU per server and one memory server"
+        );
+        let mut ids = Vec::with_capacity(cfg.names.len());
+        for n in &cfg.names {
+            let id = d
+                .model(distmind_controller::policy::cost::ModelMeta {
+                    name: n.clone(),
+                    family: n.split('-').next().unwrap_or("model").to_string(),
+                    bytes: cfg.shape.stored_bytes(),
+                })
+                .map_err(|e| anyhow::anyhow!("model {n}: {}", e.message))?;
+            ids.push(id);
+        }
+        let zipf = crate::loadgen::drive::ModelDraw::new(cfg.names.len(), cfg.zipf)?;
+        let hosts = (0..cfg.gpu_servers)
+            .map(|_| Host {
+                cache: Lru::new(cfg.cache_bytes, usize::MAX),
+                fetch: None,
+                fetch_queue: VecDeque::new(),
+                snapshot_seq: 0,
+            })
+            .collect();
+        let devices = (0..cfg.gpu_servers * cfg.gpus_per_server)
+            .map(|i| Device {
+                runtime: i / cfg.gpus_per_server,
+                device: (i % cfg.gpus_per_server) as u32,
+                queue: VecDeque::new(),
+                running: None,
+                residency: Lru::new(cfg.device_bytes, cfg.resident_max),
+            })
+            .collect();
+        let net = Network::new(cfg.memservers, cfg.gpu_servers, cfg.link_bytes_per_s);
+        let models = cfg.names.len();
+        Ok(Sim {
+            rng: rand::rngs::StdRng::seed_from_u64(cfg.seed),
+            cfg,
+            d,
+            ids,
+            heap: BinaryHeap::new(),
+            seq: 0,
+            now: 0.0,
+            hosts,
+            devices,
+            net,
+            net_epoch: 0,
+            pending: HashMap::new(),
+            zipf,
+            out: Vec::new(),
+            job_seq: 0,
+            stored_latencies: std::sync::atomic::AtomicUsize::new(0),
+            collector: Collector::new(models),
+            counts: Counts::default(),
+        })
+    }
+
+    fn at(&mut self, t: f64, ev: Ev) {
+        self.seq += 1;
+        self.heap.push(At {
+            t,
+            seq: self.seq,
+            ev,
+        });
+    }
+
+    fn gpu_index(&self, g: Gpu) -> Option<usize> {
+        let (r, d) = (g.runtime as usize, g.device as usize);
+        (r < self.cfg.gpu_servers && d < self.cfg.gpus_per_server)
+            .then_some(r * self.cfg.gpus_per_server + d)
+    }
+
+    fn snapshot(&self, runtime: usize) -> RuntimeSnapshot {
+        let name = |id: u32| self.cfg.names[id as usize].clone();
+        RuntimeSnapshot {
+            devices: self
+                .devices
+                .iter()
+                .filter(|d| d.runtime == runtime)
+                .map(|d| DeviceSnapshot {
+                    device: d.device,
+                    queued: d.queue.len() as u64 + u64::from(d.running.is_some()),
+                    resident: d.residency.mru().into_iter().map(name).collect(),
+                    training: None,
+                    train_iteration_ms: 0.0,
+                })
+                .collect(),
+            host_cached: self.hosts[runtime]
+                .cache
+                .mru()
+                .into_iter()
+                .filter(|&m| {
+                    self.hosts[runtime]
+                        .fetch
+                        .as_ref()
+                        .is_none_or(|f| f.model != m)
+                })
+                .map(name)
+                .collect(),
+            host_cached_truncated: false,
+        }
+    }
+
+    fn heartbeat(&mut self) {
+        for r in 0..self.cfg.gpu_servers {
+            self.hosts[r].snapshot_seq += 1;
+            let snap = self.snapshot(r);
+            let devices: Vec<u32> = (0..self.cfg.gpus_per_server as u32).collect();
+            let seq = self.hosts[r].snapshot_seq;
+            self.d.runtime_seen(
+                us(self.now),
+                r as u32,
+                1,
+                &devices,
+                self.cfg.cache_bytes,
+                self.cfg.resident_max as u32,
+                Some((seq, &snap)),
+                &mut self.out,
+            );
+        }
+    }
+
+    /// Runs the workload for the configured duration.
+    pub fn run(&mut self) -> anyhow::Result<()> {
+        self.warm();
+        self.heartbeat();
+        for r in 0..self.cfg.gpu_servers {
+            self.d.link_up(r as u32);
+        }
+        self.apply_actions();
+        match self.cfg.load {
+            Load::Closed { clients } => {
+                for c in 0..clients {
+                    self.at(0.0, Ev::Issue { client: c });
+                }
+            }
+            Load::Poisson { rate } => {
+                anyhow::ensure!(rate > 0.0, "--rate must be positive");
+                self.at(0.0, Ev::Arrival);
+            }
+        }
+        self.at(TICK_S, Ev::Tick);
+        self.at(HEARTBEAT_S, Ev::Heartbeat);
+        while let Some(At { t, ev, .. }) = self.heap.pop() {
+            if t > self.cfg.duration_s {
+                break;
+            }
+            self.now = t;
+            self.counts.events += 1;
+            match ev {
+                Ev::Issue { client } => self.issue(Some(client)),
+                Ev::Arrival => {
+                    self.issue(None);
+                    if let Load::Poisson { rate } = self.cfg.load {
+                        let u: f64 = self.rng.gen::<f64>().max(1e-12);
+                        let gap = -u.ln() / rate;
+                        self.at(t + gap, Ev::Arrival);
+                    }
+                }
+                Ev::Tick => {
+                    self.d.tick(us(t), &mut self.out);
+                    self.at(t + TICK_S, Ev::Tick);
+                }
+                Ev::Heartbeat => {
+                    self.heartbeat();
+                    self.at(t + HEARTBEAT_S, Ev::Heartbeat);
+                }
+                Ev::Net { epoch } => {
+                    if epoch == self.net_epoch {
+                        self.on_net();
+                    }
+                }
+                Ev::DeviceDone { gpu, job } => self.on_device_done(gpu, job),
+            }
+            self.apply_actions();
+        }
+        Ok(())
+    }
+
+    fn warm(&mut self) {
+        let bytes = self.cfg.shape.cache_bytes;
+        match self.cfg.warm {
+            Warm::Nothing => {}
+            Warm::HostCache => {
+                for h in &mut self.hosts {
+                    for m in (0..self.cfg.names.len() as u32).rev() {
+                        h.cache.admit(m, bytes);
+                    }
+                }
+            }
+            Warm::Device => {
+                let stored = self.cfg.shape.stored_bytes();
+                for h in &mut self.hosts {
+                    h.cache.admit(0, bytes);
+                }
+                for d in &mut self.devices {
+                    d.residency.admit(0, stored);
+                }
+            }
+        }
+    }
+
+    fn issue(&mut self, client: Option<usize>) {
+        let k = self.zipf.pick(&mut self.rng);
+        self.collector.sent(k);
+        let model = self.ids[k];
+        let req = self
+            .d
+            .submit(us(self.now), model, self.cfg.slo_ms, &mut self.out);
+        let slo_ms = self.d.slo_ms(model, self.cfg.slo_ms);
+        self.pending.insert(
+            req,
+            Pending {
+                client,
+                model: k as u32,
+                issued: self.now,
+                slo_ms,
+            },
+        );
+    }
+
+    /// A request's reply reached its client.
+    fn reply(&mut self, req: ReqId, outcome: Outcome) {
+        let Some(p) = self.pending.remove(&req) else {
+            return;
+        };
+        let outcome = match outcome {
+            Outcome::Ok { simulated, .. } => Outcome::Ok {
+                latency_ms: (self.now - p.issued) * 1e3,
+                slo_ms: Some(p.slo_ms),
+                simulated,
+            },
+            o => o,
+        };
+        self.collector
+            .record(p.model as usize, outcome, &self.stored_latencies);
+        if let Some(c) = p.client {
+            self.at(self.now, Ev::Issue { client: c });
+        }
+    }
+
+    fn apply_actions(&mut self) {
+        while !self.out.is_empty() {
+            let actions: Vec<Action> = std::mem::take(&mut self.out);
+            for a in actions {
+                match a {
+                    Action::Send {
+                        req,
+                        gpu,
+                        model,
+                        budget_ms,
+                    } => {
+                        let Some(gi) = self.gpu_index(gpu) else {
+                            continue;
+                        };
+                        let Some(model) = self.d.model_id(&model) else {
+                            continue;
+                        };
+                        self.enqueue(
+                            gi,
+                            Job {
+                                kind: JobKind::Infer {
+                                    req,
+                                    budget_s: budget_ms as f64 / 1e3,
+                                },
+                                model,
+                                enqueued: self.now,
+                            },
+                        );
+                    }
+                    Action::Fail { req, error } => {
+                        self.reply(
+                            req,
+                            Outcome::Refused {
+                                code: error.code,
+                                message: error.message,
+                            },
+                        );
+                    }
+                    Action::Prefetch { gpu, model } => {
+                        self.counts.prefetches += 1;
+                        let (Some(gi), Some(model)) =
+                            (self.gpu_index(gpu), self.d.model_id(&model))
+                        else {
+                            continue;
+                        };
+                        self.enqueue(
+                            gi,
+                            Job {
+                                kind: JobKind::Prefetch,
+                                model,
+                                enqueued: self.now,
+                            },
+                        );
+                    }
+                    Action::Evict { runtime, model } => {
+                        let Some(m) = self.d.model_id(&model) else {
+                            continue;
+                        };
+                        self.counts.evictions_ordered += 1;
+                        let r = runtime as usize;
+                        let filling = self.hosts[r].fetch.as_ref().is_some_and(|f| f.model == m);
+                        if !filling {
+                            self.hosts[r].cache.remove(m);
+                        }
+                        for d in self.devices.iter_mut().filter(|d| d.runtime == r) {
+                            let busy = d.running.as_ref().is_some_and(|x| x.job.model == m);
+                            if !busy {
+                                d.residency.remove(m);
+                            }
+                        }
+                    }
+                    Action::Train { .. } => {}
+                }
+            }
+        }
+    }
+
+    fn enqueue(&mut self, gi: usize, job: Job) {
+        self.devices[gi].queue.push_back(job);
+        if self.devices[gi].running.is_none() {
+            self.start_next(gi);
+        }
+    }
+
+    /// Starts the device's next job, if any.
+    fn start_next(&mut self, gi: usize) {
+        while self.devices[gi].running.is_none() {
+            let Some(job) = self.devices[gi].queue.pop_front() else {
+                return;
+            };
+            if let JobKind::Infer { req, budget_s } = job.kind {
+                let waited = self.now - job.enqueued;
+                if waited > budget_s {
+                    let c = Completion::default();
+                    self.d.complete(us(self.now), req, &c, &mut self.out);
+                    self.reply(
+                        req,
+                        Outcome::Refused {
+                            code: ErrorCode::DeadlineExceeded,
+                            message: format!(
+                                "its deadline passed after {:.1} ms in the device queue",
+                                waited * 1e3
+                            ),
+                        },
+                    );
+                    continue;
+                }
+            }
+            if let Err(e) = self.begin(gi, job) {
+                self.fail_job(gi, job, e);
+            }
+        }
+    }
+
+    fn fail_job(&mut self, gi: usize, job: Job, e: ErrorReply) {
+        match job.kind {
+            JobKind::Infer { req, .. } => {
+                let c = Completion::default();
+                self.d.complete(us(self.now), req, &c, &mut self.out);
+                self.reply(
+                    req,
+                    Outcome::Refused {
+                        code: e.code,
+                        message: e.message,
+                    },
+                );
+            }
+            JobKind::Prefetch => {
+                let d = &self.devices[gi];
+                let gpu = Gpu {
+                    runtime: d.runtime as u32,
+                    device: d.device,
+                };
+                self.d.prefetch_done(gpu, None);
+            }
+        }
+    }
+
+    /// Begins `job` on device `gi` (idle).
+    fn begin(&mut self, gi: usize, job: Job) -> Result<(), ErrorReply> {
+        let m = job.model;
+        let runtime = self.devices[gi].runtime;
+        let stored = self.cfg.shape.stored_bytes();
+        let resident = self.devices[gi].residency.contains(m);
+        let compute = matches!(job.kind, JobKind::Infer { .. });
+        self.job_seq += 1;
+        let mut run = Running {
+            job,
+            seq: self.job_seq,
+            start: self.now,
+            path: ServePath::DeviceResident,
+            h2d_end: self.now,
+            compute_end: self.now,
+            fetch_s: 0.0,
+            h2d_s: 0.0,
+        };
+        if resident {
+            self.devices[gi].residency.touch(m);
+            self.devices[gi].residency.pin(m);
+            self.counts.resident += 1;
+            if compute {
+                run.compute_end = self.now + self.cfg.shape.compute_s();
+            }
+            let (end, seq) = (run.compute_end, run.seq);
+            self.devices[gi].running = Some(run);
+            self.at(end, Ev::DeviceDone { gpu: gi, job: seq });
+            return Ok(());
+        }
+        if self.devices[gi].residency.admit(m, stored).is_none() {
+            return Err(ErrorReply::new(
+                ErrorCode::Internal,
+                format!(
+                    "device {} cannot hold {} ({stored} bytes) next to the models in use",
+                    self.devices[gi].device, self.cfg.names[m as usize]
+                ),
+            ));
+        }
+        self.devices[gi].residency.pin(m);
+        let host = &mut self.hosts[runtime];
+        let filling = host.fetch.as_ref().is_some_and(|f| f.model == m)
+            || host.fetch_queue.iter().any(|&(_, x)| x == m);
+        if host.cache.contains(m) && !filling {
+            host.cache.touch(m);
+            host.cache.pin(m);
+            self.counts.host_hits += 1;
+            run.path = ServePath::HostCached;
+            // Every group is in host memory: uploads back to back.
+            let mut t = self.now;
+            for g in 0..self.cfg.shape.group_bytes.len() {
+                t = self.upload_group(&mut run, g, t, compute);
+            }
+            let end = self.finish_time(&run, compute);
+            let seq = run.seq;
+            self.devices[gi].running = Some(run);
+            self.at(end, Ev::DeviceDone { gpu: gi, job: seq });
+            return Ok(());
+        }
+        // Cold: reserve in the host cache, then fetch group by group.
+        if !host.cache.contains(m) && host.cache.admit(m, self.cfg.shape.cache_bytes).is_none() {
+            self.devices[gi].residency.unpin(m);
+            self.devices[gi].residency.remove(m);
+            return Err(ErrorReply::new(
+                ErrorCode::Internal,
+                format!(
+                    "the host cache of GPU server {runtime} cannot hold {} next to the models in use",
+                    self.cfg.names[m as usize]
+                ),
+            ));
+        }
+        host.cache.pin(m);
+        self.counts.cold += 1;
+        run.path = ServePath::Cold;
+        self.devices[gi].running = Some(run);
+        self.hosts[runtime].fetch_queue.push_back((gi, m));
+        self.next_fetch(runtime);
+        Ok(())
+    }
+
+    /// Uploads group `g` once its bytes are in host memory at `ready`;
+    /// returns when the upload ended. Whole-model loads compute only after
+    /// the last group; pipelined ones compute each group after its upload.
+    fn upload_group(&self, run: &mut Running, g: usize, ready: f64, compute: bool) -> f64 {
+        let s = &self.cfg.shape;
+        let h2d = s.group_bytes[g] as f64 / self.cfg.h2d_bytes_per_s;
+        let start = run.h2d_end.max(ready);
+        run.h2d_end = start + h2d;
+        run.h2d_s += h2d;
+        if compute && !self.cfg.whole_model {
+            let prefix = if g == 0 { s.prefix_s } else { 0.0 };
+            let c_start = if g == 0 {
+                run.start + prefix
+            } else {
+                run.compute_end
+            };
+            run.compute_end = c_start.max(run.h2d_end) + s.group_compute_s[g];
+        }
+        run.h2d_end
+    }
+
+    fn finish_time(&self, run: &Running, compute: bool) -> f64 {
+        if !compute {
+            return run.h2d_end;
+        }
+        if self.cfg.whole_model {
+            run.h2d_end + self.cfg.shape.compute_s()
+        } else {
+            run.compute_end.max(run.h2d_end)
+        }
+    }
+
+    /// Starts the host's next fetch when none runs.
+    fn next_fetch(&mut self, runtime: usize) {
+        if self.hosts[runtime].fetch.is_some() {
+            return;
+        }
+        let Some((gi, m)) = self.hosts[runtime].fetch_queue.pop_front() else {
+            return;
+        };
+        self.hosts[runtime].fetch = Some(Fetch {
+            model: m,
+            gpu: gi,
+            group: 0,
+            parts_left: 0,
+            started: self.now,
+        });
+        self.start_group(runtime);
+    }
+
+    fn start_group(&mut self, runtime: usize) {
+        let f = self.hosts[runtime].fetch.as_mut().expect("a fetch");
+        let bytes = self.cfg.shape.group_bytes[f.group];
+        let parts = self.cfg.memservers;
+        f.parts_left = parts;
+        self.net.advance(self.now);
+        self.net.start((0..parts).map(|ms| {
+            let share = bytes / parts as u64 + u64::from((ms as u64) < bytes % parts as u64);
+            (ms, runtime, share.max(1), runtime as u64)
+        }));
+        self.counts.fetched_bytes += bytes;
+        self.schedule_net();
+    }
+
+    fn schedule_net(&mut self) {
+        self.net_epoch += 1;
+        if let Some(t) = self.net.next_done() {
+            self.at(
+                t.max(self.now),
+                Ev::Net {
+                    epoch: self.net_epoch,
+                },
+            );
+        }
+    }
+
+    fn on_net(&mut self) {
+        self.net.advance(self.now);
+        let done = self.net.take_done();
+        for tag in done {
+            let runtime = tag as usize;
+            let Some(f) = self.hosts[runtime].fetch.as_mut() else {
+                continue;
+            };
+            f.parts_left -= 1;
+            if f.parts_left > 0 {
+                continue;
+            }
+            // Group f.group is in host memory now.
+            let (gi, g, m, started) = (f.gpu, f.group, f.model, f.started);
+            let last = g + 1 == self.cfg.shape.group_bytes.len();
+            let compute = self.devices[gi]
+                .running
+                .as_ref()
+                .is_some_and(|r| matches!(r.job.kind, JobKind::Infer { .. }));
+            let mut run = self.devices[gi].running.take().expect("the fetching job");
+            let now = self.now;
+            self.upload_group(&mut run, g, now, compute);
+            if last {
+                run.fetch_s = now - started;
+                let end = self.finish_time(&run, compute);
+                let seq = run.seq;
+                self.devices[gi].running = Some(run);
+                self.at(end, Ev::DeviceDone { gpu: gi, job: seq });
+                self.hosts[runtime].fetch = None;
+                let _ = m;
+                self.next_fetch(runtime);
+            } else {
+                self.devices[gi].running = Some(run);
+                self.hosts[runtime].fetch.as_mut().expect("a fetch").group += 1;
+                self.start_group(runtime);
+            }
+        }
+        self.schedule_net();
+    }
+
+    fn on_device_done(&mut self, gi: usize, job_seq: u64) {
+        let Some(run) = self.devices[gi].running.take_if(|r| r.seq == job_seq) else {
+            return;
+        };
+        let m = run.job.model;
+        let runtime = self.devices[gi].runtime;
+        self.devices[gi].residency.unpin(m);
+        if run.path != ServePath::DeviceResident {
+            self.hosts[runtime].cache.unpin(m);
+        }
+        let gpu = Gpu {
+            runtime: runtime as u32,
+            device: self.devices[gi].device,
+        };
+        match run.job.kind {
+            JobKind::Infer { req, .. } => {
+                let total = self.now - run.job.enqueued;
+                let compute_s = self.cfg.shape.compute_s();
+                let t = TimingMsg {
+                    queue_ms: (run.start - run.job.enqueued) * 1e3,
+                    fetch_ms: run.fetch_s * 1e3,
+                    h2d_ms: run.h2d_s * 1e3,
+                    compute_ms: compute_s * 1e3,
+                    total_ms: total * 1e3,
+                    path: run.path,
+                    simulated: true,
+                    device: gpu.device,
+                    fetched_bytes: if run.path == ServePath::Cold {
+                        self.cfg.shape.stored_bytes()
+                    } else {
+                        0
+                    },
+                    train_yield_ms: 0.0,
+                };
+                let resident: Vec<String> = self.devices[gi]
+                    .residency
+                    .mru()
+                    .into_iter()
+                    .map(|x| self.cfg.names[x as usize].clone())
+                    .collect();
+                let c = Completion {
+                    timing: Some(&t),
+                    resident: &resident,
+                };
+                self.d.complete(us(self.now), req, &c, &mut self.out);
+                self.reply(
+                    req,
+                    Outcome::Ok {
+                        latency_ms: 0.0,
+                        slo_ms: None,
+                        simulated: true,
+                    },
+                );
+            }
+            JobKind::Prefetch => self.d.prefetch_done(gpu, None),
+        }
+        self.start_next(gi);
+    }
+}

@@ -1,0 +1,167 @@
+//! A byte budget with least-recently-used eviction of unpinned entries:
+//! the rule of the runtime's host cache (`runtime::cache`: evict the least
+//! recently used model no one holds) and of its device residency
+//! (`runtime::device`: LRU arenas within the device's parameter budget and
+//! at most N models). Those structures hold real memory and arenas, so the
+//! simulator keeps the same rule over model ids.
+
+use std::collections::{BTreeMap, HashMap};
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    stamp: u64,
+    bytes: u64,
+    pins: u32,
+}
+
+#[derive(Debug)]
+pub struct Lru {
+    capacity: u64,
+    max_entries: usize,
+    used: u64,
+    clock: u64,
+    entries: HashMap<u32, Entry>,
+    by_stamp: BTreeMap<u64, u32>,
+}
+
+impl Lru {
+    pub fn new(capacity: u64, max_entries: usize) -> Lru {
+        Lru {
+            capacity,
+            max_entries: max_entries.max(1),
+            used: 0,
+            clock: 0,
+            entries: HashMap::new(),
+            by_stamp: BTreeMap::new(),
+        }
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    pub fn contains(&self, id: u32) -> bool {
+        self.entries.contains_key(&id)
+    }
+
+    /// Marks `id` most recently used; false when absent.
+    pub fn touch(&mut self, id: u32) -> bool {
+        let Some(e) = self.entries.get_mut(&id) else {
+            return false;
+        };
+        self.by_stamp.remove(&e.stamp);
+        self.clock += 1;
+        e.stamp = self.clock;
+        self.by_stamp.insert(self.clock, id);
+        true
+    }
+
+    /// Admits `id` (most recently used), evicting least recently used
+    /// unpinned entries until it fits. Returns the evicted ids, or `None`
+    /// (nothing changed) when it cannot fit.
+    pub fn admit(&mut self, id: u32, bytes: u64) -> Option<Vec<u32>> {
+        if self.touch(id) {
+            return Some(Vec::new());
+        }
+        if bytes > self.capacity {
+            return None;
+        }
+        // Fail without evicting when even every unpinned entry would not
+        // make room.
+        let pinned: Vec<&Entry> = self.entries.values().filter(|e| e.pins > 0).collect();
+        let pinned_bytes: u64 = pinned.iter().map(|e| e.bytes).sum();
+        if pinned_bytes + bytes > self.capacity || pinned.len() >= self.max_entries {
+            return None;
+        }
+        let mut evicted = Vec::new();
+        let order: Vec<u32> = self.by_stamp.values().copied().collect();
+        for v in order {
+            if self.used + bytes <= self.capacity && self.entries.len() < self.max_entries {
+                break;
+            }
+            if self.entries[&v].pins == 0 {
+                self.remove(v);
+                evicted.push(v);
+            }
+        }
+        self.clock += 1;
+        self.entries.insert(
+            id,
+            Entry {
+                stamp: self.clock,
+                bytes,
+                pins: 0,
+            },
+        );
+        self.by_stamp.insert(self.clock, id);
+        self.used += bytes;
+        Some(evicted)
+    }
+
+    pub fn remove(&mut self, id: u32) -> bool {
+        match self.entries.remove(&id) {
+            Some(e) => {
+                self.by_stamp.remove(&e.stamp);
+                self.used -= e.bytes;
+                true
+            }
+            None => false,
+        }
+    }
+
+    pub fn pin(&mut self, id: u32) {
+        if let Some(e) = self.entries.get_mut(&id) {
+            e.pins += 1;
+        }
+    }
+
+    pub fn unpin(&mut self, id: u32) {
+        if let Some(e) = self.entries.get_mut(&id) {
+            e.pins = e.pins.saturating_sub(1);
+        }
+    }
+
+    /// Ids, most recently used first.
+    pub fn mru(&self) -> Vec<u32> {
+        self.by_stamp.values().rev().copied().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn evicts_the_least_recently_used_unpinned() {
+        let mut l = Lru::new(30, 10);
+        assert_eq!(l.admit(1, 10), Some(vec![]));
+        assert_eq!(l.admit(2, 10), Some(vec![]));
+        assert_eq!(l.admit(3, 10), Some(vec![]));
+        l.touch(1);
+        l.pin(2);
+        // 2 is the least recent but pinned: 3 goes.
+        assert_eq!(l.admit(4, 10), Some(vec![3]));
+        assert_eq!(l.mru(), vec![4, 1, 2]);
+        l.unpin(2);
+        assert_eq!(l.admit(5, 10), Some(vec![2]));
+        assert_eq!(l.admit(6, 40), None);
+    }
+
+    #[test]
+    fn holds_at_most_max_entries() {
+        let mut l = Lru::new(1000, 2);
+        l.admit(1, 1);
+        l.admit(2, 1);
+        assert_eq!(l.admit(3, 1), Some(vec![1]));
+        assert!(l.contains(2) && l.contains(3) && !l.contains(1));
+    }
+
+    #[test]
+    fn all_pinned_means_no_room() {
+        let mut l = Lru::new(10, 4);
+        l.admit(1, 10);
+        l.pin(1);
+        assert_eq!(l.admit(2, 5), None);
+        assert!(l.contains(1));
+    }
+}

@@ -1,0 +1,482 @@
+//! `distmind simulate`: the cluster as a discrete-event simulation on a
+//! virtual clock, for scales this machine cannot run as processes.
+//!
+//! It runs the controller's own dispatcher (`distmind_controller::dispatch::
+//! Dispatcher`, configured by the same `services::dispatch_config` as a real
+//! controller), GPU time from a profile (per layer, at the request's batch,
+//! as the `sim` executor takes it), the package layout's parameter groups
+//! (`distmind_models::layout`), and the client's Zipf draws and report. What
+//! it models instead of running is in [`engine`]'s header. Every figure it
+//! prints says it was simulated.
+
+pub mod engine;
+pub mod lru;
+pub mod net;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use distmind_models::{Family, Scale};
+use distmind_runtime::profile::Profile;
+
+use crate::loadgen::{self, stats::Report, stats::RunInfo};
+use crate::up::System;
+use engine::{Config, Load, Shape, Sim, Warm};
+
+/// `distmind simulate` flags.
+#[derive(Args, Debug, Clone)]
+pub struct SimulateArgs {
+    /// Settings directory (controller.json: policy, period, SLOs).
+    #[arg(long, default_value = "settings")]
+    pub settings: PathBuf,
+    /// distmind, or a baseline: mps, ray, gpu (as `up --system`).
+    #[arg(long, value_enum, default_value = "distmind")]
+    pub system: System,
+    /// The distmind system's controller policy (default: controller.json's).
+    #[arg(long)]
+    pub policy: Option<String>,
+    /// lor or lfu (the controller's --balancer).
+    #[arg(long)]
+    pub balancer: Option<String>,
+    /// Seconds between the distmind policy's reassignments (default: controller.json's).
+    #[arg(long)]
+    pub period: Option<f64>,
+    /// Model family; every model is a variant of it.
+    #[arg(long, default_value = "resnet152")]
+    pub family: Family,
+    #[arg(long, default_value = "full")]
+    pub scale: Scale,
+    /// Models in the catalog.
+    #[arg(long, default_value_t = 8)]
+    pub models: usize,
+    /// Parameter group size (default: controller.json's group_bytes).
+    #[arg(long)]
+    pub group_bytes: Option<u64>,
+    /// GPU servers.
+    #[arg(long, default_value_t = 1)]
+    pub gpu_servers: usize,
+    /// GPUs per GPU server.
+    #[arg(long, default_value_t = 1)]
+    pub gpus: usize,
+    /// Memory servers (every model's groups are split over all of them).
+    #[arg(long, default_value_t = 2)]
+    pub memservers: usize,
+    /// GPU profile (default: <settings>/profiles/v100-estimated.json).
+    #[arg(long)]
+    pub profile: Option<PathBuf>,
+    /// Every host's NIC (GPU servers and memory servers), e.g. 100gbit, 12.5GB/s.
+    #[arg(long, default_value = "100gbit")]
+    pub link: String,
+    /// Host cache of each GPU server (default: the whole model set).
+    #[arg(long, value_parser = parse_size)]
+    pub cache: Option<u64>,
+    /// Parameter memory of each GPU.
+    #[arg(long, default_value = "16GiB", value_parser = parse_size)]
+    pub device_memory: u64,
+    /// DistMind starts with its host caches warm (the baselines always do).
+    #[arg(long)]
+    pub warm_cache: bool,
+    /// closed (--concurrency clients, one request each) or poisson (--rate).
+    #[arg(long, value_enum, default_value = "closed")]
+    pub mode: loadgen::Mode,
+    #[arg(long, default_value_t = 4)]
+    pub concurrency: usize,
+    /// Requests per second (poisson).
+    #[arg(long, default_value_t = 100.0)]
+    pub rate: f64,
+    /// Zipf exponent of model popularity (0: uniform).
+    #[arg(long, default_value_t = 0.9)]
+    pub zipf: f64,
+    /// Simulated time of the workload.
+    #[arg(long, default_value = "60s", value_parser = loadgen::parse::parse_duration)]
+    pub duration: Duration,
+    /// Latency objective per request (default: controller.json's per family).
+    #[arg(long)]
+    pub slo_ms: Option<u64>,
+    /// Inputs per request.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Append the result as a row to this CSV (the columns of `up --csv`, source=simulator).
+    #[arg(long)]
+    pub csv: Option<PathBuf>,
+    /// The row's system column (default: --system).
+    #[arg(long)]
+    pub label: Option<String>,
+    /// The row's test column.
+    #[arg(long, default_value = "simulate")]
+    pub test: String,
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    distmind_memserver::parse_size(s).map_err(|e| e.to_string())
+}
+
+/// A model's groups and per-group compute at `batch`, from the family's
+/// architecture, the package layout rule and the profile.
+pub fn shape(
+    family: Family,
+    scale: Scale,
+    batch: usize,
+    group_bytes: u64,
+    profile: &Profile,
+) -> anyhow::Result<Shape> {
+    let arch = family.config(scale).build();
+    let sizes: HashMap<&str, (usize, u64)> = arch
+        .params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            (
+                p.name.as_str(),
+                (i, p.shape.iter().product::<usize>() as u64 * 4),
+            )
+        })
+        .collect();
+    let layout = distmind_models::layout::plan(
+        &arch.layers,
+        arch.params.len(),
+        |n| sizes.get(n).copied(),
+        group_bytes,
+        distmind_common::limits::PARAM_ALIGN_BYTES,
+    )
+    .map_err(|e| anyhow::anyhow!("{family}: {e}"))?;
+    let times = profile.get(family, scale, batch).with_context(|| {
+        format!(
+            "profile {} has no layer times for {family}/{scale}",
+            profile.origin()
+        )
+    })?;
+    anyhow::ensure!(
+        times.layers.len() == arch.layers.len(),
+        "profile {} gives {} layers for {family}/{scale}, the architecture has {}",
+        profile.origin(),
+        times.layers.len(),
+        arch.layers.len()
+    );
+    let firsts: Vec<usize> = layout.groups.iter().map(|g| g.first_layer).collect();
+    let sum = |a: usize, b: usize| times.layers[a..b].iter().map(|l| l.time_s).sum::<f64>();
+    let n = arch.layers.len();
+    let group_compute_s = (0..firsts.len())
+        .map(|g| sum(firsts[g], firsts.get(g + 1).copied().unwrap_or(n)))
+        .collect();
+    let block = distmind_runtime::cache::BLOCK_BYTES_DEFAULT;
+    let stored = layout.stored_bytes();
+    Ok(Shape {
+        group_bytes: layout.groups.iter().map(|g| g.bytes).collect(),
+        cache_bytes: stored.div_ceil(block) * block,
+        prefix_s: sum(0, firsts.first().copied().unwrap_or(n)),
+        group_compute_s,
+    })
+}
+
+/// What a simulation produced, for callers that compare it.
+pub struct Outcome {
+    pub report: Report,
+    pub counts: engine::Counts,
+    pub wall: Duration,
+}
+
+pub fn run(a: &SimulateArgs) -> anyhow::Result<Outcome> {
+    let started = Instant::now();
+    let settings = crate::services::load_settings(&a.settings)?;
+    anyhow::ensure!(a.models > 0, "--models must be at least 1");
+    anyhow::ensure!(a.batch > 0, "--batch must be at least 1");
+    anyhow::ensure!(
+        a.mode != loadgen::Mode::Trace,
+        "--mode trace is not simulated yet: use closed or poisson"
+    );
+    let profile_path = a
+        .profile
+        .clone()
+        .unwrap_or_else(|| a.settings.join("profiles").join("v100-estimated.json"));
+    let profile = Profile::load(&profile_path)?;
+    let link = distmind_common::emulate::parse_rate(&a.link)
+        .map_err(|e| anyhow::anyhow!("--link {}: {e}", a.link))?;
+    let group_bytes = a.group_bytes.unwrap_or(settings.controller.group_bytes);
+    let shape = shape(a.family, a.scale, a.batch, group_bytes, &profile)?;
+    let names: Vec<String> = (0..a.models)
+        .map(|i| distmind_models::variant_name(a.family, a.scale, i))
+        .collect();
+    let (resident_max, whole_model, preload) = match a.system.baseline() {
+        Some(b) => b.preset(),
+        None => (
+            distmind_runtime::device::RESIDENT_MODELS_MAX_DEFAULT,
+            false,
+            false,
+        ),
+    };
+    let policy = match a.system.baseline() {
+        Some(_) => Some(a.system.as_str().to_string()),
+        None => a.policy.clone(),
+    };
+    let controller = crate::services::ControllerArgs {
+        settings: &a.settings,
+        listen: None,
+        client_listen: None,
+        no_dispatcher: false,
+        metrics: None,
+        policy,
+        balancer: a.balancer.clone(),
+        train_model: None,
+        use_train: Some(false),
+        period_s: a.period,
+        zipf_s: Some(a.zipf),
+        seed: a.seed,
+        emulate: crate::emulate::EmulateArgs::default(),
+    };
+    let mut dcfg = crate::services::dispatch_config(&settings, &controller)?;
+    // What a controller on an emulated link of this rate assumes (emulated time).
+    dcfg.priors.net_bytes_per_s = link;
+    let d = distmind_controller::dispatch::Dispatcher::new(dcfg).map_err(anyhow::Error::msg)?;
+    let cache = a
+        .cache
+        .unwrap_or(shape.cache_bytes * a.models as u64 + (8 << 20));
+    let warm = match a.system {
+        System::Gpu => Warm::Device,
+        _ if preload || a.warm_cache => Warm::HostCache,
+        _ => Warm::Nothing,
+    };
+    let cfg = Config {
+        gpu_servers: a.gpu_servers,
+        gpus_per_server: a.gpus,
+        memservers: a.memservers,
+        link_bytes_per_s: link,
+        h2d_bytes_per_s: profile.peaks.h2d_bytes_per_s,
+        cache_bytes: cache,
+        device_bytes: a.device_memory,
+        resident_max,
+        whole_model,
+        warm,
+        names: if a.system == System::Gpu {
+            names[..1].to_vec()
+        } else {
+            names.clone()
+        },
+        shape,
+        load: match a.mode {
+            loadgen::Mode::Poisson => Load::Poisson { rate: a.rate },
+            _ => Load::Closed {
+                clients: a.concurrency.max(1),
+            },
+        },
+        zipf: a.zipf,
+        slo_ms: a.slo_ms.map(|s| s as f64),
+        duration_s: a.duration.as_secs_f64(),
+        seed: a.seed,
+    };
+    let model_names = cfg.names.clone();
+    let mut sim = Sim::new(cfg, d)?;
+    sim.run()?;
+    let counts = sim.counts.clone();
+    let collector = std::mem::replace(&mut sim.collector, loadgen::stats::Collector::new(0));
+    let report = Report::build(
+        RunInfo {
+            mode: a.mode.as_str(),
+            target: "a simulated cluster",
+            connections: a.concurrency,
+            rate_rps: (a.mode == loadgen::Mode::Poisson).then_some(a.rate),
+            duration_s: Some(a.duration.as_secs_f64()),
+            elapsed_s: a.duration.as_secs_f64(),
+            batch: a.batch,
+            zipf_s: Some(a.zipf),
+            slo_ms: a.slo_ms,
+            seed: a.seed,
+            interrupted: false,
+            model_names: &model_names,
+        },
+        collector,
+    );
+    let wall = started.elapsed();
+    let label = profile_label(&profile_path, &profile);
+    println!(
+        "simulate: {} on {} GPU server(s) x {} GPU(s), {} memory server(s), {} models of {}/{}, \
+         every NIC {}, GPU time {label}; simulated, not measured",
+        a.system.as_str(),
+        a.gpu_servers,
+        a.gpus,
+        a.memservers,
+        a.models,
+        a.family,
+        a.scale,
+        distmind_common::emulate::format_link(link),
+    );
+    print!("{}", report.render());
+    println!(
+        "simulate: {} events in {:.2} s of wall time; cold starts {}, host-cache hits {}, resident {}, \
+         {:.1} GB fetched, {} evictions and {} prefetches ordered",
+        counts.events,
+        wall.as_secs_f64(),
+        counts.cold,
+        counts.host_hits,
+        counts.resident,
+        counts.fetched_bytes as f64 / 1e9,
+        counts.evictions_ordered,
+        counts.prefetches
+    );
+    if let Some(path) = &a.csv {
+        let row = crate::up::results::Row {
+            test: a.test.clone(),
+            system: a.label.clone().unwrap_or_else(|| a.system.as_str().into()),
+            family: a.family.to_string(),
+            models: a.models,
+            devices: (a.gpu_servers * a.gpus) as u32,
+            zipf: a.zipf,
+            period_s: a
+                .period
+                .unwrap_or(settings.controller.rescheduling_period_s),
+            cache_bytes: cache,
+            executor: "sim".into(),
+            profile: label,
+            runtime_rss_bytes: None,
+            link: distmind_common::emulate::format_link(link),
+            dilation: 1.0,
+            loopback: "-".into(),
+            source: "simulator".into(),
+        };
+        crate::up::results::append(path, &row, &report)?;
+        println!("simulate: results appended to {}", path.display());
+    }
+    Ok(Outcome {
+        report,
+        counts,
+        wall,
+    })
+}
+
+fn profile_label(path: &std::path::Path, p: &Profile) -> String {
+    format!(
+        "{} ({})",
+        crate::up::portable(path).display(),
+        p.source.as_str()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: SimulateArgs,
+    }
+
+    fn args(extra: &[&str]) -> SimulateArgs {
+        let settings = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("settings");
+        let mut v = vec![
+            "simulate".to_string(),
+            "--settings".into(),
+            settings.display().to_string(),
+        ];
+        v.extend(extra.iter().map(|s| s.to_string()));
+        Cli::parse_from(v).a
+    }
+
+    fn v100() -> Profile {
+        let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join(distmind_runtime::profile::SHIPPED_V100_ESTIMATED_PATH);
+        Profile::load(p).unwrap()
+    }
+
+    #[test]
+    fn the_shape_follows_the_package_layout_and_the_profile() {
+        let p = v100();
+        let s = shape(Family::Resnet152, Scale::Full, 1, 32_768_000, &p).unwrap();
+        // 241.4 MB in 8 groups, as `model gen` packs it.
+        assert_eq!(s.group_bytes.len(), 8);
+        assert!(
+            (s.stored_bytes() as f64 - 241.4e6).abs() < 0.1e6,
+            "{}",
+            s.stored_bytes()
+        );
+        let total = p.get(Family::Resnet152, Scale::Full, 1).unwrap().total_s;
+        assert!((s.compute_s() - total).abs() < 1e-9);
+        // Batch 8 takes the profile's batch-8 time.
+        let s8 = shape(Family::Resnet152, Scale::Full, 8, 32_768_000, &p).unwrap();
+        let total8 = p
+            .get_exact(Family::Resnet152, Scale::Full, 8)
+            .unwrap()
+            .total_s;
+        assert!((s8.compute_s() - total8).abs() < 1e-9);
+    }
+
+    #[test]
+    fn one_client_on_the_gpu_bound_runs_at_the_profile_rate() {
+        let o = run(&args(&[
+            "--system",
+            "gpu",
+            "--concurrency",
+            "1",
+            "--duration",
+            "10s",
+        ]))
+        .unwrap();
+        let per = shape(Family::Resnet152, Scale::Full, 1, 32_768_000, &v100())
+            .unwrap()
+            .compute_s();
+        let want = 1.0 / per;
+        let got = o.report.throughput_rps;
+        assert!((got - want).abs() / want < 0.01, "{got} vs {want} req/s");
+        assert_eq!(o.counts.cold, 0);
+    }
+
+    #[test]
+    fn without_a_cache_every_switch_pulls_over_the_network() {
+        // DistMind with room for one model on the GPU and one in the host
+        // cache, two models in turn: cold starts move whole models.
+        let o = run(&args(&[
+            "--models",
+            "2",
+            "--zipf",
+            "0",
+            "--device-memory",
+            "240MB",
+            "--cache",
+            "244MiB",
+            "--duration",
+            "5s",
+        ]))
+        .unwrap();
+        assert!(o.counts.cold > 0, "{:?}", o.counts);
+        assert!(o.report.ok > 0);
+        let stored = shape(Family::Resnet152, Scale::Full, 1, 32_768_000, &v100())
+            .unwrap()
+            .stored_bytes();
+        // Whole models, but for the last, which may be on the wire when the
+        // run ends.
+        let f = o.counts.fetched_bytes;
+        assert!(
+            f <= o.counts.cold * stored && f > (o.counts.cold - 1) * stored,
+            "{f}"
+        );
+        // The whole set cached: no fetches, more throughput.
+        let warm = run(&args(&[
+            "--models",
+            "2",
+            "--zipf",
+            "0",
+            "--device-memory",
+            "240MB",
+            "--warm-cache",
+            "--duration",
+            "5s",
+        ]))
+        .unwrap();
+        assert_eq!(warm.counts.cold, 0);
+        assert!(warm.report.throughput_rps > o.report.throughput_rps);
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_run() {
+        let a = run(&args(&["--duration", "3s", "--cache", "1GiB"])).unwrap();
+        let b = run(&args(&["--duration", "3s", "--cache", "1GiB"])).unwrap();
+        assert_eq!(a.report.ok, b.report.ok);
+        assert_eq!(a.report.latency.p99_ms, b.report.latency.p99_ms);
+    }
+}
