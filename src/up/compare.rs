@@ -51,16 +51,7 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
     );
     let family = args.family.unwrap_or(Family::Resnet152);
     let settings = services::load_settings(&args.settings)?;
-    let work = match &args.work_dir {
-        Some(d) => WorkDir {
-            path: d.clone(),
-            remove: false,
-        },
-        None => WorkDir {
-            path: std::env::temp_dir().join(format!("distmind-up-{}", std::process::id())),
-            remove: true,
-        },
-    };
+    let work = WorkDir::from_arg(args.work_dir.as_ref());
     // Generated once here; both runs find and reuse them.
     let model_dir = work.path.join("models");
     std::fs::create_dir_all(&model_dir)

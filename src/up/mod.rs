@@ -301,6 +301,23 @@ struct WorkDir {
     remove: bool,
 }
 
+impl WorkDir {
+    /// `--work-dir` (kept), else a fresh directory under the system's
+    /// temporary one (removed when dropped).
+    fn from_arg(work_dir: Option<&PathBuf>) -> WorkDir {
+        match work_dir {
+            Some(d) => WorkDir {
+                path: d.clone(),
+                remove: false,
+            },
+            None => WorkDir {
+                path: std::env::temp_dir().join(format!("distmind-up-{}", std::process::id())),
+                remove: true,
+            },
+        }
+    }
+}
+
 impl Drop for WorkDir {
     fn drop(&mut self) {
         if self.remove {
@@ -423,16 +440,7 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
     }
 
     // 1. Models.
-    let work = match &args.work_dir {
-        Some(d) => WorkDir {
-            path: d.clone(),
-            remove: false,
-        },
-        None => WorkDir {
-            path: std::env::temp_dir().join(format!("distmind-up-{}", std::process::id())),
-            remove: true,
-        },
-    };
+    let work = WorkDir::from_arg(args.work_dir.as_ref());
     let model_dir = work.path.join("models");
     std::fs::create_dir_all(&model_dir)
         .with_context(|| format!("cannot create {}", model_dir.display()))?;
