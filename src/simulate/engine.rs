@@ -17,7 +17,9 @@
 //! servers' NICs share bandwidth max-min fairly ([`Network`]).
 //!
 //! Not modelled: CPU time of any process (routing, framing, checksums,
-//! wake-ups), heartbeat jitter, training.
+//! wake-ups), heartbeat jitter, training. Simplified: two GPUs of one
+//! server that miss on the same model at once fetch it twice (the runtime's
+//! cache makes the second wait for the first).
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
