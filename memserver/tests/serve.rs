@@ -161,3 +161,65 @@ fn shutdown_stops_accepting_and_tells_idle_readers() {
         "no longer listening"
     );
 }
+
+/// An emulated link's NIC: one bucket for every connection of the server,
+/// so two readers together get the rate, not twice it. A lower bound only
+/// (the machine may be slower, never faster than the bucket allows).
+#[test]
+fn the_nic_bucket_holds_every_connection_together_to_its_rate() {
+    const RATE: u64 = 20_000_000;
+    let server = start_with(8 << 20, |c| c.nic_bytes_per_s = Some(RATE));
+    let mut c = server.client();
+    let bytes = pattern(2 << 20, 5);
+    let off = deploy(&mut c, &bytes, "resnet152");
+    let t0 = Instant::now();
+    let readers: Vec<_> = (0..2u64)
+        .map(|i| {
+            let addr = server.addr;
+            let want = bytes.clone();
+            std::thread::spawn(move || {
+                let mut d = raw(addr, Role::Data);
+                for k in 0..2u64 {
+                    let (r, got) = read(&mut d, 10 * i + k, off, want.len() as u64);
+                    assert_eq!(r.status, ReadStatus::Ok);
+                    assert_eq!(got, want);
+                }
+            })
+        })
+        .collect();
+    for r in readers {
+        r.join().unwrap();
+    }
+    // 8 MiB through one 20 MB/s bucket with a 10 ms burst.
+    let total = 4.0 * bytes.len() as f64;
+    let floor =
+        total / RATE as f64 - distmind_transport::token_bucket::TOKEN_BUCKET_BURST_NS as f64 / 1e9;
+    let took = t0.elapsed().as_secs_f64();
+    assert!(
+        took >= floor,
+        "8 MiB in {took:.3} s, the bucket allows no less than {floor:.3} s"
+    );
+}
+
+#[test]
+fn a_zero_nic_rate_is_refused() {
+    let config = {
+        let mut c = distmind_memserver::MemserverConfig::new(
+            "127.0.0.1:0".parse().unwrap(),
+            1 << 20,
+            key(),
+        );
+        c.huge_pages = false;
+        c.nic_bytes_per_s = Some(0);
+        c
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let e = rt
+        .block_on(distmind_memserver::Memserver::bind(config))
+        .err()
+        .expect("a zero rate is refused");
+    assert!(e.to_string().contains("nic_bytes_per_s is 0"), "{e}");
+}

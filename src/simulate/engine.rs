@@ -105,8 +105,11 @@ pub struct Config {
 #[derive(Debug, Default, Clone)]
 pub struct Counts {
     pub events: u64,
+    /// Requests that found their model in the host cache (not on the device).
     pub host_hits: u64,
+    /// Loads that fetched their model over the network (prefetches included).
     pub cold: u64,
+    /// Requests that found their model on the device.
     pub resident: u64,
     pub fetched_bytes: u64,
     pub evictions_ordered: u64,
@@ -632,7 +635,9 @@ impl Sim {
         if resident {
             self.devices[gi].residency.touch(m);
             self.devices[gi].residency.pin(m);
-            self.counts.resident += 1;
+            if compute {
+                self.counts.resident += 1;
+            }
             if compute {
                 run.compute_end = self.now + self.cfg.shape.compute_s();
             }
@@ -657,7 +662,9 @@ impl Sim {
         if host.cache.contains(m) && !filling {
             host.cache.touch(m);
             host.cache.pin(m);
-            self.counts.host_hits += 1;
+            if compute {
+                self.counts.host_hits += 1;
+            }
             run.path = ServePath::HostCached;
             // Every group is in host memory: uploads back to back.
             let mut t = self.now;
