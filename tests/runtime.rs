@@ -191,11 +191,15 @@ fn runtime_serves_cold_then_resident_with_the_pipeline_overlapped() {
         assert_close(&outputs, &want, &format!("{name} resident"));
     }
 
-    // Eviction makes the next request cold again.
+    // The controller's cache-out (host cache only) leaves the device's copy
+    // serving; a whole eviction makes the next request cold again.
     let (first_dir, first) = (&dirs[0], &pkgs[0]);
     let name = &first.manifest.name;
-    assert_eq!(c.evict(name).unwrap(), (true, 1));
-    assert_eq!(c.evict(name).unwrap(), (false, 0), "already gone");
+    assert_eq!(c.evict(name, true).unwrap(), (true, 0));
+    let (_, timing) = c.infer(name, &input_for(first)).unwrap();
+    assert_eq!(timing.path, ServePath::DeviceResident, "after a cache-out");
+    assert_eq!(c.evict(name, false).unwrap(), (false, 1));
+    assert_eq!(c.evict(name, false).unwrap(), (false, 0), "already gone");
     let input = input_for(first);
     let (outputs, timing) = c.infer(name, &input).unwrap();
     assert_eq!(timing.path, ServePath::Cold, "after eviction");
@@ -226,7 +230,8 @@ fn runtime_serves_cold_then_resident_with_the_pipeline_overlapped() {
     let stats = c.stats().unwrap();
     assert_eq!(stats.devices.len(), 1);
     assert_eq!(stats.devices[0].queued, 0);
-    assert_eq!(stats.served, 2 * pkgs.len() as u64 + 1 + pkgs.len() as u64);
+    // Two per package, one after the cache-out, one after the eviction.
+    assert_eq!(stats.served, 2 * pkgs.len() as u64 + 2 + pkgs.len() as u64);
     assert_eq!(stats.errors, 0);
     assert_eq!(stats.cache.models, pkgs.len() as u64);
 }

@@ -442,9 +442,16 @@ pub enum RuntimeRequest {
     },
     /// Host cache and per-device counters.
     Stats { id: u64 },
-    /// Cache-out: drops `model` from the host cache and from every device
-    /// (freed once the requests using it finish).
-    Evict { id: u64, model: String },
+    /// Cache-out: drops `model` from the host cache and, unless
+    /// `host_only`, from every device (freed once the requests using it
+    /// finish). The controller's cache-out is `host_only`: a model resident
+    /// on a device keeps serving from there, whatever its host copy.
+    Evict {
+        id: u64,
+        model: String,
+        #[serde(default)]
+        host_only: bool,
+    },
 }
 
 /// Which stages a request went through.

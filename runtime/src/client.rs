@@ -278,12 +278,18 @@ impl RuntimeClient {
         }
     }
 
-    /// Cache-out of `model` from the host cache and every device: whether
-    /// it was in the host cache, and how many devices held it.
-    pub fn evict(&mut self, model: &str) -> Result<(bool, u32), RuntimeClientError> {
+    /// Evicts `model` from the host cache and, unless `host_only`, from
+    /// every device: whether it was in the host cache, and how many devices
+    /// dropped it.
+    pub fn evict(
+        &mut self,
+        model: &str,
+        host_only: bool,
+    ) -> Result<(bool, u32), RuntimeClientError> {
         let id = self.tx.send(&|id| RuntimeRequest::Evict {
             id,
             model: model.to_string(),
+            host_only,
         })?;
         match self.expect(id)? {
             Response::Evicted {

@@ -540,12 +540,6 @@ impl Sim {
                         if !filling {
                             self.hosts[r].cache.remove(m);
                         }
-                        for d in self.devices.iter_mut().filter(|d| d.runtime == r) {
-                            let busy = d.running.as_ref().is_some_and(|x| x.job.model == m);
-                            if !busy {
-                                d.residency.remove(m);
-                            }
-                        }
                     }
                     Action::Train { .. } => {}
                 }

@@ -72,8 +72,12 @@ pub const SLO_MS_DEFAULT: f64 = 1000.0;
 /// A request sent to a runtime and not answered within this long is failed
 /// (the runtime hangs or lost it); its reply, if it ever comes, is dropped.
 pub const OUTSTANDING_TIMEOUT_US: Micros = 120_000_000;
-/// The cache-aware balancer frees this multiple of a model's size.
-const CACHE_OUT_FACTOR: f64 = 1.2;
+/// The cache-aware balancer frees this multiple of a model's size. The
+/// original frees 1.2x; at a cache of a few models that throws out two
+/// models to make room for one. The runtime's cache needs the model's
+/// blocks in one run, and when fragmentation leaves it short it evicts its
+/// own least recently used model, so the exact size is enough here.
+const CACHE_OUT_FACTOR: f64 = 1.0;
 
 #[derive(Debug, Clone)]
 pub struct DispatchConfig {
@@ -129,6 +133,8 @@ pub enum Action {
         gpu: Gpu,
         model: String,
     },
+    /// Cache-out: drop `model` from `runtime`'s host cache. Devices that
+    /// hold it keep it (their own LRU decides).
     Evict {
         runtime: u32,
         model: String,
@@ -834,9 +840,10 @@ impl Dispatcher {
     }
 
     /// Cache-aware cache-out: before a model is pulled into a host cache
-    /// that lacks it, evict models there until 1.2x its size fits: idle
-    /// ones least recently cached first (`lor`), or the least frequently
-    /// used cluster-wide (`lfu`).
+    /// that lacks it, evict models there until [`CACHE_OUT_FACTOR`] x its
+    /// size fits: idle ones with the lowest request rate first (`lor`), or
+    /// the least frequently used cluster-wide (`lfu`). Only the host cache:
+    /// a device that holds a victim keeps it.
     fn cache_out_for(&mut self, gi: usize, model: u32, out: &mut Vec<Action>) {
         let runtime = self.gpus[gi].gpu.runtime;
         let Some(h) = self.hosts.get(&runtime) else {
@@ -877,9 +884,6 @@ impl Dispatcher {
         let h = self.hosts.get_mut(&runtime).expect("looked up above");
         for m in evict {
             h.cached.remove(&m);
-            for g in self.gpus.iter_mut().filter(|g| g.gpu.runtime == runtime) {
-                g.resident.retain(|&x| x != m);
-            }
             self.counters.evictions += 1;
             out.push(Action::Evict {
                 runtime,

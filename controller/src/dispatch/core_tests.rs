@@ -471,6 +471,10 @@ fn lfu_routes_to_the_host_that_caches_the_model_and_evicts_the_least_used() {
         .collect();
     assert_eq!(ev, vec![(1, "m0".to_string())], "{out:?}");
     assert_eq!(sent(&out), vec![(r, gpu(1))]);
+    // Cache-out is the host cache's: the device that ran m0 still holds it.
+    let g1 = d.gpus.iter().find(|g| g.gpu == gpu(1)).unwrap();
+    assert!(g1.resident.contains(&ms[0]), "{:?}", g1.resident);
+    assert!(!d.hosts[&1].cached.contains(&ms[0]));
 }
 
 #[test]

@@ -557,7 +557,14 @@ impl CoreTask {
                 Action::Evict { runtime, model } => {
                     let gpu = Gpu { runtime, device: 0 };
                     let id = self.control_id(gpu, "evict");
-                    let msg = LinkMsg::Request(RuntimeRequest::Evict { id, model }, None);
+                    let msg = LinkMsg::Request(
+                        RuntimeRequest::Evict {
+                            id,
+                            model,
+                            host_only: true,
+                        },
+                        None,
+                    );
                     if self.send_link(runtime, msg).is_err() {
                         self.controls.remove(&id);
                     }

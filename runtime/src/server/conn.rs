@@ -277,7 +277,11 @@ async fn read_loop(
                         frames: Vec::new(),
                         permit: Some(permit),
                     },
-                    Ok(RuntimeRequest::Evict { id, model }) => evict(shared, id, model, permit),
+                    Ok(RuntimeRequest::Evict {
+                        id,
+                        model,
+                        host_only,
+                    }) => evict(shared, id, model, host_only, permit),
                     Ok(RuntimeRequest::Prefetch { id, model, device }) => {
                         match prefetch(shared, &tx, id, model, device, permit) {
                             Some(out) => out,
@@ -582,15 +586,26 @@ fn train(
     }
 }
 
-fn evict(shared: &Shared, id: u64, model: String, permit: OwnedSemaphorePermit) -> Outgoing {
+fn evict(
+    shared: &Shared,
+    id: u64,
+    model: String,
+    host_only: bool,
+    permit: OwnedSemaphorePermit,
+) -> Outgoing {
     let core = &shared.core;
     let host_cache = core.cache.remove(&model).is_some();
-    let devices = core
-        .devices
-        .iter()
-        .filter(|d| d.residency.evict(&model).is_some())
-        .count() as u32;
-    core.catalog.forget(&model);
+    let devices = if host_only {
+        0
+    } else {
+        let n = core
+            .devices
+            .iter()
+            .filter(|d| d.residency.evict(&model).is_some())
+            .count() as u32;
+        core.catalog.forget(&model);
+        n
+    };
     log::info!("evicted {model}: host cache {host_cache}, {devices} devices");
     Outgoing {
         reply: RuntimeReply::Evicted {
