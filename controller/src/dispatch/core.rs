@@ -51,6 +51,7 @@ impl std::hash::Hasher for IdHasher {
 }
 
 type IdMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<IdHasher>>;
+type IdSet<K> = HashSet<K, std::hash::BuildHasherDefault<IdHasher>>;
 
 /// Requests one GPU has outstanding at its runtime under the `slo` policy:
 /// enough to keep the device busy across a reply's round trip, few enough
@@ -182,12 +183,85 @@ struct Req {
     sent_at: Option<Micros>,
 }
 
+/// A GPU's resident models, most recently used first, with a set beside
+/// the order: routing asks every GPU whether it holds the model, and a GPU
+/// with a large memory holds dozens.
+#[derive(Debug, Default)]
+struct Resident {
+    order: Vec<u32>,
+    set: IdSet<u32>,
+}
+
+impl Resident {
+    fn contains(&self, model: &u32) -> bool {
+        self.set.contains(model)
+    }
+
+    fn iter(&self) -> std::slice::Iter<'_, u32> {
+        self.order.iter()
+    }
+
+    fn replace(&mut self, order: Vec<u32>) {
+        self.set = order.iter().copied().collect();
+        self.order = order;
+    }
+
+    /// `model` becomes the most recently used; the least recently used
+    /// beyond `max` leave, and are returned.
+    fn touch(&mut self, model: u32, max: usize) -> Vec<u32> {
+        if self.set.contains(&model) {
+            if let Some(p) = self.order.iter().position(|&m| m == model) {
+                self.order.remove(p);
+            }
+        } else {
+            self.set.insert(model);
+        }
+        self.order.insert(0, model);
+        let gone: Vec<u32> = self
+            .order
+            .drain(max.max(1).min(self.order.len())..)
+            .collect();
+        for m in &gone {
+            self.set.remove(m);
+        }
+        gone
+    }
+}
+
+/// Model id -> the GPUs (indices) that hold it: the reverse of every GPU's
+/// resident set or assignment, so that routing a model it holds looks at
+/// its holders only.
+#[derive(Debug, Default)]
+struct Holders(IdMap<u32, Vec<usize>>);
+
+impl Holders {
+    fn get(&self, model: u32) -> &[usize] {
+        self.0.get(&model).map_or(&[], |v| v)
+    }
+
+    fn add(&mut self, model: u32, gi: usize) {
+        let v = self.0.entry(model).or_default();
+        if !v.contains(&gi) {
+            v.push(gi);
+        }
+    }
+
+    fn remove(&mut self, model: u32, gi: usize) {
+        if let Some(v) = self.0.get_mut(&model) {
+            v.retain(|&g| g != gi);
+            if v.is_empty() {
+                self.0.remove(&model);
+            }
+        }
+    }
+}
+
 #[derive(Debug)]
 struct GpuState {
     gpu: Gpu,
     role: GpuRole,
     /// Resident model ids, most recently used first.
-    resident: Vec<u32>,
+    resident: Resident,
     resident_max: usize,
     outstanding: u32,
     busy_until: Micros,
@@ -206,7 +280,7 @@ struct HostState {
     boot_id: u64,
     /// The last snapshot applied (each is applied once: replies are fresher).
     snapshot_seq: u64,
-    cached: HashSet<u32>,
+    cached: IdSet<u32>,
     cache_bytes: u64,
     link_up: bool,
 }
@@ -243,6 +317,21 @@ pub struct Dispatcher {
     active: IdMap<(u32, u32), u32>,
     /// The `gpu` bound's one model (the first one asked for).
     only_model: Option<u32>,
+    /// Model -> GPUs where it is resident (kept by the `resident_*`
+    /// methods, the only writers of `GpuState::resident`).
+    resident_on: Holders,
+    /// Model -> GPUs the `distmind` policy assigned it to.
+    assigned_to: Holders,
+}
+
+/// What [`Dispatcher::route_balanced`] did with a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Routed {
+    Sent,
+    /// Every GPU that holds the model is full (others may have room).
+    HoldersFull,
+    /// No GPU the request may go to has room.
+    NoRoom,
 }
 
 impl Dispatcher {
@@ -277,6 +366,8 @@ impl Dispatcher {
             training_started: HashSet::new(),
             active: IdMap::default(),
             only_model: None,
+            resident_on: Holders::default(),
+            assigned_to: Holders::default(),
         })
     }
 
@@ -389,7 +480,7 @@ impl Dispatcher {
                 self.gpus.push(GpuState {
                     gpu,
                     role: GpuRole::Inference,
-                    resident: Vec::new(),
+                    resident: Resident::default(),
                     resident_max: if resident_models_max == 0 {
                         usize::MAX
                     } else {
@@ -425,25 +516,26 @@ impl Dispatcher {
             names.iter().filter_map(|n| by.get(n).copied()).collect()
         };
         if !s.host_cached_truncated {
-            let cached: HashSet<u32> = ids(&s.host_cached, &self.by_name).into_iter().collect();
+            let cached: IdSet<u32> = ids(&s.host_cached, &self.by_name).into_iter().collect();
             if let Some(h) = self.hosts.get_mut(&runtime) {
                 h.cached = cached;
             }
         }
         for d in &s.devices {
             let resident = ids(&d.resident, &self.by_name);
-            let Some(g) = self
+            let Some(gi) = self
                 .gpus
-                .iter_mut()
-                .find(|g| g.gpu.runtime == runtime && g.gpu.device == d.device)
+                .iter()
+                .position(|g| g.gpu.runtime == runtime && g.gpu.device == d.device)
             else {
                 continue;
             };
             // Only trust the snapshot when nothing is in flight there (a
             // reply would be fresher).
-            if g.outstanding == 0 {
-                g.resident = resident;
+            if self.gpus[gi].outstanding == 0 {
+                self.resident_replace(gi, resident);
             }
+            let g = &mut self.gpus[gi];
             g.prefetching = false;
             g.training = d.training.as_ref().map(|_| TrainingJob {
                 started_at: 0,
@@ -471,12 +563,16 @@ impl Dispatcher {
             h.cached.clear();
         }
         let mut requeue = Vec::new();
-        for g in self.gpus.iter_mut().filter(|g| g.gpu.runtime == runtime) {
+        for gi in 0..self.gpus.len() {
+            if self.gpus[gi].gpu.runtime != runtime {
+                continue;
+            }
+            self.resident_replace(gi, Vec::new());
+            let g = &mut self.gpus[gi];
             g.link_up = false;
             requeue.extend(g.queue.drain());
             g.outstanding = 0;
             g.busy_until = now;
-            g.resident.clear();
             g.training = None;
         }
         let gpu_idx: HashSet<usize> = self
@@ -630,7 +726,7 @@ impl Dispatcher {
             PolicyKind::Slo => self.route_slo(now, id, r, out),
             PolicyKind::DistMind | PolicyKind::Mps | PolicyKind::Ray | PolicyKind::Gpu => {
                 self.reqs.insert(id, r);
-                if !self.route_balanced(now, id, out) {
+                if self.route_balanced(now, id, out) != Routed::Sent {
                     if self.pending.len() >= PENDING_MAX {
                         let r = self.take(id).expect("inserted above");
                         let message = format!(
@@ -717,15 +813,36 @@ impl Dispatcher {
         self.pump(now, gi, out);
     }
 
+    /// GPU `gi`'s resident set becomes `order` (most recently used first).
+    fn resident_replace(&mut self, gi: usize, order: Vec<u32>) {
+        let old = std::mem::take(&mut self.gpus[gi].resident);
+        let mut new = Resident::default();
+        new.replace(order);
+        for &m in old.iter() {
+            if !new.contains(&m) {
+                self.resident_on.remove(m, gi);
+            }
+        }
+        for &m in new.iter() {
+            if !old.contains(&m) {
+                self.resident_on.add(m, gi);
+            }
+        }
+        self.gpus[gi].resident = new;
+    }
+
     /// Records that `model` will be resident on GPU `gi` (and cached on its
     /// host) once the request sent there runs; replies correct it.
     fn expect_resident(&mut self, gi: usize, model: u32) {
         let g = &mut self.gpus[gi];
-        if let Some(p) = g.resident.iter().position(|&m| m == model) {
-            g.resident.remove(p);
+        let fresh = !g.resident.contains(&model);
+        for gone in g.resident.touch(model, g.resident_max) {
+            self.resident_on.remove(gone, gi);
         }
-        g.resident.insert(0, model);
-        g.resident.truncate(g.resident_max);
+        if fresh {
+            self.resident_on.add(model, gi);
+        }
+        let g = &self.gpus[gi];
         if let Some(h) = self.hosts.get_mut(&g.gpu.runtime) {
             h.cached.insert(model);
         }
@@ -774,51 +891,46 @@ impl Dispatcher {
     /// `pending`). The baselines hold every model in every GPU server's host
     /// memory, so any GPU may serve any model: the least outstanding GPU
     /// where it is resident if one has room, else the least outstanding.
-    fn route_balanced(&mut self, now: Micros, id: ReqId, out: &mut Vec<Action>) -> bool {
+    fn route_balanced(&mut self, now: Micros, id: ReqId, out: &mut Vec<Action>) -> Routed {
         let model = self.reqs[&id].model;
         let baseline = self.cfg.policy.is_baseline();
         // Least outstanding (< 8) in three tiers: GPUs holding the model
-        // (resident or assigned; `lor` only), hosts caching it, any GPU.
-        let mut best = [None::<(u32, usize)>; 3];
-        // A model some GPU holds waits for it rather than spreading (the
-        // original's behaviour), even when every holder is full.
+        // (resident, or for `lor` also assigned), hosts caching it, any GPU.
+        // A model some GPU holds waits for its holders rather than spreading
+        // (the original's behaviour), even when every holder is full; the
+        // baselines spread to any GPU.
+        let holders_count = baseline || self.cfg.balancer == Balancer::LeastOutstanding;
         let mut held_somewhere = false;
-        for gi in 0..self.gpus.len() {
-            if !self.routable(gi) {
-                continue;
-            }
-            let g = &self.gpus[gi];
-            let holds = if baseline {
-                g.resident.contains(&model)
+        let mut best_holder = None::<(u32, usize)>;
+        if holders_count {
+            let assigned: &[usize] = if baseline {
+                &[]
             } else {
-                self.cfg.balancer == Balancer::LeastOutstanding
-                    && (g.assigned == Some(model) || g.resident.contains(&model))
+                self.assigned_to.get(model)
             };
-            held_somewhere |= holds && !baseline;
-            if g.outstanding >= LOR_OUTSTANDING_MAX {
-                continue;
-            }
-            let tier = if holds {
-                0
-            } else if self.where_is(gi, model) != Where::Remote {
-                1
-            } else {
-                2
-            };
-            let key = (g.outstanding, gi);
-            if best[tier].is_none_or(|b| key < b) {
-                best[tier] = Some(key);
+            for &gi in self.resident_on.get(model).iter().chain(assigned) {
+                if !self.routable(gi) {
+                    continue;
+                }
+                held_somewhere = true;
+                let g = &self.gpus[gi];
+                let key = (g.outstanding, gi);
+                if g.outstanding < LOR_OUTSTANDING_MAX && best_holder.is_none_or(|b| key < b) {
+                    best_holder = Some(key);
+                }
             }
         }
-        let target = if baseline {
-            best[0].or(best[1]).or(best[2]).map(|(_, gi)| gi)
-        } else if held_somewhere {
-            best[0].map(|(_, gi)| gi)
+        let target = if best_holder.is_some() || (held_somewhere && !baseline) {
+            best_holder.map(|(_, gi)| gi)
         } else {
-            best[1].or(best[2]).map(|(_, gi)| gi)
+            self.least_outstanding_for(model)
         };
         let Some(gi) = target else {
-            return false;
+            return if !baseline && held_somewhere {
+                Routed::HoldersFull
+            } else {
+                Routed::NoRoom
+            };
         };
         if !baseline {
             self.cache_out_for(gi, model, out);
@@ -836,7 +948,41 @@ impl Dispatcher {
         self.expect_resident(gi, model);
         self.bind_gpu(gi, model);
         self.send(now, gi, id, service, out);
-        true
+        Routed::Sent
+    }
+
+    /// The least outstanding routable GPU with room, one whose host caches
+    /// `model` (or that has it resident) before any other. No GPU with room
+    /// holds the model when this is asked.
+    fn least_outstanding_for(&self, model: u32) -> Option<usize> {
+        let mut best = [None::<(u32, usize)>; 2];
+        // Whether the host of the GPU before caches the model: a host's GPUs
+        // are usually next to each other, so one lookup serves them all.
+        let mut host_caches: Option<(u32, bool)> = None;
+        for gi in 0..self.gpus.len() {
+            let g = &self.gpus[gi];
+            if g.outstanding >= LOR_OUTSTANDING_MAX || !self.routable(gi) {
+                continue;
+            }
+            let runtime = g.gpu.runtime;
+            let cached = match host_caches {
+                Some((r, c)) if r == runtime => c,
+                _ => {
+                    let c = self
+                        .hosts
+                        .get(&runtime)
+                        .is_some_and(|h| h.cached.contains(&model));
+                    host_caches = Some((runtime, c));
+                    c
+                }
+            };
+            let tier = usize::from(!(cached || g.resident.contains(&model)));
+            let key = (g.outstanding, gi);
+            if best[tier].is_none_or(|b| key < b) {
+                best[tier] = Some(key);
+            }
+        }
+        best[0].or(best[1]).map(|(_, gi)| gi)
     }
 
     /// Cache-aware cache-out: before a model is pulled into a host cache
@@ -932,7 +1078,7 @@ impl Dispatcher {
                 .filter_map(|n| self.by_name.get(n).copied())
                 .collect();
             if !c.resident.is_empty() {
-                self.gpus[gi].resident = resident;
+                self.resident_replace(gi, resident);
             }
             self.counters.completed += 1;
             if total_ms <= r.slo_ms {
@@ -957,9 +1103,14 @@ impl Dispatcher {
     }
 
     /// Routes waiting requests (FIFO) while GPUs have room; fails those
-    /// whose deadline passed.
+    /// whose deadline passed. Routing only ever fills GPUs, so once no GPU
+    /// has room, or a model's holders are full, the requests after wait too
+    /// without being tried (a drain costs the waiting requests, not them
+    /// times the GPUs).
     fn drain_pending(&mut self, now: Micros, out: &mut Vec<Action>) {
         let mut still = VecDeque::new();
+        let mut no_room = false;
+        let mut holders_full: IdSet<u32> = IdSet::default();
         while let Some(id) = self.pending.pop_front() {
             let Some(r) = self.reqs.get(&id) else {
                 continue;
@@ -975,8 +1126,21 @@ impl Dispatcher {
                 self.fail(id, ErrorCode::DeadlineExceeded, message, out);
                 continue;
             }
-            if !self.route_balanced(now, id, out) {
+            let model = r.model;
+            if no_room || holders_full.contains(&model) {
                 still.push_back(id);
+                continue;
+            }
+            match self.route_balanced(now, id, out) {
+                Routed::Sent => {}
+                Routed::HoldersFull => {
+                    holders_full.insert(model);
+                    still.push_back(id);
+                }
+                Routed::NoRoom => {
+                    no_room = true;
+                    still.push_back(id);
+                }
             }
         }
         self.pending = still;
@@ -1070,7 +1234,14 @@ impl Dispatcher {
                     out.push(Action::Train { gpu, model: job });
                 }
             }
-            self.gpus[gi].assigned = a.model.map(|m| m as u32);
+            let assigned = a.model.map(|m| m as u32);
+            if let Some(old) = self.gpus[gi].assigned {
+                self.assigned_to.remove(old, gi);
+            }
+            if let Some(m) = assigned {
+                self.assigned_to.add(m, gi);
+            }
+            self.gpus[gi].assigned = assigned;
             if a.role == GpuRole::Inference {
                 if let Some(m) = a.model {
                     let m = m as u32;
@@ -1165,14 +1336,14 @@ impl Dispatcher {
 
     /// A prefetch finished (or failed): the GPU may prefetch again.
     pub fn prefetch_done(&mut self, gpu: Gpu, resident: Option<&[String]>) {
-        let by_name = &self.by_name;
-        if let Some(g) = self.gpus.iter_mut().find(|g| g.gpu == gpu) {
-            g.prefetching = false;
+        if let Some(gi) = self.gpus.iter().position(|g| g.gpu == gpu) {
+            self.gpus[gi].prefetching = false;
             if let Some(names) = resident {
-                g.resident = names
+                let ids = names
                     .iter()
-                    .filter_map(|n| by_name.get(n).copied())
+                    .filter_map(|n| self.by_name.get(n).copied())
                     .collect();
+                self.resident_replace(gi, ids);
             }
         }
     }
