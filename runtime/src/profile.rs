@@ -207,6 +207,13 @@ impl ModelProfile {
     }
 }
 
+/// A training iteration takes this many forward passes at its batch: the
+/// backward pass costs about twice the forward (a gradient for the
+/// activations and one for the weights, each a GEMM of the forward's
+/// size), and the SGD update reads and writes the parameters once, which is
+/// small next to them. An estimate, stated wherever it is used.
+pub const TRAIN_ITERATION_FORWARD_FACTOR: f64 = 3.0;
+
 /// The key of a model in [`Profile::models`]: `"resnet152/full/b8"`.
 pub fn model_key(family: Family, scale: Scale, batch: usize) -> String {
     format!("{family}/{scale}/b{batch}")
@@ -469,6 +476,14 @@ impl Profile {
             ModelProfile::between(at(lo)?, at(hi)?, t, floor)?
         };
         Some(Cow::Owned(m))
+    }
+
+    /// One training iteration (forward, backward, SGD update) of `batch`
+    /// inputs, estimated as [`TRAIN_ITERATION_FORWARD_FACTOR`] forward
+    /// passes at that batch (a profile holds forward times only). `None`
+    /// when the family and scale are absent.
+    pub fn train_iteration_s(&self, family: Family, scale: Scale, batch: usize) -> Option<f64> {
+        Some(self.get(family, scale, batch)?.total_s * TRAIN_ITERATION_FORWARD_FACTOR)
     }
 
     /// The profile as written to disk: top-level fields one per line, one

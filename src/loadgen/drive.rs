@@ -86,6 +86,7 @@ fn outcome_of(resp: Response, slo_ms: Option<f64>, sent_at: Instant) -> Outcome 
             latency_ms: ms_since(sent_at),
             slo_ms: inf.dispatch.as_ref().map(|d| d.slo_ms).or(slo_ms),
             simulated: inf.timing.simulated,
+            path: Some(inf.timing.path),
         },
         Response::Error { error, .. } => Outcome::Refused {
             code: error.code,
@@ -212,14 +213,16 @@ pub struct Due {
     pub slo_ms: Option<u64>,
 }
 
-/// Where a connection's requests come from.
-pub enum Arrivals<'a> {
+/// Where a connection's requests come from. The client and the simulator
+/// (`distmind simulate`) draw from the same generators, so a simulation
+/// with the client's seed sees the client's requests.
+pub enum Arrivals {
     /// Exponential gaps at `rate` per second, models drawn from `draw`,
     /// until `duration_s`.
     Poisson {
         rate: f64,
         duration_s: f64,
-        draw: &'a ModelDraw,
+        draw: Arc<ModelDraw>,
         slo_ms: Option<u64>,
         rng: Box<StdRng>,
         /// Seconds after the start of the last arrival.
@@ -229,11 +232,11 @@ pub enum Arrivals<'a> {
     Fixed(std::vec::IntoIter<Due>),
 }
 
-impl<'a> Arrivals<'a> {
+impl Arrivals {
     pub fn poisson(
         rate: f64,
         duration_s: f64,
-        draw: &'a ModelDraw,
+        draw: Arc<ModelDraw>,
         slo_ms: Option<u64>,
         rng: StdRng,
     ) -> Self {
@@ -248,7 +251,7 @@ impl<'a> Arrivals<'a> {
     }
 }
 
-impl Iterator for Arrivals<'_> {
+impl Iterator for Arrivals {
     type Item = Due;
     fn next(&mut self) -> Option<Due> {
         match self {
@@ -274,6 +277,36 @@ impl Iterator for Arrivals<'_> {
     }
 }
 
+/// A trace's requests spread over `connections` in turn, up to `limit_s`
+/// (trace time), each at its time x `k` (an emulated link's dilation) with
+/// its own SLO x `k`, or `slo_ms` (already dilated). `models` is the sorted
+/// list the trace's names index into.
+pub fn trace_arrivals(
+    rows: &[super::TraceRow],
+    models: &[String],
+    connections: usize,
+    limit_s: Option<f64>,
+    k: f64,
+    slo_ms: Option<u64>,
+) -> Vec<Vec<Due>> {
+    let n = connections.max(1);
+    let mut per_conn: Vec<Vec<Due>> = vec![Vec::new(); n];
+    for (i, r) in rows
+        .iter()
+        .filter(|r| limit_s.is_none_or(|l| r.time_s < l))
+        .enumerate()
+    {
+        per_conn[i % n].push(Due {
+            at_s: r.time_s * k,
+            model: models
+                .binary_search(&r.model)
+                .expect("the model list holds every name of the trace"),
+            slo_ms: r.slo_ms.map(|s| (s * k).ceil() as u64).or(slo_ms),
+        });
+    }
+    per_conn
+}
+
 /// Bookkeeping of one connection, shared by its sender and receiver.
 struct Conn {
     state: Mutex<ConnState>,
@@ -293,7 +326,7 @@ struct ConnState {
 pub fn open(
     c: &Common<'_>,
     clients: Vec<RuntimeClient>,
-    arrivals: Vec<Arrivals<'_>>,
+    arrivals: Vec<Arrivals>,
 ) -> Vec<Collector> {
     let outstanding = AtomicUsize::new(0);
     let start = Instant::now();
@@ -324,7 +357,7 @@ fn sender(
     c: &Common<'_>,
     mut tx: RuntimeSender,
     conn: Arc<Conn>,
-    arrivals: Arrivals<'_>,
+    arrivals: Arrivals,
     start: Instant,
     outstanding: &AtomicUsize,
 ) -> Collector {

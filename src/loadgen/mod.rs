@@ -262,8 +262,10 @@ pub fn run_until(args: &ClientArgs, stop: &AtomicBool) -> anyhow::Result<Report>
     drop(catalog);
 
     let zipf_s = args.zipf.unwrap_or(settings.controller.zipf_s);
-    let draw = ModelDraw::new(models.len(), zipf_s)
-        .with_context(|| format!("bad Zipf exponent {zipf_s}"))?;
+    let draw = std::sync::Arc::new(
+        ModelDraw::new(models.len(), zipf_s)
+            .with_context(|| format!("bad Zipf exponent {zipf_s}"))?,
+    );
     let stored = AtomicUsize::new(0);
     let common = drive::Common {
         addr: &addr,
@@ -323,7 +325,7 @@ pub fn run_until(args: &ClientArgs, stop: &AtomicBool) -> anyhow::Result<Report>
                     drive::Arrivals::poisson(
                         rate / n as f64,
                         d,
-                        &draw,
+                        draw.clone(),
                         slo_ms_real,
                         drive::thread_rng(args.seed, i),
                     )
@@ -340,19 +342,8 @@ pub fn run_until(args: &ClientArgs, stop: &AtomicBool) -> anyhow::Result<Report>
         Mode::Trace => {
             let rows = trace.as_ref().expect("trace mode");
             let n = args.connections;
-            let mut per_conn: Vec<Vec<drive::Due>> = vec![Vec::new(); n];
             let limit_s = duration.map(|d| d.as_secs_f64());
-            for (i, r) in rows
-                .iter()
-                .filter(|r| limit_s.is_none_or(|l| r.time_s < l))
-                .enumerate()
-            {
-                per_conn[i % n].push(drive::Due {
-                    at_s: r.time_s * k,
-                    model: models.binary_search(&r.model).expect("listed"),
-                    slo_ms: r.slo_ms.map(|s| (s * k).ceil() as u64).or(slo_ms_real),
-                });
-            }
+            let per_conn = drive::trace_arrivals(rows, &models, n, limit_s, k, slo_ms_real);
             let total: usize = per_conn.iter().map(Vec::len).sum();
             let clients = connect(n)?;
             println!(
@@ -642,9 +633,9 @@ mod tests {
 
     #[test]
     fn poisson_arrivals_have_the_rate_and_stop_at_the_duration() {
-        let draw = ModelDraw::new(3, 0.9).unwrap();
+        let draw = std::sync::Arc::new(ModelDraw::new(3, 0.9).unwrap());
         let arrivals =
-            drive::Arrivals::poisson(200.0, 50.0, &draw, Some(7), drive::thread_rng(1, 0));
+            drive::Arrivals::poisson(200.0, 50.0, draw, Some(7), drive::thread_rng(1, 0));
         let times: Vec<f64> = arrivals.map(|d| d.at_s).collect();
         // 10,000 expected; 5 standard deviations is 500.
         assert!(

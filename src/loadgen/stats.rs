@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use distmind_common::proto::ErrorCode;
+use distmind_common::proto::{ErrorCode, ServePath};
 use serde::Serialize;
 
 /// Most latencies kept for percentiles (8 bytes each: 80 MB). Beyond it the
@@ -26,6 +26,9 @@ pub enum Outcome {
         slo_ms: Option<f64>,
         /// Outputs and GPU time came from the `sim` executor (a profile).
         simulated: bool,
+        /// Where the GPU server found the model (resident, host cache,
+        /// memory servers), when the reply says.
+        path: Option<ServePath>,
     },
     /// An error reply.
     Refused { code: ErrorCode, message: String },
@@ -68,7 +71,43 @@ pub struct Collector {
     pub ok_within_slo: u64,
     /// Ok replies marked simulated (the `sim` executor).
     pub simulated: u64,
+    /// Ok replies by where the model was found.
+    pub paths: PathCounts,
     pub models: Vec<ModelCounts>,
+}
+
+/// Ok replies by where the GPU server found the model: on the device, in
+/// its host cache, or on the memory servers (a cold start).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PathCounts {
+    pub resident: u64,
+    pub host_cached: u64,
+    pub cold: u64,
+}
+
+impl PathCounts {
+    pub fn add(&mut self, p: ServePath) {
+        match p {
+            ServePath::DeviceResident => self.resident += 1,
+            ServePath::HostCached => self.host_cached += 1,
+            ServePath::Cold => self.cold += 1,
+        }
+    }
+
+    pub fn merge(&mut self, o: PathCounts) {
+        self.resident += o.resident;
+        self.host_cached += o.host_cached;
+        self.cold += o.cold;
+    }
+
+    /// Replies that loaded their model onto the device (host cache or cold).
+    pub fn loads(&self) -> u64 {
+        self.host_cached + self.cold
+    }
+
+    pub fn total(&self) -> u64 {
+        self.resident + self.loads()
+    }
 }
 
 pub fn code_name(code: ErrorCode) -> String {
@@ -108,6 +147,7 @@ impl Collector {
             ok_slo_known: 0,
             ok_within_slo: 0,
             simulated: 0,
+            paths: PathCounts::default(),
             models: vec![ModelCounts::default(); models],
         }
     }
@@ -131,9 +171,13 @@ impl Collector {
                 latency_ms,
                 slo_ms,
                 simulated,
+                path,
             } => {
                 self.ok += 1;
                 self.simulated += u64::from(simulated);
+                if let Some(p) = path {
+                    self.paths.add(p);
+                }
                 m.ok += 1;
                 m.latency_sum_ms += latency_ms;
                 self.latency_sum_ms += latency_ms;
@@ -205,6 +249,7 @@ impl Collector {
         self.ok_slo_known += o.ok_slo_known;
         self.ok_within_slo += o.ok_within_slo;
         self.simulated += o.simulated;
+        self.paths.merge(o.paths);
         for (m, x) in self.models.iter_mut().zip(o.models) {
             m.sent += x.sent;
             m.ok += x.ok;
@@ -343,6 +388,8 @@ pub struct Report {
     /// Ok replies whose GPU time was simulated from a profile (`sim`
     /// executor): their latencies are not measurements of a GPU.
     pub simulated: u64,
+    /// Ok replies by where the model was found (replies that said).
+    pub paths: PathCounts,
     /// Ok requests per second of `elapsed_s`.
     pub throughput_rps: f64,
     /// The emulated link the times are reported for (`None`: real time).
@@ -424,6 +471,7 @@ impl Report {
             send_failed: c.send_failed,
             dropped_by_client: c.dropped_by_client,
             simulated: c.simulated,
+            paths: c.paths,
             emulated_link: None,
             throughput_rps: if info.elapsed_s > 0.0 {
                 c.ok as f64 / info.elapsed_s
@@ -531,6 +579,19 @@ impl Report {
                 String::new()
             }
         );
+        let p = &self.paths;
+        if p.total() > 0 {
+            let pct = |n: u64| 100.0 * n as f64 / p.total() as f64;
+            let _ = writeln!(
+                s,
+                "  {:<22}{:>10}  resident {:.1}%, host cache {:.1}%, cold (memory servers) {:.1}%",
+                "model found",
+                p.total(),
+                pct(p.resident),
+                pct(p.host_cached),
+                pct(p.cold)
+            );
+        }
         if self.simulated > 0 {
             let _ = writeln!(
                 s,
@@ -659,6 +720,7 @@ mod tests {
             latency_ms,
             slo_ms,
             simulated: false,
+            path: None,
         };
         a.record(0, ok(10.0, Some(20.0)), &stored);
         a.record(0, ok(30.0, Some(20.0)), &stored);
@@ -725,11 +787,12 @@ mod tests {
                 latency_ms: 1.0,
                 slo_ms: None,
                 simulated: true,
+                path: Some(ServePath::Cold),
             },
             &stored,
         );
         assert!(c.latencies_capped);
         assert!(c.latencies_ms.is_empty());
-        assert_eq!((c.ok, c.simulated), (1, 1));
+        assert_eq!((c.ok, c.simulated, c.paths.cold), (1, 1, 1));
     }
 }

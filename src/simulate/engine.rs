@@ -29,10 +29,11 @@ use distmind_common::proto::{
 };
 use distmind_controller::dispatch::{Action, Completion, Dispatcher, ReqId};
 use distmind_controller::policy::{Gpu, Micros};
-use rand::{Rng, SeedableRng};
+use rand::rngs::StdRng;
 
 use super::lru::Lru;
 use super::net::Network;
+use crate::loadgen::drive::{thread_rng, Arrivals, ModelDraw};
 use crate::loadgen::stats::{Collector, Outcome};
 
 /// The controller's tick (as `dispatch::net`).
@@ -73,14 +74,15 @@ pub enum Warm {
     Device,
 }
 
-/// Open or closed loop.
-#[derive(Debug, Clone, Copy)]
+/// The workload, from `distmind client`'s own generators: closed-loop
+/// clients draw models from the client's per-thread generators, open-loop
+/// connections replay the client's arrivals (Poisson or a trace), so a
+/// simulation with the client's seed sends the client's requests.
 pub enum Load {
     Closed { clients: usize },
-    Poisson { rate: f64 },
+    Open { connections: Vec<Arrivals> },
 }
 
-#[derive(Debug, Clone)]
 pub struct Config {
     pub gpu_servers: usize,
     pub gpus_per_server: usize,
@@ -100,6 +102,10 @@ pub struct Config {
     pub slo_ms: Option<f64>,
     pub duration_s: f64,
     pub seed: u64,
+    /// 1, or the K of a time-dilated real run to mirror: there the
+    /// controller's tick and the runtimes' heartbeats run on the real
+    /// clock, so they come K times as often in emulated time.
+    pub mirror_dilation: f64,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -118,12 +124,23 @@ pub struct Counts {
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Ev {
-    Issue { client: usize },
-    Arrival,
+    Issue {
+        client: usize,
+    },
+    Arrival {
+        conn: usize,
+        model: usize,
+        slo_ms: Option<u64>,
+    },
     Tick,
     Heartbeat,
-    Net { epoch: u64 },
-    DeviceDone { gpu: usize, job: u64 },
+    Net {
+        epoch: u64,
+    },
+    DeviceDone {
+        gpu: usize,
+        job: u64,
+    },
 }
 
 #[derive(Debug, PartialEq)]
@@ -218,8 +235,11 @@ pub struct Sim {
     net: Network,
     net_epoch: u64,
     pending: HashMap<ReqId, Pending>,
-    rng: rand::rngs::StdRng,
-    zipf: crate::loadgen::drive::ModelDraw,
+    /// Closed loop: each client's generator, seeded as the client seeds its threads.
+    client_rngs: Vec<StdRng>,
+    zipf: ModelDraw,
+    /// Open loop: each connection's arrivals, taken from when due.
+    connections: Vec<Arrivals>,
     out: Vec<Action>,
     job_seq: u64,
     /// Latencies kept, bounded as the client bounds them.
@@ -233,7 +253,7 @@ fn us(t: f64) -> Micros {
 }
 
 impl Sim {
-    pub fn new(cfg: Config, mut d: Dispatcher) -> anyhow::Result<Sim> {
+    pub fn new(mut cfg: Config, mut d: Dispatcher) -> anyhow::Result<Sim> {
         anyhow::ensure!(!cfg.names.is_empty(), "no models to simulate");
         anyhow::ensure!(
             cfg.gpu_servers > 0 && cfg.gpus_per_server > 0 && cfg.memservers > 0,
@@ -250,7 +270,14 @@ impl Sim {
                 .map_err(|e| anyhow::anyhow!("model {n}: {}", e.message))?;
             ids.push(id);
         }
-        let zipf = crate::loadgen::drive::ModelDraw::new(cfg.names.len(), cfg.zipf)?;
+        let zipf = ModelDraw::new(cfg.names.len(), cfg.zipf)?;
+        let (client_rngs, connections) = match &mut cfg.load {
+            Load::Closed { clients } => (
+                (0..*clients).map(|t| thread_rng(cfg.seed, t)).collect(),
+                Vec::new(),
+            ),
+            Load::Open { connections } => (Vec::new(), std::mem::take(connections)),
+        };
         let hosts = (0..cfg.gpu_servers)
             .map(|_| Host {
                 cache: Lru::new(cfg.cache_bytes, usize::MAX),
@@ -271,7 +298,8 @@ impl Sim {
         let net = Network::new(cfg.memservers, cfg.gpu_servers, cfg.link_bytes_per_s);
         let models = cfg.names.len();
         Ok(Sim {
-            rng: rand::rngs::StdRng::seed_from_u64(cfg.seed),
+            client_rngs,
+            connections,
             cfg,
             d,
             ids,
@@ -290,6 +318,14 @@ impl Sim {
             collector: Collector::new(models),
             counts: Counts::default(),
         })
+    }
+
+    fn tick_s(&self) -> f64 {
+        TICK_S / self.cfg.mirror_dilation
+    }
+
+    fn heartbeat_s(&self) -> f64 {
+        HEARTBEAT_S / self.cfg.mirror_dilation
     }
 
     fn at(&mut self, t: f64, ev: Ev) {
@@ -365,19 +401,14 @@ impl Sim {
             self.d.link_up(r as u32);
         }
         self.apply_actions();
-        match self.cfg.load {
-            Load::Closed { clients } => {
-                for c in 0..clients {
-                    self.at(0.0, Ev::Issue { client: c });
-                }
-            }
-            Load::Poisson { rate } => {
-                anyhow::ensure!(rate > 0.0, "--rate must be positive");
-                self.at(0.0, Ev::Arrival);
-            }
+        for c in 0..self.client_rngs.len() {
+            self.at(0.0, Ev::Issue { client: c });
         }
-        self.at(TICK_S, Ev::Tick);
-        self.at(HEARTBEAT_S, Ev::Heartbeat);
+        for conn in 0..self.connections.len() {
+            self.next_arrival(conn);
+        }
+        self.at(self.tick_s(), Ev::Tick);
+        self.at(self.heartbeat_s(), Ev::Heartbeat);
         while let Some(At { t, ev, .. }) = self.heap.pop() {
             if t > self.cfg.duration_s {
                 break;
@@ -385,22 +416,25 @@ impl Sim {
             self.now = t;
             self.counts.events += 1;
             match ev {
-                Ev::Issue { client } => self.issue(Some(client)),
-                Ev::Arrival => {
-                    self.issue(None);
-                    if let Load::Poisson { rate } = self.cfg.load {
-                        let u: f64 = self.rng.gen::<f64>().max(1e-12);
-                        let gap = -u.ln() / rate;
-                        self.at(t + gap, Ev::Arrival);
-                    }
+                Ev::Issue { client } => {
+                    let k = self.zipf.pick(&mut self.client_rngs[client]);
+                    self.issue(Some(client), k, self.cfg.slo_ms);
+                }
+                Ev::Arrival {
+                    conn,
+                    model,
+                    slo_ms,
+                } => {
+                    self.issue(None, model, slo_ms.map(|s| s as f64));
+                    self.next_arrival(conn);
                 }
                 Ev::Tick => {
                     self.d.tick(us(t), &mut self.out);
-                    self.at(t + TICK_S, Ev::Tick);
+                    self.at(t + self.tick_s(), Ev::Tick);
                 }
                 Ev::Heartbeat => {
                     self.heartbeat();
-                    self.at(t + HEARTBEAT_S, Ev::Heartbeat);
+                    self.at(t + self.heartbeat_s(), Ev::Heartbeat);
                 }
                 Ev::Net { epoch } => {
                     if epoch == self.net_epoch {
@@ -437,14 +471,29 @@ impl Sim {
         }
     }
 
-    fn issue(&mut self, client: Option<usize>) {
-        let k = self.zipf.pick(&mut self.rng);
+    /// Schedules connection `conn`'s next arrival, if it has one.
+    fn next_arrival(&mut self, conn: usize) {
+        if let Some(due) = self.connections[conn].next() {
+            if due.model < self.ids.len() {
+                self.at(
+                    due.at_s,
+                    Ev::Arrival {
+                        conn,
+                        model: due.model,
+                        slo_ms: due.slo_ms,
+                    },
+                );
+            }
+        }
+    }
+
+    /// Client `client` (closed loop) or a connection (`None`) sends a
+    /// request for model index `k`.
+    fn issue(&mut self, client: Option<usize>, k: usize, slo_ms: Option<f64>) {
         self.collector.sent(k);
         let model = self.ids[k];
-        let req = self
-            .d
-            .submit(us(self.now), model, self.cfg.slo_ms, &mut self.out);
-        let slo_ms = self.d.slo_ms(model, self.cfg.slo_ms);
+        let req = self.d.submit(us(self.now), model, slo_ms, &mut self.out);
+        let slo_ms = self.d.slo_ms(model, slo_ms);
         self.pending.insert(
             req,
             Pending {
@@ -462,10 +511,13 @@ impl Sim {
             return;
         };
         let outcome = match outcome {
-            Outcome::Ok { simulated, .. } => Outcome::Ok {
+            Outcome::Ok {
+                simulated, path, ..
+            } => Outcome::Ok {
                 latency_ms: (self.now - p.issued) * 1e3,
                 slo_ms: Some(p.slo_ms),
                 simulated,
+                path,
             },
             o => o,
         };
@@ -859,6 +911,7 @@ impl Sim {
                         latency_ms: 0.0,
                         slo_ms: None,
                         simulated: true,
+                        path: Some(run.path),
                     },
                 );
             }

@@ -79,18 +79,27 @@ pub struct SimulateArgs {
     /// DistMind starts with its host caches warm (the baselines always do).
     #[arg(long)]
     pub warm_cache: bool,
-    /// closed (--concurrency clients, one request each) or poisson (--rate).
+    /// closed (--concurrency clients, one request each), poisson (--rate over
+    /// --connections) or trace (--trace); the client's own generators, so the
+    /// same --seed sends the same requests as `distmind client`.
     #[arg(long, value_enum, default_value = "closed")]
     pub mode: loadgen::Mode,
     #[arg(long, default_value_t = 4)]
     pub concurrency: usize,
-    /// Requests per second (poisson).
+    /// Requests per second (poisson), spread over --connections.
     #[arg(long, default_value_t = 100.0)]
     pub rate: f64,
+    /// Open loop: connections the requests are spread over (as the client's).
+    #[arg(long, default_value_t = 4)]
+    pub connections: usize,
+    /// CSV trace (--mode trace): header time_s,model[,slo_ms], one request per
+    /// line in time order. Every model it names is a variant of --family.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
     /// Zipf exponent of model popularity (0: uniform).
     #[arg(long, default_value_t = 0.9)]
     pub zipf: f64,
-    /// Simulated time of the workload.
+    /// Simulated time of the workload (trace: the part of the trace before it).
     #[arg(long, default_value = "60s", value_parser = loadgen::parse::parse_duration)]
     pub duration: Duration,
     /// Latency objective per request (default: controller.json's per family).
@@ -101,6 +110,12 @@ pub struct SimulateArgs {
     pub batch: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Mirror a time-dilated real run (`--emulate-link`) of this K, for
+    /// validation: there the controller's tick (50 ms) and the runtimes'
+    /// heartbeats (1 s) run on the real clock, K times as often in emulated
+    /// time. 1 (default): a cluster at real speed.
+    #[arg(long, default_value_t = 1.0)]
+    pub mirror_dilation: f64,
     /// Append the result as a row to this CSV (the columns of `up --csv`, source=simulator).
     #[arg(long)]
     pub csv: Option<PathBuf>,
@@ -110,6 +125,46 @@ pub struct SimulateArgs {
     /// The row's test column.
     #[arg(long, default_value = "simulate")]
     pub test: String,
+}
+
+/// The workload of the client's generators for these flags.
+fn load(
+    a: &SimulateArgs,
+    names: &[String],
+    trace: Option<&[loadgen::TraceRow]>,
+) -> anyhow::Result<Load> {
+    let n = a.connections;
+    Ok(match a.mode {
+        loadgen::Mode::Closed => Load::Closed {
+            clients: a.concurrency.clamp(1, loadgen::CONCURRENCY_MAX),
+        },
+        loadgen::Mode::Poisson => {
+            let draw = std::sync::Arc::new(loadgen::drive::ModelDraw::new(names.len(), a.zipf)?);
+            Load::Open {
+                connections: (0..n)
+                    .map(|i| {
+                        loadgen::drive::Arrivals::poisson(
+                            a.rate / n as f64,
+                            a.duration.as_secs_f64(),
+                            draw.clone(),
+                            a.slo_ms,
+                            loadgen::drive::thread_rng(a.seed, i),
+                        )
+                    })
+                    .collect(),
+            }
+        }
+        loadgen::Mode::Trace => {
+            let rows = trace.expect("trace mode has a trace");
+            let limit = Some(a.duration.as_secs_f64());
+            Load::Open {
+                connections: loadgen::drive::trace_arrivals(rows, names, n, limit, 1.0, a.slo_ms)
+                    .into_iter()
+                    .map(|d| loadgen::drive::Arrivals::Fixed(d.into_iter()))
+                    .collect(),
+            }
+        }
+    })
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -187,9 +242,26 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<Outcome> {
     anyhow::ensure!(a.models > 0, "--models must be at least 1");
     anyhow::ensure!(a.batch > 0, "--batch must be at least 1");
     anyhow::ensure!(
-        a.mode != loadgen::Mode::Trace,
-        "--mode trace is not simulated yet: use closed or poisson"
+        (a.mode == loadgen::Mode::Trace) == a.trace.is_some(),
+        "--mode trace and --trace FILE go together"
     );
+    anyhow::ensure!(
+        a.mirror_dilation.is_finite()
+            && (1.0..=distmind_common::emulate::DILATION_MAX).contains(&a.mirror_dilation),
+        "--mirror-dilation must be in 1..={}",
+        distmind_common::emulate::DILATION_MAX
+    );
+    anyhow::ensure!(
+        (1..=loadgen::CONNECTIONS_MAX).contains(&a.connections),
+        "--connections must be 1..={}",
+        loadgen::CONNECTIONS_MAX
+    );
+    anyhow::ensure!(
+        a.mode != loadgen::Mode::Poisson || (a.rate > 0.0 && a.rate <= loadgen::RATE_MAX),
+        "--rate must be in (0, {}]",
+        loadgen::RATE_MAX
+    );
+    let trace = a.trace.as_deref().map(loadgen::load_trace).transpose()?;
     let profile_path = a
         .profile
         .clone()
@@ -199,9 +271,20 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<Outcome> {
         .map_err(|e| anyhow::anyhow!("--link {}: {e}", a.link))?;
     let group_bytes = a.group_bytes.unwrap_or(settings.controller.group_bytes);
     let shape = shape(a.family, a.scale, a.batch, group_bytes, &profile)?;
-    let names: Vec<String> = (0..a.models)
-        .map(|i| distmind_models::variant_name(a.family, a.scale, i))
-        .collect();
+    // The catalog: --models variants of the family, or the trace's models
+    // (sorted, as the client lists them), each with the family's shape.
+    let names: Vec<String> = match &trace {
+        Some(rows) => {
+            let mut n: Vec<String> = rows.iter().map(|r| r.model.clone()).collect();
+            n.sort();
+            n.dedup();
+            n
+        }
+        None => (0..a.models)
+            .map(|i| distmind_models::variant_name(a.family, a.scale, i))
+            .collect(),
+    };
+    anyhow::ensure!(!names.is_empty(), "the trace names no models");
     let (resident_max, whole_model, preload) = match a.system.baseline() {
         Some(b) => b.preset(),
         None => (
@@ -235,7 +318,7 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<Outcome> {
     let d = distmind_controller::dispatch::Dispatcher::new(dcfg).map_err(anyhow::Error::msg)?;
     let cache = a
         .cache
-        .unwrap_or(shape.cache_bytes * a.models as u64 + (8 << 20));
+        .unwrap_or(shape.cache_bytes * names.len() as u64 + (8 << 20));
     let warm = match a.system {
         System::Gpu => Warm::Device,
         _ if preload || a.warm_cache => Warm::HostCache,
@@ -258,16 +341,12 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<Outcome> {
             names.clone()
         },
         shape,
-        load: match a.mode {
-            loadgen::Mode::Poisson => Load::Poisson { rate: a.rate },
-            _ => Load::Closed {
-                clients: a.concurrency.max(1),
-            },
-        },
+        load: load(a, &names, trace.as_deref())?,
         zipf: a.zipf,
         slo_ms: a.slo_ms.map(|s| s as f64),
         duration_s: a.duration.as_secs_f64(),
         seed: a.seed,
+        mirror_dilation: a.mirror_dilation,
     };
     let model_names = cfg.names.clone();
     let mut sim = Sim::new(cfg, d)?;
@@ -278,7 +357,11 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<Outcome> {
         RunInfo {
             mode: a.mode.as_str(),
             target: "a simulated cluster",
-            connections: a.concurrency,
+            connections: if a.mode == loadgen::Mode::Closed {
+                a.concurrency
+            } else {
+                a.connections
+            },
             rate_rps: (a.mode == loadgen::Mode::Poisson).then_some(a.rate),
             duration_s: Some(a.duration.as_secs_f64()),
             elapsed_s: a.duration.as_secs_f64(),
@@ -300,7 +383,7 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<Outcome> {
         a.gpu_servers,
         a.gpus,
         a.memservers,
-        a.models,
+        names.len(),
         a.family,
         a.scale,
         distmind_common::emulate::format_link(link),
@@ -323,7 +406,7 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<Outcome> {
             test: a.test.clone(),
             system: a.label.clone().unwrap_or_else(|| a.system.as_str().into()),
             family: a.family.to_string(),
-            models: a.models,
+            models: names.len(),
             devices: (a.gpu_servers * a.gpus) as u32,
             zipf: a.zipf,
             period_s: a

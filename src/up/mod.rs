@@ -28,6 +28,7 @@ mod compare;
 mod metrics;
 pub(crate) mod procs;
 pub mod results;
+pub mod timeline;
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};

@@ -12,7 +12,8 @@ use crate::loadgen::Report;
 /// The columns, in order.
 pub const HEADER: &str = "test,system,family,models,devices,zipf,period_s,cache_mib,mode,concurrency,rate_rps,duration_s,\
 sent,ok,rejected,deadline_exceeded,busy,other_errors,throughput_rps,lat_mean_ms,lat_p50_ms,lat_p90_ms,lat_p95_ms,\
-lat_p99_ms,slo_attainment,goodput_rps,runtime_rss_mib,executor,profile,batch,link,dilation,loopback,source";
+lat_p99_ms,slo_attainment,goodput_rps,runtime_rss_mib,executor,profile,batch,link,dilation,loopback,source,\
+served_resident,served_host_cached,served_cold";
 
 /// What the run was (the report says what happened).
 #[derive(Debug, Clone)]
@@ -100,6 +101,9 @@ pub fn format(row: &Row, r: &Report) -> anyhow::Result<String> {
         format!("{:.4}", row.dilation),
         field("loopback", &row.loopback)?,
         field("source", &row.source)?,
+        r.paths.resident.to_string(),
+        r.paths.host_cached.to_string(),
+        r.paths.cold.to_string(),
     ];
     Ok(cols.join(","))
 }

@@ -1149,11 +1149,13 @@ impl Dispatcher {
     /// Periodic work at `now`: the policy's placement, training roles,
     /// demand tracking, expiry of waiting requests.
     pub fn tick(&mut self, now: Micros, out: &mut Vec<Action>) {
-        // Demand: requests per second per model, smoothed.
+        // Demand: requests per second per model, smoothed; per emulated
+        // second on a dilated clock (K times the real clock's rate).
         let window = now.saturating_sub(self.last_rate_at);
         if window >= 100_000 {
+            let k = self.cfg.time_dilation;
             for m in &mut self.models {
-                m.rate.observe(m.recent as f64 * 1e6 / window as f64);
+                m.rate.observe(m.recent as f64 * 1e6 * k / window as f64);
                 m.recent = 0;
             }
             self.last_rate_at = now;
