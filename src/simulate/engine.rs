@@ -3,23 +3,31 @@
 //! servers, memory servers and links it drives.
 //!
 //! Per GPU server (runtime): one host cache ([`Lru`], the runtime's rule),
-//! one fetch at a time (the runtime's cache serialises fetches), a NIC.
+//! one fetch at a time (the runtime's cache serialises fetches), a NIC, and
+//! for the baselines at equal memory a local disk read one model at a time.
 //! Per GPU: a FIFO of jobs run one at a time (the runtime's device worker),
 //! device residency ([`Lru`] within its parameter budget and at most N
-//! models), one PCIe link at the profile's H2D rate.
+//! models), one PCIe link at the profile's H2D rate, and, when the
+//! controller gives it the training job, back-to-back training iterations
+//! whenever its queue is empty (a request waits for the iteration in
+//! progress, never more, as the runtime yields at iteration boundaries).
 //!
 //! A request runs one of three paths, as the runtime's pipeline does:
 //! resident (compute only), host-cached (upload group by group, each
 //! group's layers computing once it is up) and cold (the same, each group's
 //! upload waiting for its bytes over the network). Baselines load the whole
-//! model before computing. Memory servers hold every model, each group
-//! split evenly over all of them (hybrid sharding); their NICs and the GPU
-//! servers' NICs share bandwidth max-min fairly ([`Network`]).
+//! model before computing. Memory servers hold every model, each group's
+//! slices where the deploy tool's placement puts them (the controller's
+//! `placement::plan`, any strategy); a group's slices travel at once, the
+//! next group after them, and every memory server's and GPU server's NIC
+//! shares its bandwidth max-min fairly ([`Network`]).
 //!
 //! Not modelled: CPU time of any process (routing, framing, checksums,
-//! wake-ups), heartbeat jitter, training. Simplified: two GPUs of one
-//! server that miss on the same model at once fetch it twice (the runtime's
-//! cache makes the second wait for the first).
+//! wake-ups), heartbeat jitter, loading the training job's own weights.
+//! Simplified: two GPUs of one server that miss on the same model at once
+//! fetch it twice (the runtime's cache makes the second wait for the
+//! first); a training iteration takes the profile's estimate
+//! ([`distmind_runtime::profile::Profile::train_iteration_s`]).
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
@@ -35,6 +43,7 @@ use super::lru::Lru;
 use super::net::Network;
 use crate::loadgen::drive::{thread_rng, Arrivals, ModelDraw};
 use crate::loadgen::stats::{Collector, Outcome};
+use crate::up::timeline::Bins;
 
 /// The controller's tick (as `dispatch::net`).
 pub const TICK_S: f64 = 0.05;
@@ -62,6 +71,18 @@ impl Shape {
     pub fn compute_s(&self) -> f64 {
         self.prefix_s + self.group_compute_s.iter().sum::<f64>()
     }
+}
+
+/// One model's slices: per group, (memory server, bytes) of each slice.
+pub type ModelPlacement = Vec<Vec<(usize, u64)>>;
+
+/// A training job as the simulator runs it: back-to-back iterations of a
+/// fixed time (the profile's estimate), each yielding to queued requests at
+/// its end, as the runtime's device worker does.
+#[derive(Debug, Clone)]
+pub struct TrainSim {
+    pub model: String,
+    pub iteration_s: f64,
 }
 
 /// Where a warm start puts models before the workload.
@@ -102,6 +123,17 @@ pub struct Config {
     pub slo_ms: Option<f64>,
     pub duration_s: f64,
     pub seed: u64,
+    /// Per model (catalog order), per group: the memory server and bytes of
+    /// each slice, as the deploy tool's placement put them.
+    pub placement: Vec<ModelPlacement>,
+    /// Baselines at equal memory: a model missing from a GPU server's host
+    /// memory is read whole from its local disk at this rate (`None`: from
+    /// the memory servers, DistMind's path).
+    pub local_disk_bytes_per_s: Option<f64>,
+    /// The training job GPUs run when the controller says so.
+    pub train: Option<TrainSim>,
+    /// Count answers and training iterations per interval of this length.
+    pub timeline_interval_s: Option<f64>,
     /// 1, or the K of a time-dilated real run to mirror: there the
     /// controller's tick and the runtimes' heartbeats run on the real
     /// clock, so they come K times as often in emulated time.
@@ -120,6 +152,9 @@ pub struct Counts {
     pub fetched_bytes: u64,
     pub evictions_ordered: u64,
     pub prefetches: u64,
+    /// Models read from a GPU server's local disk (baselines at equal memory).
+    pub disk_loads: u64,
+    pub train_iterations: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -138,6 +173,11 @@ enum Ev {
         epoch: u64,
     },
     DeviceDone {
+        gpu: usize,
+        job: u64,
+    },
+    /// A whole model read from the local disk is in host memory.
+    DiskDone {
         gpu: usize,
         job: u64,
     },
@@ -165,8 +205,13 @@ impl Ord for At {
 
 #[derive(Debug, Clone, Copy)]
 enum JobKind {
-    Infer { req: ReqId, budget_s: f64 },
+    Infer {
+        req: ReqId,
+        budget_s: f64,
+    },
     Prefetch,
+    /// One training iteration.
+    Train,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -197,6 +242,8 @@ struct Device {
     queue: VecDeque<Job>,
     running: Option<Running>,
     residency: Lru,
+    /// The controller gave it the training job: it trains when idle.
+    training: bool,
 }
 
 /// A fetch in progress on a host: group `group` is on the wire.
@@ -214,6 +261,8 @@ struct Host {
     /// Devices waiting to fetch (in order).
     fetch_queue: VecDeque<(usize, u32)>,
     snapshot_seq: u64,
+    /// When the local disk finishes the reads queued on it.
+    disk_free_at: f64,
 }
 
 struct Pending {
@@ -246,6 +295,7 @@ pub struct Sim {
     stored_latencies: std::sync::atomic::AtomicUsize,
     pub collector: Collector,
     pub counts: Counts,
+    pub timeline: Option<Bins>,
 }
 
 fn us(t: f64) -> Micros {
@@ -259,6 +309,22 @@ impl Sim {
             cfg.gpu_servers > 0 && cfg.gpus_per_server > 0 && cfg.memservers > 0,
             "need at least one GPU server, one GPU per server and one memory server"
         );
+        let covers = |m: &ModelPlacement| {
+            m.len() == cfg.shape.group_bytes.len()
+                && m.iter().zip(&cfg.shape.group_bytes).all(|(slices, &b)| {
+                    !slices.is_empty()
+                        && slices.iter().all(|&(ms, _)| ms < cfg.memservers)
+                        && slices.iter().map(|&(_, n)| n).sum::<u64>() == b
+                })
+        };
+        anyhow::ensure!(
+            cfg.placement.len() == cfg.names.len() && cfg.placement.iter().all(covers),
+            "the placement must give every group of every model slices that cover it, on the memory servers"
+        );
+        let timeline = cfg
+            .timeline_interval_s
+            .map(|i| Bins::new(i, cfg.duration_s))
+            .transpose()?;
         let mut ids = Vec::with_capacity(cfg.names.len());
         for n in &cfg.names {
             let id = d
@@ -284,6 +350,7 @@ impl Sim {
                 fetch: None,
                 fetch_queue: VecDeque::new(),
                 snapshot_seq: 0,
+                disk_free_at: 0.0,
             })
             .collect();
         let devices = (0..cfg.gpu_servers * cfg.gpus_per_server)
@@ -293,6 +360,7 @@ impl Sim {
                 queue: VecDeque::new(),
                 running: None,
                 residency: Lru::new(cfg.device_bytes, cfg.resident_max),
+                training: false,
             })
             .collect();
         let net = Network::new(cfg.memservers, cfg.gpu_servers, cfg.link_bytes_per_s);
@@ -317,6 +385,7 @@ impl Sim {
             stored_latencies: std::sync::atomic::AtomicUsize::new(0),
             collector: Collector::new(models),
             counts: Counts::default(),
+            timeline,
         })
     }
 
@@ -354,8 +423,16 @@ impl Sim {
                     device: d.device,
                     queued: d.queue.len() as u64 + u64::from(d.running.is_some()),
                     resident: d.residency.mru().into_iter().map(name).collect(),
-                    training: None,
-                    train_iteration_ms: 0.0,
+                    training: self
+                        .cfg
+                        .train
+                        .as_ref()
+                        .filter(|_| d.training)
+                        .map(|t| t.model.clone()),
+                    train_iteration_ms: match (&self.cfg.train, d.training) {
+                        (Some(t), true) => t.iteration_s * 1e3,
+                        _ => 0.0,
+                    },
                 })
                 .collect(),
             host_cached: self.hosts[runtime]
@@ -442,6 +519,7 @@ impl Sim {
                     }
                 }
                 Ev::DeviceDone { gpu, job } => self.on_device_done(gpu, job),
+                Ev::DiskDone { gpu, job } => self.on_disk_done(gpu, job),
             }
             self.apply_actions();
         }
@@ -510,6 +588,9 @@ impl Sim {
         let Some(p) = self.pending.remove(&req) else {
             return;
         };
+        if let (Some(b), Outcome::Ok { .. }) = (&mut self.timeline, &outcome) {
+            b.inference(self.now);
+        }
         let outcome = match outcome {
             Outcome::Ok {
                 simulated, path, ..
@@ -593,7 +674,15 @@ impl Sim {
                             self.hosts[r].cache.remove(m);
                         }
                     }
-                    Action::Train { .. } => {}
+                    Action::Train { gpu, model } => {
+                        let Some(gi) = self.gpu_index(gpu) else {
+                            continue;
+                        };
+                        self.devices[gi].training = model.is_some() && self.cfg.train.is_some();
+                        if self.devices[gi].running.is_none() {
+                            self.start_next(gi);
+                        }
+                    }
                 }
             }
         }
@@ -606,10 +695,12 @@ impl Sim {
         }
     }
 
-    /// Starts the device's next job, if any.
+    /// Starts the device's next job, if any; with none queued and the
+    /// training job set, one training iteration.
     fn start_next(&mut self, gi: usize) {
         while self.devices[gi].running.is_none() {
             let Some(job) = self.devices[gi].queue.pop_front() else {
+                self.begin_train(gi);
                 return;
             };
             if let JobKind::Infer { req, budget_s } = job.kind {
@@ -636,6 +727,36 @@ impl Sim {
         }
     }
 
+    /// One training iteration on idle device `gi`, if it trains. Requests
+    /// that arrive meanwhile wait for its end (the runtime yields at
+    /// iteration boundaries, never inside one).
+    fn begin_train(&mut self, gi: usize) {
+        let Some(t) = &self.cfg.train else {
+            return;
+        };
+        if !self.devices[gi].training || self.devices[gi].running.is_some() {
+            return;
+        }
+        let end = self.now + t.iteration_s;
+        self.job_seq += 1;
+        let seq = self.job_seq;
+        self.devices[gi].running = Some(Running {
+            job: Job {
+                kind: JobKind::Train,
+                model: u32::MAX,
+                enqueued: self.now,
+            },
+            seq,
+            start: self.now,
+            path: ServePath::DeviceResident,
+            h2d_end: self.now,
+            compute_end: end,
+            fetch_s: 0.0,
+            h2d_s: 0.0,
+        });
+        self.at(end, Ev::DeviceDone { gpu: gi, job: seq });
+    }
+
     fn fail_job(&mut self, gi: usize, job: Job, e: ErrorReply) {
         match job.kind {
             JobKind::Infer { req, .. } => {
@@ -657,6 +778,7 @@ impl Sim {
                 };
                 self.d.prefetch_done(gpu, None);
             }
+            JobKind::Train => {}
         }
     }
 
@@ -738,6 +860,16 @@ impl Sim {
         host.cache.pin(m);
         self.counts.cold += 1;
         run.path = ServePath::Cold;
+        if let Some(rate) = self.cfg.local_disk_bytes_per_s {
+            // The whole model from the local disk, one read at a time.
+            let start = host.disk_free_at.max(self.now);
+            host.disk_free_at = start + stored as f64 / rate;
+            let (end, seq) = (host.disk_free_at, run.seq);
+            self.counts.disk_loads += 1;
+            self.devices[gi].running = Some(run);
+            self.at(end, Ev::DiskDone { gpu: gi, job: seq });
+            return Ok(());
+        }
         self.devices[gi].running = Some(run);
         self.hosts[runtime].fetch_queue.push_back((gi, m));
         self.next_fetch(runtime);
@@ -794,18 +926,42 @@ impl Sim {
         self.start_group(runtime);
     }
 
+    /// Puts the fetch's current group on the wire: each slice from the
+    /// memory server the placement put it on.
     fn start_group(&mut self, runtime: usize) {
         let f = self.hosts[runtime].fetch.as_mut().expect("a fetch");
-        let bytes = self.cfg.shape.group_bytes[f.group];
-        let parts = self.cfg.memservers;
-        f.parts_left = parts;
+        let slices = &self.cfg.placement[f.model as usize][f.group];
+        f.parts_left = slices.len();
         self.net.advance(self.now);
-        self.net.start((0..parts).map(|ms| {
-            let share = bytes / parts as u64 + u64::from((ms as u64) < bytes % parts as u64);
-            (ms, runtime, share.max(1), runtime as u64)
-        }));
-        self.counts.fetched_bytes += bytes;
+        self.net.start(
+            slices
+                .iter()
+                .map(|&(ms, bytes)| (ms, runtime, bytes.max(1), runtime as u64)),
+        );
+        self.counts.fetched_bytes += slices.iter().map(|&(_, b)| b).sum::<u64>();
         self.schedule_net();
+    }
+
+    /// A whole model read from the local disk is in host memory: upload it.
+    fn on_disk_done(&mut self, gi: usize, job_seq: u64) {
+        let Some(mut run) = self.devices[gi].running.take_if(|r| r.seq == job_seq) else {
+            return;
+        };
+        let compute = matches!(run.job.kind, JobKind::Infer { .. });
+        run.fetch_s = self.now - run.start;
+        let now = self.now;
+        for g in 0..self.cfg.shape.group_bytes.len() {
+            self.upload_group(&mut run, g, now, compute);
+        }
+        let end = self.finish_time(&run, compute);
+        self.devices[gi].running = Some(run);
+        self.at(
+            end,
+            Ev::DeviceDone {
+                gpu: gi,
+                job: job_seq,
+            },
+        );
     }
 
     fn schedule_net(&mut self) {
@@ -864,6 +1020,14 @@ impl Sim {
         let Some(run) = self.devices[gi].running.take_if(|r| r.seq == job_seq) else {
             return;
         };
+        if matches!(run.job.kind, JobKind::Train) {
+            self.counts.train_iterations += 1;
+            if let Some(b) = &mut self.timeline {
+                b.training(self.now);
+            }
+            self.start_next(gi);
+            return;
+        }
         let m = run.job.model;
         let runtime = self.devices[gi].runtime;
         self.devices[gi].residency.unpin(m);
@@ -916,6 +1080,7 @@ impl Sim {
                 );
             }
             JobKind::Prefetch => self.d.prefetch_done(gpu, None),
+            JobKind::Train => unreachable!("handled above"),
         }
         self.start_next(gi);
     }

@@ -61,9 +61,41 @@ pub struct SimulateArgs {
     /// GPUs per GPU server.
     #[arg(long, default_value_t = 1)]
     pub gpus: usize,
-    /// Memory servers (every model's groups are split over all of them).
+    /// Memory servers.
     #[arg(long, default_value_t = 2)]
     pub memservers: usize,
+    /// How each model's groups are sharded over the memory servers (as
+    /// `distmind deploy --strategy`: hybrid, per-app, horizontal, vertical).
+    #[arg(long, default_value = "hybrid")]
+    pub strategy: distmind_controller::placement::Strategy,
+    /// Memory servers a model is spread over (0: min(memory servers, 4), as deploy).
+    #[arg(long, default_value_t = 0)]
+    pub shard_width: usize,
+    /// Baselines at equal memory: a model that is not in a GPU server's host
+    /// memory (--cache smaller than the set) is read from its local disk at
+    /// this rate, e.g. 3GB/s (NVMe). Without it a baseline's whole set must
+    /// fit its host memory.
+    #[arg(long)]
+    pub local_disk: Option<String>,
+    /// Share GPUs with training (the controller's use_train): the distmind
+    /// policy moves GPUs between inference and training following
+    /// inference_workload_s; the slo policy trains between requests.
+    #[arg(long)]
+    pub use_train: bool,
+    /// Inputs per training iteration (the original's resnet152_train: 96).
+    /// An iteration takes 3 forward passes at this batch (estimated).
+    #[arg(long, default_value_t = 96)]
+    pub train_batch: usize,
+    /// GPUs doing inference in each second, repeating (default:
+    /// controller.json's inference_workload_s), e.g. 32,16,8,16.
+    #[arg(long, value_delimiter = ',')]
+    pub inference_workload: Vec<u32>,
+    /// Write utilization over time (inference and training, figure 9) to this CSV.
+    #[arg(long)]
+    pub timeline: Option<PathBuf>,
+    /// Interval of --timeline, simulated seconds.
+    #[arg(long, default_value_t = 1.0)]
+    pub timeline_interval: f64,
     /// GPU profile (default: <settings>/profiles/v100-estimated.json).
     #[arg(long)]
     pub profile: Option<PathBuf>,
@@ -125,6 +157,47 @@ pub struct SimulateArgs {
     /// The row's test column.
     #[arg(long, default_value = "simulate")]
     pub test: String,
+}
+
+/// Where every model's slices sit: the deploy tool's placement (the
+/// controller's `placement::plan`), model after model, each planned with
+/// the memory servers' use so far as deploy sees it.
+fn place(
+    group_bytes: &[u64],
+    models: usize,
+    a: &SimulateArgs,
+) -> anyhow::Result<Vec<engine::ModelPlacement>> {
+    use distmind_controller::placement::{plan, PlanOptions};
+    let mut servers: Vec<distmind_common::proto::MemserverInfo> = (0..a.memservers)
+        .map(|i| distmind_common::proto::MemserverInfo {
+            id: i as u32,
+            addr: format!("memserver-{i}"),
+            capacity_bytes: u64::MAX / 2,
+            used_bytes: 0,
+            alive: true,
+            last_heartbeat_ms_ago: 0,
+        })
+        .collect();
+    let opts = PlanOptions {
+        strategy: a.strategy,
+        shard_width: a.shard_width,
+        replication: 1,
+        seed: a.seed,
+    };
+    let mut out = Vec::with_capacity(models);
+    for m in 0..models {
+        let p = plan(group_bytes, &servers, &opts)
+            .map_err(|e| anyhow::anyhow!("placing model {m}: {e}"))?;
+        let groups: engine::ModelPlacement = p
+            .iter()
+            .map(|g| g.iter().map(|s| (s.replicas[0] as usize, s.len)).collect())
+            .collect();
+        for &(ms, b) in groups.iter().flatten() {
+            servers[ms].used_bytes += b;
+        }
+        out.push(groups);
+    }
+    Ok(out)
 }
 
 /// The workload of the client's generators for these flags.
@@ -313,12 +386,73 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<Outcome> {
         emulate: crate::emulate::EmulateArgs::default(),
     };
     let mut dcfg = crate::services::dispatch_config(&settings, &controller)?;
+    let train =
+        if a.use_train {
+            anyhow::ensure!(
+                a.system.baseline().is_none(),
+                "--use-train: the {} baseline does not share GPUs with training",
+                a.system.as_str()
+            );
+            anyhow::ensure!(a.train_batch > 0, "--train-batch must be at least 1");
+            let iteration_s = profile
+                .train_iteration_s(a.family, a.scale, a.train_batch)
+                .with_context(|| {
+                    format!("profile {} has no times for {}", profile.origin(), a.family)
+                })?;
+            let model = format!("{}_train", a.family);
+            dcfg.distmind.use_train = true;
+            dcfg.train_model = Some(model.clone());
+            if !a.inference_workload.is_empty() {
+                dcfg.distmind.inference_workload_s = a.inference_workload.clone();
+            }
+            let gpus = (a.gpu_servers * a.gpus) as u32;
+            anyhow::ensure!(
+            !dcfg.distmind.inference_workload_s.is_empty()
+                && dcfg.distmind.inference_workload_s.iter().all(|&n| n <= gpus),
+            "--inference-workload (or controller.json's inference_workload_s) must list 1 or more \
+             counts of inference GPUs, each at most the {gpus} GPUs; got {:?}",
+            dcfg.distmind.inference_workload_s
+        );
+            Some(engine::TrainSim { model, iteration_s })
+        } else {
+            None
+        };
     // What a controller on an emulated link of this rate assumes (emulated time).
     dcfg.priors.net_bytes_per_s = link;
     let d = distmind_controller::dispatch::Dispatcher::new(dcfg).map_err(anyhow::Error::msg)?;
     let cache = a
         .cache
         .unwrap_or(shape.cache_bytes * names.len() as u64 + (8 << 20));
+    let local_disk = a
+        .local_disk
+        .as_deref()
+        .map(|r| {
+            distmind_common::emulate::parse_rate(r)
+                .map_err(|e| anyhow::anyhow!("--local-disk {r}: {e}"))
+        })
+        .transpose()?;
+    anyhow::ensure!(
+        local_disk.is_none() || a.system.baseline().is_some(),
+        "--local-disk is the baselines' source at equal memory; DistMind reads from the memory servers"
+    );
+    if a.system.baseline().is_some() && local_disk.is_none() {
+        anyhow::ensure!(
+            cache >= shape.cache_bytes * names.len() as u64,
+            "the {} baseline holds the whole model set in host memory, and --cache {} does not fit {} \
+             models of {} bytes: raise --cache, or give --local-disk RATE (equal memory)",
+            a.system.as_str(),
+            cache,
+            names.len(),
+            shape.cache_bytes
+        );
+    }
+    // The gpu bound serves the first model only.
+    let served: Vec<String> = if a.system == System::Gpu {
+        names[..1].to_vec()
+    } else {
+        names.clone()
+    };
+    let placement = place(&shape.group_bytes, served.len(), a)?;
     let warm = match a.system {
         System::Gpu => Warm::Device,
         _ if preload || a.warm_cache => Warm::HostCache,
@@ -335,23 +469,24 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<Outcome> {
         resident_max,
         whole_model,
         warm,
-        names: if a.system == System::Gpu {
-            names[..1].to_vec()
-        } else {
-            names.clone()
-        },
+        names: served,
         shape,
         load: load(a, &names, trace.as_deref())?,
         zipf: a.zipf,
         slo_ms: a.slo_ms.map(|s| s as f64),
         duration_s: a.duration.as_secs_f64(),
         seed: a.seed,
+        placement,
+        local_disk_bytes_per_s: local_disk,
+        train: train.clone(),
+        timeline_interval_s: a.timeline.as_ref().map(|_| a.timeline_interval),
         mirror_dilation: a.mirror_dilation,
     };
     let model_names = cfg.names.clone();
     let mut sim = Sim::new(cfg, d)?;
     sim.run()?;
     let counts = sim.counts.clone();
+    let timeline = sim.timeline.take();
     let collector = std::mem::replace(&mut sim.collector, loadgen::stats::Collector::new(0));
     let report = Report::build(
         RunInfo {
@@ -401,6 +536,45 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<Outcome> {
         counts.evictions_ordered,
         counts.prefetches
     );
+    if counts.disk_loads > 0 {
+        println!(
+            "simulate: {} whole-model reads from the GPU servers' local disks",
+            counts.disk_loads
+        );
+    }
+    if let Some(t) = &train {
+        println!(
+            "simulate: {} training iterations of {} ({:.1} ms each: 3 forward passes at batch {}, estimated)",
+            counts.train_iterations,
+            t.model,
+            t.iteration_s * 1e3,
+            a.train_batch
+        );
+    }
+    if let (Some(path), Some(bins)) = (&a.timeline, timeline) {
+        let gpus = a.gpu_servers * a.gpus;
+        let compute_s = profile
+            .get(a.family, a.scale, a.batch)
+            .map(|m| m.total_s)
+            .unwrap_or(f64::INFINITY);
+        let train_s = profile
+            .train_iteration_s(a.family, a.scale, a.train_batch)
+            .unwrap_or(f64::INFINITY);
+        let labels = crate::up::timeline::Labels {
+            test: a.test.clone(),
+            system: a.label.clone().unwrap_or_else(|| a.system.as_str().into()),
+            link: distmind_common::emulate::format_link(link),
+            dilation: 1.0,
+            source: "simulator".into(),
+        };
+        crate::up::timeline::write(
+            path,
+            &labels,
+            crate::up::timeline::Bounds::per_gpu(gpus, compute_s, train_s),
+            &bins.samples(),
+        )?;
+        println!("simulate: timeline written to {}", path.display());
+    }
     if let Some(path) = &a.csv {
         let row = crate::up::results::Row {
             test: a.test.clone(),
@@ -561,5 +735,164 @@ mod tests {
         let b = run(&args(&["--duration", "3s", "--cache", "1GiB"])).unwrap();
         assert_eq!(a.report.ok, b.report.ok);
         assert_eq!(a.report.latency.p99_ms, b.report.latency.p99_ms);
+    }
+
+    #[test]
+    fn placement_follows_the_deploy_strategy() {
+        let groups = shape(Family::Resnet152, Scale::Full, 1, 32_768_000, &v100())
+            .unwrap()
+            .group_bytes;
+        let per_app = place(
+            &groups,
+            8,
+            &args(&["--memservers", "4", "--strategy", "per-app"]),
+        )
+        .unwrap();
+        let hybrid = place(&groups, 8, &args(&["--memservers", "4"])).unwrap();
+        for m in 0..8 {
+            // per-app: one server holds the whole model; hybrid: every group on 4.
+            let servers: std::collections::BTreeSet<usize> =
+                per_app[m].iter().flatten().map(|&(ms, _)| ms).collect();
+            assert_eq!(servers.len(), 1, "model {m}: {servers:?}");
+            assert!(hybrid[m].iter().all(|g| g.len() == 4));
+            for (g, &b) in groups.iter().enumerate() {
+                assert_eq!(per_app[m][g].iter().map(|&(_, n)| n).sum::<u64>(), b);
+                assert_eq!(hybrid[m][g].iter().map(|&(_, n)| n).sum::<u64>(), b);
+            }
+        }
+        // per-app spreads whole models over the servers, most free first.
+        let homes: std::collections::BTreeSet<usize> = (0..8).map(|m| per_app[m][0][0].0).collect();
+        assert_eq!(homes.len(), 4);
+    }
+
+    #[test]
+    fn one_memory_server_per_model_is_the_bottleneck_of_many_cold_starts() {
+        // Four GPU servers, no cache to speak of, uniform popularity: every
+        // request pulls a model. Sharded over 4 servers, a model comes at
+        // the GPU server's link rate; on one server (per-app), concurrent
+        // pulls of models that share a home queue behind its NIC.
+        let run_with = |strategy: &str| {
+            run(&args(&[
+                "--models",
+                "8",
+                "--zipf",
+                "0",
+                "--gpu-servers",
+                "4",
+                "--memservers",
+                "4",
+                "--strategy",
+                strategy,
+                "--concurrency",
+                "16",
+                "--device-memory",
+                "250MB",
+                "--cache",
+                "244MiB",
+                "--duration",
+                "5s",
+            ]))
+            .unwrap()
+        };
+        let hybrid = run_with("hybrid");
+        let per_app = run_with("per-app");
+        assert!(hybrid.counts.cold > 50 && per_app.counts.cold > 50);
+        assert!(
+            hybrid.report.throughput_rps > per_app.report.throughput_rps,
+            "hybrid {} vs per-app {}",
+            hybrid.report.throughput_rps,
+            per_app.report.throughput_rps
+        );
+    }
+
+    #[test]
+    fn training_fills_what_inference_leaves() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("timeline.csv");
+        let o = run(&args(&[
+            "--gpus",
+            "2",
+            "--models",
+            "2",
+            "--use-train",
+            "--inference-workload",
+            "2,1,0",
+            "--duration",
+            "6s",
+            "--timeline",
+            path.to_str().unwrap(),
+            "--concurrency",
+            "2",
+        ]))
+        .unwrap();
+        assert!(o.counts.train_iterations > 0, "{:?}", o.counts);
+        assert!(o.report.ok > 0);
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text.lines().next(), Some(crate::up::timeline::HEADER));
+        assert_eq!(text.lines().count(), 1 + 6);
+        // A GPU trains for iterations of 3 forward passes at batch 96: at most
+        // its bound of 1 / iteration per second each.
+        let train_s = v100()
+            .train_iteration_s(Family::Resnet152, Scale::Full, 96)
+            .unwrap();
+        assert!(o.counts.train_iterations as f64 <= 2.0 * 6.0 / train_s + 2.0);
+        // Baselines never train.
+        assert!(run(&args(&["--system", "mps", "--use-train"])).is_err());
+    }
+
+    #[test]
+    fn baselines_at_equal_memory_read_misses_from_the_local_disk() {
+        let common = [
+            "--system",
+            "mps",
+            "--models",
+            "8",
+            "--zipf",
+            "0",
+            "--device-memory",
+            "250MB",
+            "--cache",
+            "1GiB",
+            "--duration",
+            "5s",
+        ];
+        // The whole set must fit host memory unless a disk is given.
+        assert!(run(&args(&common)).is_err());
+        let mut with_disk = common.to_vec();
+        with_disk.extend(["--local-disk", "3GB/s"]);
+        let o = run(&args(&with_disk)).unwrap();
+        assert!(o.counts.disk_loads > 0, "{:?}", o.counts);
+        assert_eq!(o.counts.fetched_bytes, 0, "nothing over the network");
+        // DistMind reads from the memory servers, never a local disk.
+        assert!(run(&args(&["--local-disk", "3GB/s"])).is_err());
+    }
+
+    #[test]
+    fn a_trace_is_replayed_as_the_client_would_send_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("trace.csv");
+        let a = distmind_models::variant_name(Family::Resnet152, Scale::Full, 0);
+        let b = distmind_models::variant_name(Family::Resnet152, Scale::Full, 1);
+        let mut text = String::from("time_s,model,slo_ms\n");
+        for i in 0..100 {
+            let m = if i % 4 == 0 { &b } else { &a };
+            text.push_str(&format!("{},{m},\n", i as f64 * 0.02));
+        }
+        std::fs::write(&path, text).unwrap();
+        let o = run(&args(&[
+            "--mode",
+            "trace",
+            "--trace",
+            path.to_str().unwrap(),
+            "--duration",
+            "5s",
+        ]))
+        .unwrap();
+        assert_eq!(o.report.sent, 100);
+        assert_eq!(o.report.ok, 100);
+        assert!(
+            run(&args(&["--mode", "trace"])).is_err(),
+            "trace mode needs --trace"
+        );
     }
 }

@@ -831,8 +831,10 @@ impl Dispatcher {
         self.gpus[gi].resident = new;
     }
 
-    /// Records that `model` will be resident on GPU `gi` (and cached on its
-    /// host) once the request sent there runs; replies correct it.
+    /// Records that `model` will be resident on GPU `gi` once the request
+    /// sent there runs, and cached on its host if it has to be loaded (a
+    /// resident model is served without the host cache); replies correct
+    /// it.
     fn expect_resident(&mut self, gi: usize, model: u32) {
         let g = &mut self.gpus[gi];
         let fresh = !g.resident.contains(&model);
@@ -841,10 +843,10 @@ impl Dispatcher {
         }
         if fresh {
             self.resident_on.add(model, gi);
-        }
-        let g = &self.gpus[gi];
-        if let Some(h) = self.hosts.get_mut(&g.gpu.runtime) {
-            h.cached.insert(model);
+            let runtime = self.gpus[gi].gpu.runtime;
+            if let Some(h) = self.hosts.get_mut(&runtime) {
+                h.cached.insert(model);
+            }
         }
     }
 
@@ -932,7 +934,9 @@ impl Dispatcher {
                 Routed::NoRoom
             };
         };
-        if !baseline {
+        // Cache-out only for a load: a resident model never touches the
+        // host cache.
+        if !baseline && !self.gpus[gi].resident.contains(&model) {
             self.cache_out_for(gi, model, out);
         }
         let at = self.where_is(gi, model);
