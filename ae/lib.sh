@@ -79,7 +79,43 @@ csv_get() {
           if (ok) { print $(idx[col]); exit } }' "$csv"
 }
 
+# The mean of column $2 over the rows of CSV $1 whose columns match the
+# name=value pairs that follow (empty when none match): the simulator's
+# figures average several seeds.
+csv_mean() {
+    local csv="$1" col="$2"; shift 2
+    awk -F, -v col="$col" -v conds="$*" '
+        NR == 1 { for (i = 1; i <= NF; i++) idx[$i] = i; n = split(conds, c, " "); next }
+        { ok = 1; for (j = 1; j <= n; j++) { split(c[j], kv, "="); if ($(idx[kv[1]]) != kv[2]) ok = 0 }
+          if (ok && $(idx[col]) != "") { s += $(idx[col]); k++ } }
+        END { if (k > 0) printf "%.3f\n", s / k }' "$csv"
+}
+
 # $1 / $2 with 2 decimals ("-" when either is missing or $2 is 0).
 ratio() {
     awk -v a="$1" -v b="$2" 'BEGIN { if (a == "" || b == "" || b + 0 == 0) print "-"; else printf "%.2f", a / b }'
+}
+
+# The simulator at the paper's scale (`distmind simulate`): 4 GPU servers x
+# 8 GPUs (16 GiB of parameter memory each, the V100), 4 memory servers,
+# every NIC 100 Gbit/s, the estimated V100 profile; the rest of the
+# arguments are simulate's. DistMind's host cache is the original's 4 GB
+# (PAPER_CACHE); the baselines hold the whole set unless told otherwise.
+PAPER_CACHE=4GiB
+# Seeds each simulated setting runs with (the figures show their mean): with
+# the original policy, which GPUs hold the popular models early on moves
+# a run's throughput by up to 15%.
+SIM_SEEDS="${SIM_SEEDS:-0 1 2 3 4}"
+sim_paper() {
+    "$BIN" --log-level warn simulate --settings "$SETTINGS" \
+        --profile "$SETTINGS/profiles/v100-estimated.json" --link 100gbit \
+        --gpu-servers 4 --gpus 8 --memservers 4 --device-memory 16GiB "$@"
+}
+
+# Models per family in the paper's evaluation (128; 64 for BERT and GPT-2).
+paper_models() {
+    case "$1" in
+        bert_base|gpt2) echo 64 ;;
+        *) echo 128 ;;
+    esac
 }

@@ -37,7 +37,8 @@ enum Command {
     Up(distmind::up::UpArgs),
     /// Simulate a cluster on a virtual clock: the controller's own dispatcher, GPU time from a
     /// profile, max-min fair links, the runtime's cache rules; the client's workload and report.
-    /// For scales this machine cannot run as processes.
+    /// For scales this machine cannot run as processes. A flag given twice takes its last value.
+    #[command(args_override_self = true)]
     Simulate(distmind::simulate::SimulateArgs),
     /// Start (up), inspect (status) or stop (down) the cluster settings/ describes, left running
     /// in the background; pids, logs and state in the run directory.

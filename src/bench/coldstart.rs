@@ -70,9 +70,17 @@ pub struct ColdstartArgs {
     /// Bound on bytes a fetch has posted and not yet completed (MiB).
     #[arg(long, default_value_t = distmind_runtime::fetch::BYTES_IN_FLIGHT_DEFAULT >> 20)]
     pub in_flight_mib: u64,
+    /// Parameter group sizes to measure, comma separated (bytes; 1 = one
+    /// group per layer, 536870912 = the whole model in one group); each
+    /// generates and deploys the families again (default: 32768000).
+    #[arg(long, value_delimiter = ',')]
+    pub group_bytes: Vec<u64>,
     /// Write the rows as JSON here too.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Append the rows to this CSV (created with its header), for `distmind plot`.
+    #[arg(long)]
+    pub csv: Option<PathBuf>,
     /// Print, per group, when it was in host memory, uploaded, and when its first layer started (last pipelined run).
     #[arg(long)]
     pub trace: bool,
@@ -87,6 +95,8 @@ pub struct ColdstartArgs {
 pub struct Row {
     pub family: String,
     pub link: String,
+    /// The package's group size (bytes) and the groups it made.
+    pub group_bytes: u64,
     pub groups: usize,
     pub bytes: u64,
     /// Network only (memory servers to host cache), in emulated time.
@@ -130,25 +140,43 @@ pub fn run(args: &ColdstartArgs) -> anyhow::Result<()> {
     } else {
         args.family.clone()
     };
+    let group_sizes = if args.group_bytes.is_empty() {
+        vec![distmind_common::limits::GROUP_BYTES_DEFAULT]
+    } else {
+        args.group_bytes.clone()
+    };
+    anyhow::ensure!(
+        group_sizes.iter().all(|&g| g > 0),
+        "--group-bytes: every size must be at least 1 byte"
+    );
     let dir = tempfile_dir()?;
-    let mut packages = Vec::new();
-    for &family in &families {
-        let opts = distmind_models::GenOptions {
-            family,
-            variants: 1,
-            out_dir: dir.clone(),
-            scale: args.scale,
-            seed: 11,
-            group_bytes: distmind_common::limits::GROUP_BYTES_DEFAULT,
-        };
-        packages.push(Package::open(distmind_models::generate(&opts)?.remove(0))?);
-    }
+    // The packages of one group size at a time: deploying the next size
+    // replaces them in the catalog (same names), so the memory servers hold
+    // at most two sizes at once.
+    let generate = |group_bytes: u64| -> anyhow::Result<Vec<Package>> {
+        let sub = dir.join(group_bytes.to_string());
+        families
+            .iter()
+            .map(|&family| {
+                let opts = distmind_models::GenOptions {
+                    family,
+                    variants: 1,
+                    out_dir: sub.clone(),
+                    scale: args.scale,
+                    seed: 11,
+                    group_bytes,
+                };
+                Ok(Package::open(distmind_models::generate(&opts)?.remove(0))?)
+            })
+            .collect()
+    };
+    let mut packages = generate(group_sizes[0])?;
     let total: u64 = packages.iter().map(|p| p.manifest.stored_bytes).sum();
     let key = ClusterKey::from_secret(format!("coldstart-{}", rand::random::<u64>()).as_bytes());
     let n = args.memservers.max(1);
     let cluster = LocalCluster::start_with_nic(
         n,
-        total.div_ceil(n as u64) + (64 << 20) + total / 8,
+        2 * total.div_ceil(n as u64) + (64 << 20) + total / 4,
         key.clone(),
         emulated.map(|e| e.loopback_bytes_per_s() as u64),
     )?;
@@ -156,9 +184,6 @@ pub fn run(args: &ColdstartArgs) -> anyhow::Result<()> {
         controller: cluster.controller.clone(),
         key: key.clone(),
     };
-    for p in &packages {
-        deploy::deploy_package(&target, p, &deploy::Options::default())?;
-    }
 
     println!("coldstart bench: {}", machine_line());
     println!("executor: {}", exec.describe());
@@ -194,38 +219,78 @@ pub fn run(args: &ColdstartArgs) -> anyhow::Result<()> {
         emulated,
     };
     let mut rows = Vec::new();
-    for p in &packages {
-        let limit = match &emulated {
-            Some(e) => Some(e.loopback_bytes_per_s()),
-            None => args.rate_limit_gbps.map(|g| g * 1e9 / 8.0),
-        };
-        let base = bench.measure(p, limit)?;
-        rows.push(base.clone());
-        if args.match_rate {
-            if base.compute_ms < base.transfer_ms {
-                // A limit can only slow the link down.
-                println!(
-                    "{:<13} (not rate-limited: compute-only {:.1} ms < transfer-only {:.1} ms at full speed; raise --batch to balance)",
-                    base.family, base.compute_ms, base.transfer_ms
-                );
-                continue;
-            }
-            // Bytes per second that makes the transfer take as long as compute.
-            let rate = p.manifest.stored_bytes as f64 / (base.compute_ms / 1e3);
-            rows.push(bench.measure(p, Some(rate))?);
+    for (i, &group_bytes) in group_sizes.iter().enumerate() {
+        if i > 0 {
+            packages = generate(group_bytes)?;
         }
+        for p in &packages {
+            deploy::deploy_package(&target, p, &deploy::Options::default())?;
+        }
+        bench.measure_all(&packages, group_bytes, &mut rows)?;
     }
     let _ = std::fs::remove_dir_all(&dir);
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&rows)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }
+    if let Some(path) = &args.csv {
+        let profile = match exec.kind() {
+            ExecutorKind::Sim => crate::simulate::profile_label(
+                &args.profile,
+                &distmind_runtime::profile::Profile::load(&args.profile)?,
+            ),
+            _ => "-".to_string(),
+        };
+        append_csv(
+            path,
+            &rows,
+            &(exec.kind().to_string(), profile),
+            emulated.as_ref(),
+        )?;
+    }
     Ok(())
 }
 
 impl Bench<'_> {
+    /// Every package at its link (and at the matched rate, when asked).
+    fn measure_all(
+        &self,
+        packages: &[Package],
+        group_bytes: u64,
+        rows: &mut Vec<Row>,
+    ) -> anyhow::Result<()> {
+        let (args, emulated) = (self.args, &self.emulated);
+        for p in packages {
+            let limit = match &emulated {
+                Some(e) => Some(e.loopback_bytes_per_s()),
+                None => args.rate_limit_gbps.map(|g| g * 1e9 / 8.0),
+            };
+            let base = self.measure(p, limit, group_bytes)?;
+            rows.push(base.clone());
+            if args.match_rate {
+                if base.compute_ms < base.transfer_ms {
+                    // A limit can only slow the link down.
+                    println!(
+                    "{:<13} (not rate-limited: compute-only {:.1} ms < transfer-only {:.1} ms at full speed; raise --batch to balance)",
+                    base.family, base.compute_ms, base.transfer_ms
+                );
+                    continue;
+                }
+                // Bytes per second that makes the transfer take as long as compute.
+                let rate = p.manifest.stored_bytes as f64 / (base.compute_ms / 1e3);
+                rows.push(self.measure(p, Some(rate), group_bytes)?);
+            }
+        }
+        Ok(())
+    }
+
     /// Medians of `repeat` interleaved measurements for one package and link.
-    fn measure(&self, pkg: &Package, rate_bytes_per_s: Option<f64>) -> anyhow::Result<Row> {
+    fn measure(
+        &self,
+        pkg: &Package,
+        rate_bytes_per_s: Option<f64>,
+        group_bytes: u64,
+    ) -> anyhow::Result<Row> {
         let m = &pkg.manifest;
         let transport = Arc::new(TcpTransport::new(TcpOptions {
             rate_limit_bytes_per_s: rate_bytes_per_s.map(|r| r as u64),
@@ -305,6 +370,7 @@ impl Bench<'_> {
                 (None, Some(r)) => format!("{:.2} Gb/s", r * 8.0 / 1e9),
                 (None, None) => "loopback".into(),
             },
+            group_bytes,
             groups: m.groups.len(),
             bytes: m.stored_bytes,
             network_ms: network,
@@ -406,6 +472,58 @@ fn input_for(pkg: &Package, batch: usize) -> HostTensor {
         }
         _ => HostTensor::f32(shape, (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect()),
     }
+}
+
+/// The CSV columns of `--csv`.
+pub const CSV_HEADER: &str =
+    "family,group_bytes,groups,bytes,link,dilation,network_ms,transfer_ms,\
+compute_ms,pipelined_ms,sequential_ms,ratio_to_ideal,executor,profile";
+
+/// Appends `rows` to the CSV at `path` (the header first when it is new).
+fn append_csv(
+    path: &std::path::Path,
+    rows: &[Row],
+    (executor, profile): &(String, String),
+    emulated: Option<&EmulatedLink>,
+) -> anyhow::Result<()> {
+    use std::io::Write;
+    let existing = std::fs::read_to_string(path).unwrap_or_default();
+    anyhow::ensure!(
+        existing.is_empty() || existing.lines().next() == Some(CSV_HEADER),
+        "{} has other columns; write to a new file",
+        path.display()
+    );
+    let mut text = String::new();
+    if existing.is_empty() {
+        text.push_str(CSV_HEADER);
+        text.push('\n');
+    }
+    for r in rows {
+        text.push_str(&format!(
+            "{},{},{},{},{},{:.4},{:.3},{:.3},{:.3},{:.3},{:.3},{:.4},{executor},{profile}\n",
+            r.family,
+            r.group_bytes,
+            r.groups,
+            r.bytes,
+            r.link.replace(',', ";"),
+            dilation(emulated),
+            r.network_ms,
+            r.transfer_ms,
+            r.compute_ms,
+            r.pipelined_ms,
+            r.sequential_ms,
+            r.ratio_to_ideal
+        ));
+    }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .and_then(|mut f| f.write_all(text.as_bytes()))
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 fn tempfile_dir() -> anyhow::Result<PathBuf> {

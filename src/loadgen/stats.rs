@@ -77,20 +77,25 @@ pub struct Collector {
 }
 
 /// Ok replies by where the GPU server found the model: on the device, in
-/// its host cache, or on the memory servers (a cold start).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+/// its host cache, or on the memory servers (a cold start), and the cold
+/// starts' latency.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct PathCounts {
     pub resident: u64,
     pub host_cached: u64,
     pub cold: u64,
+    pub cold_latency_sum_ms: f64,
 }
 
 impl PathCounts {
-    pub fn add(&mut self, p: ServePath) {
+    pub fn add(&mut self, p: ServePath, latency_ms: f64) {
         match p {
             ServePath::DeviceResident => self.resident += 1,
             ServePath::HostCached => self.host_cached += 1,
-            ServePath::Cold => self.cold += 1,
+            ServePath::Cold => {
+                self.cold += 1;
+                self.cold_latency_sum_ms += latency_ms;
+            }
         }
     }
 
@@ -98,6 +103,12 @@ impl PathCounts {
         self.resident += o.resident;
         self.host_cached += o.host_cached;
         self.cold += o.cold;
+        self.cold_latency_sum_ms += o.cold_latency_sum_ms;
+    }
+
+    /// Mean latency of the cold starts (`None`: there were none).
+    pub fn cold_mean_ms(&self) -> Option<f64> {
+        (self.cold > 0).then(|| self.cold_latency_sum_ms / self.cold as f64)
     }
 
     /// Replies that loaded their model onto the device (host cache or cold).
@@ -122,6 +133,7 @@ impl Collector {
             return;
         }
         self.latency_sum_ms /= k;
+        self.paths.cold_latency_sum_ms /= k;
         for l in &mut self.latencies_ms {
             *l /= k;
         }
@@ -176,7 +188,7 @@ impl Collector {
                 self.ok += 1;
                 self.simulated += u64::from(simulated);
                 if let Some(p) = path {
-                    self.paths.add(p);
+                    self.paths.add(p, latency_ms);
                 }
                 m.ok += 1;
                 m.latency_sum_ms += latency_ms;

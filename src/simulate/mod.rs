@@ -605,7 +605,9 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<Outcome> {
     })
 }
 
-fn profile_label(path: &std::path::Path, p: &Profile) -> String {
+/// `settings/profiles/x.json (estimated)`: a profile as figures name it
+/// (the path relative where it can be).
+pub fn profile_label(path: &std::path::Path, p: &Profile) -> String {
     format!(
         "{} ({})",
         crate::up::portable(path).display(),

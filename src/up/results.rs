@@ -13,7 +13,7 @@ use crate::loadgen::Report;
 pub const HEADER: &str = "test,system,family,models,devices,zipf,period_s,cache_mib,mode,concurrency,rate_rps,duration_s,\
 sent,ok,rejected,deadline_exceeded,busy,other_errors,throughput_rps,lat_mean_ms,lat_p50_ms,lat_p90_ms,lat_p95_ms,\
 lat_p99_ms,slo_attainment,goodput_rps,runtime_rss_mib,executor,profile,batch,link,dilation,loopback,source,\
-served_resident,served_host_cached,served_cold";
+served_resident,served_host_cached,served_cold,lat_cold_mean_ms";
 
 /// What the run was (the report says what happened).
 #[derive(Debug, Clone)]
@@ -104,6 +104,9 @@ pub fn format(row: &Row, r: &Report) -> anyhow::Result<String> {
         r.paths.resident.to_string(),
         r.paths.host_cached.to_string(),
         r.paths.cold.to_string(),
+        r.paths
+            .cold_mean_ms()
+            .map_or(String::new(), |m| format!("{m:.3}")),
     ];
     Ok(cols.join(","))
 }
