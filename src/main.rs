@@ -369,6 +369,8 @@ enum BenchCommand {
     Coldstart(bench::coldstart::ColdstartArgs),
     /// Controller routing decisions per second on one core, and the latency the dispatcher adds per request.
     Dispatch(bench::dispatch::DispatchArgs),
+    /// Time to make a model runnable from bytes in host memory, next to PyTorch loading a checkpoint.
+    Load(bench::load::LoadArgs),
     /// This machine's loopback TCP rate, and the bucket rate emulated links would hold each host to.
     Loopback(distmind::emulate::LoopbackArgs),
 }
@@ -503,6 +505,7 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Dispatch(a)) => bench::dispatch::run(&a),
         Command::Bench(BenchCommand::Loopback(a)) => distmind::emulate::run_loopback(&a),
         Command::Bench(BenchCommand::Coldstart(a)) => bench::coldstart::run(&a),
+        Command::Bench(BenchCommand::Load(a)) => bench::load::run(&a),
         Command::Runtime(r) => {
             let settings = services::load_settings(&r.settings)?;
             let emulated = r.emulate.resolve(&settings)?;

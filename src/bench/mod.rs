@@ -4,6 +4,7 @@
 
 pub mod coldstart;
 pub mod dispatch;
+pub mod load;
 pub mod local;
 pub mod transfer;
 
