@@ -90,8 +90,7 @@ pub fn run(args: &LoadArgs) -> anyhow::Result<()> {
         None => {
             println!(
                 "load bench: PyTorch column skipped: give --torch-python (or DISTMIND_TORCH_PYTHON) a Python \
-                 with {}",
-                "tests/reference/requirements-torch.txt"
+                 with tests/reference/requirements-torch.txt"
             );
             None
         }
