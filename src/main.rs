@@ -324,6 +324,11 @@ struct ControllerCmd {
     /// Share GPUs with training (overrides controller.json's use_train).
     #[arg(long)]
     use_train: Option<bool>,
+    /// GPUs doing inference in each second of the controller's clock (emulated seconds under
+    /// --emulate-link), comma-separated, e.g. 2,1,0,1; the rest train. Overrides controller.json's
+    /// inference_workload_s; an entry above the GPUs registered counts as all of them.
+    #[arg(long)]
+    inference_workload: Option<services::InferenceWorkload>,
     /// Seconds between the distmind policy's reassignments (overrides rescheduling_period_s).
     #[arg(long)]
     period: Option<f64>,
@@ -459,21 +464,24 @@ fn run(command: Command) -> anyhow::Result<()> {
             verbs_gid_index: m.verbs_gid_index,
             emulate: m.emulate,
         }),
-        Command::Controller(c) => services::run_controller(services::ControllerArgs {
-            settings: &c.settings,
-            listen: c.listen,
-            client_listen: c.client_listen,
-            no_dispatcher: c.no_dispatcher,
-            metrics: c.metrics,
-            policy: c.policy,
-            balancer: c.balancer,
-            train_model: c.train_model,
-            use_train: c.use_train,
-            period_s: c.period,
-            zipf_s: c.zipf,
-            seed: c.seed,
-            emulate: c.emulate,
-        }),
+        Command::Controller(c) => services::run_controller(
+            services::ControllerArgs {
+                settings: &c.settings,
+                listen: c.listen,
+                client_listen: c.client_listen,
+                no_dispatcher: c.no_dispatcher,
+                metrics: c.metrics,
+                policy: c.policy,
+                balancer: c.balancer,
+                train_model: c.train_model,
+                use_train: c.use_train,
+                period_s: c.period,
+                zipf_s: c.zipf,
+                seed: c.seed,
+                emulate: c.emulate,
+            },
+            c.inference_workload,
+        ),
         Command::Deploy(d) => {
             let settings = services::load_settings(&d.settings)?;
             let target = deploy::Target {

@@ -250,8 +250,94 @@ pub fn dispatch_config(
     Ok(cfg)
 }
 
-pub fn run_controller(args: ControllerArgs<'_>) -> anyhow::Result<()> {
-    let settings = load_settings(args.settings)?;
+/// Most entries of an inference/training schedule (a day of seconds).
+pub const INFERENCE_WORKLOAD_ENTRIES_MAX: usize = 86_400;
+
+/// `--inference-workload`: GPUs doing inference in each second of the
+/// controller's clock (the rest train), as controller.json's
+/// `inference_workload_s`; written comma-separated, e.g. `2,1,0,1`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InferenceWorkload(pub Vec<u32>);
+
+impl std::str::FromStr for InferenceWorkload {
+    type Err = String;
+
+    /// Non-empty, at most [`INFERENCE_WORKLOAD_ENTRIES_MAX`] entries, each a
+    /// count of GPUs (0 or more).
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        if s.is_empty() {
+            return Err(
+                "--inference-workload is empty: give GPUs doing inference per second, e.g. 2,1,0,1"
+                    .into(),
+            );
+        }
+        let entries: Vec<&str> = s.split(',').collect();
+        if entries.len() > INFERENCE_WORKLOAD_ENTRIES_MAX {
+            return Err(format!(
+                "--inference-workload has {} entries, at most {INFERENCE_WORKLOAD_ENTRIES_MAX}",
+                entries.len()
+            ));
+        }
+        entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| {
+                e.trim().parse::<u32>().map_err(|_| {
+                    format!(
+                        "--inference-workload entry {} is {e:?}: expected a number of GPUs (0 or more), \
+                         e.g. 2,1,0,1",
+                        i + 1
+                    )
+                })
+            })
+            .collect::<Result<Vec<u32>, String>>()
+            .map(InferenceWorkload)
+    }
+}
+
+impl InferenceWorkload {
+    /// Checks that no second asks for more GPUs than the cluster's `gpus`.
+    pub fn check_gpus(&self, gpus: u32) -> anyhow::Result<()> {
+        if let Some((i, &n)) = self.0.iter().enumerate().find(|(_, &n)| n > gpus) {
+            anyhow::bail!(
+                "--inference-workload entry {} asks for {n} GPUs doing inference; the cluster has {gpus} \
+                 (--devices)",
+                i + 1
+            );
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for InferenceWorkload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let parts: Vec<String> = self.0.iter().map(u32::to_string).collect();
+        f.write_str(&parts.join(","))
+    }
+}
+
+/// Runs the controller. `inference_workload` (`--inference-workload`)
+/// replaces `inference_workload_s` of controller.json (and of
+/// mps_controller.json) before the dispatcher's configuration is built.
+/// The controller cannot check it against the number of GPUs: runtimes
+/// register after it starts; the distmind policy counts an entry above the
+/// GPUs registered as all of them.
+pub fn run_controller(
+    args: ControllerArgs<'_>,
+    inference_workload: Option<InferenceWorkload>,
+) -> anyhow::Result<()> {
+    let mut settings = load_settings(args.settings)?;
+    if let Some(w) = inference_workload {
+        log::info!(
+            "--inference-workload {w}: replaces inference_workload_s {:?} of controller.json",
+            settings.controller.inference_workload_s
+        );
+        if let Some(m) = settings.mps_controller.as_mut() {
+            m.inference_workload_s = w.0.clone();
+        }
+        settings.controller.inference_workload_s = w.0;
+    }
     let listen = match args.listen {
         Some(a) => a,
         None => settings
@@ -444,4 +530,28 @@ pub fn run_runtime(args: RuntimeArgs<'_>) -> anyhow::Result<()> {
         server.serve(shutdown_signal()).await?;
         anyhow::Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inference_workload_parses_and_names_the_flag() {
+        let w: InferenceWorkload = "2, 1,0,1".parse().unwrap();
+        assert_eq!(w.0, [2, 1, 0, 1]);
+        assert_eq!(w.to_string(), "2,1,0,1");
+        w.check_gpus(2).unwrap();
+        let e = w.check_gpus(1).unwrap_err().to_string();
+        assert!(
+            e.contains("--inference-workload entry 1 asks for 2 GPUs") && e.contains("has 1"),
+            "{e}"
+        );
+        for bad in ["", " ", "1,,2", "1,-1", "two"] {
+            let e = bad.parse::<InferenceWorkload>().unwrap_err();
+            assert!(e.contains("--inference-workload"), "{bad:?}: {e}");
+        }
+        let long = vec!["1"; INFERENCE_WORKLOAD_ENTRIES_MAX + 1].join(",");
+        assert!(long.parse::<InferenceWorkload>().is_err());
+    }
 }

@@ -264,3 +264,127 @@ fn up_without_a_system_runs_the_side_by_side() {
     assert!(v.iter().all(|&x| x > 0.0), "{tput}");
     assert!(stdout.contains("both clusters stopped"), "{stdout}");
 }
+
+/// Figure 9's run as processes: two simulated GPUs shared between inference
+/// and a background training job that follows `--inference-workload`, on an
+/// emulated link, with the runtime's /metrics sampled into a timeline CSV.
+#[test]
+fn up_shares_gpus_with_training_and_writes_a_timeline() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = settings_dir();
+    let csv = dir.path().join("timeline.csv");
+    let (ok, stdout, stderr) = run(&[
+        "up",
+        "--settings",
+        s.to_str().unwrap(),
+        "--executor",
+        "sim",
+        "--scale",
+        "tiny",
+        "--models",
+        "2",
+        "--family",
+        "resnet152",
+        "--devices",
+        "2",
+        "--use-train",
+        "--inference-workload",
+        "1,2",
+        "--mode",
+        "closed",
+        "--concurrency",
+        "2",
+        "--duration",
+        "3s",
+        "--emulate-link",
+        "10gbit",
+        "--emulate-loopback",
+        "1GB/s",
+        "--timeline",
+        csv.to_str().unwrap(),
+        "--timeline-interval",
+        "0.5",
+        "--test",
+        "sharing",
+        "--work-dir",
+        dir.path().join("work").to_str().unwrap(),
+    ]);
+    assert!(ok, "distmind up failed:\n{stdout}\n{stderr}");
+    // No --system: training implies a single DistMind run, no side-by-side.
+    assert!(stdout.contains("up: system distmind"), "{stdout}");
+    assert!(
+        stdout.contains(
+            "up: training: resnet152_train (resnet152, generated and deployed by up), batch 96"
+        ),
+        "{stdout}"
+    );
+    let answered = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("Total get: "))
+        .and_then(|n| n.trim().parse::<u64>().ok())
+        .expect("a Total get line");
+    assert!(answered > 0, "{stdout}");
+    let iterations = runtime_counter(
+        &stdout,
+        "distmind_runtime_device_train_iterations_total{device=\"1\"}",
+    );
+    assert!(
+        iterations > 0.0,
+        "device 1 trains in the 1-GPU seconds:\n{stdout}"
+    );
+
+    let text = std::fs::read_to_string(&csv).unwrap();
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some(distmind::up::timeline::HEADER), "{text}");
+    let header: Vec<&str> = distmind::up::timeline::HEADER.split(',').collect();
+    let col = |name: &str| header.iter().position(|h| *h == name).unwrap();
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    // 3 emulated seconds in half-second intervals (the last may be dropped
+    // when it is a sliver).
+    assert!((5..=7).contains(&rows.len()), "{text}");
+    let num = |r: &Vec<&str>, c: &str| r[col(c)].parse::<f64>().unwrap();
+    assert!(rows.iter().any(|r| num(r, "training_ips") > 0.0), "{text}");
+    assert!(rows.iter().any(|r| num(r, "inference_rps") > 0.0), "{text}");
+    for r in &rows {
+        assert_eq!(r.len(), header.len(), "{r:?}");
+        assert_eq!(
+            (r[col("test")], r[col("system")], r[col("source")]),
+            ("sharing", "distmind", "processes")
+        );
+        assert_eq!((r[col("link")], r[col("dilation")]), ("10gbit", "1.2500"));
+        // Bounds from the profile: two GPUs.
+        assert!(num(r, "inference_bound_rps") > 0.0 && num(r, "training_bound_ips") > 0.0);
+        // One GPU trains at most: never more than half the training bound
+        // (a ratio, with room for a sample's edges).
+        assert!(num(r, "training_util") <= 0.75, "{r:?}");
+    }
+}
+
+#[test]
+fn up_refuses_training_flags_that_cannot_apply() {
+    let s = settings_dir();
+    let up = |extra: &[&str]| {
+        let mut args = vec!["up", "--settings", s.to_str().unwrap(), "--executor", "cpu"];
+        args.extend_from_slice(extra);
+        let (ok, _, stderr) = run(&args);
+        assert!(!ok, "{extra:?} ran");
+        stderr
+    };
+    let e = up(&["--train-model", "resnet152_train"]);
+    assert!(e.contains("--train-model needs --use-train"), "{e}");
+    let e = up(&[
+        "--use-train",
+        "--devices",
+        "2",
+        "--inference-workload",
+        "1,3",
+    ]);
+    assert!(
+        e.contains("--inference-workload entry 2 asks for 3 GPUs"),
+        "{e}"
+    );
+    let e = up(&["--use-train", "--system", "mps"]);
+    assert!(e.contains("the mps baseline does not share GPUs"), "{e}");
+    let e = up(&["--use-train", "--inference-workload", "1,x"]);
+    assert!(e.contains("--inference-workload entry 2"), "{e}");
+}

@@ -5,10 +5,10 @@ use std::path::PathBuf;
 use distmind_common::checksum::checksum;
 use distmind_common::limits::GROUP_BYTES_DEFAULT;
 
-use crate::config::{Family, Scale};
-use crate::graph::{Init, ParamDecl};
+use crate::config::{Family, ModelConfig, Scale};
+use crate::graph::{Architecture, Init, ParamDecl};
 use crate::package::{write_package, PackageSpec};
-use crate::Result;
+use crate::{ModelError, Result};
 
 /// What `generate` writes.
 #[derive(Debug, Clone)]
@@ -49,22 +49,47 @@ pub fn variant_name(family: Family, scale: Scale, i: usize) -> String {
 pub fn generate(opts: &GenOptions) -> Result<Vec<PathBuf>> {
     let config = opts.family.config(opts.scale);
     let arch = config.build();
-    let mut dirs = Vec::with_capacity(opts.variants);
-    for i in 0..opts.variants {
-        let seed = opts.seed.wrapping_add(i as u64);
-        let data: Vec<Vec<u8>> = arch.params.iter().map(|p| random_param(p, seed)).collect();
-        let spec = PackageSpec {
-            name: variant_name(opts.family, opts.scale, i),
-            config: config.clone(),
-            scale: Some(opts.scale),
-            seed: Some(seed),
-            origin: None,
-            group_bytes: opts.group_bytes,
-        };
-        write_package(&opts.out_dir, &spec, &arch, &data)?;
-        dirs.push(opts.out_dir.join(&spec.name));
+    (0..opts.variants)
+        .map(|i| {
+            let name = variant_name(opts.family, opts.scale, i);
+            write_variant(opts, &config, &arch, name, opts.seed.wrapping_add(i as u64))
+        })
+        .collect()
+}
+
+/// Writes one package of `opts.family` at `opts.scale` with the weights of
+/// seed `opts.seed`, named `name` instead of a variant name (e.g. the
+/// original's training job `resnet152_train`); `opts.variants` is ignored.
+/// Returns its directory.
+pub fn generate_named(opts: &GenOptions, name: &str) -> Result<PathBuf> {
+    if name.is_empty() || name.contains(['/', '\\']) || name == "." || name == ".." {
+        return Err(ModelError::InvalidOption(format!(
+            "package name {name:?} must be non-empty and name no directory"
+        )));
     }
-    Ok(dirs)
+    let config = opts.family.config(opts.scale);
+    let arch = config.build();
+    write_variant(opts, &config, &arch, name.to_string(), opts.seed)
+}
+
+fn write_variant(
+    opts: &GenOptions,
+    config: &ModelConfig,
+    arch: &Architecture,
+    name: String,
+    seed: u64,
+) -> Result<PathBuf> {
+    let data: Vec<Vec<u8>> = arch.params.iter().map(|p| random_param(p, seed)).collect();
+    let spec = PackageSpec {
+        name,
+        config: config.clone(),
+        scale: Some(opts.scale),
+        seed: Some(seed),
+        origin: None,
+        group_bytes: opts.group_bytes,
+    };
+    write_package(&opts.out_dir, &spec, arch, &data)?;
+    Ok(opts.out_dir.join(&spec.name))
 }
 
 /// SplitMix64: tiny, fast and good enough for weights.
@@ -104,4 +129,31 @@ pub(crate) fn random_param(p: &ParamDecl, seed: u64) -> Vec<u8> {
         out.extend_from_slice(&v.to_le_bytes());
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_named_package_is_variant_zero_under_its_own_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = GenOptions {
+            scale: Scale::Tiny,
+            seed: 7,
+            ..GenOptions::new(Family::Resnet152, dir.path())
+        };
+        let named = generate_named(&opts, "resnet152_train").unwrap();
+        let variant = generate(&opts).unwrap().remove(0);
+        let a = crate::Package::open(&named).unwrap();
+        let b = crate::Package::open(&variant).unwrap();
+        assert_eq!(a.manifest.name, "resnet152_train");
+        assert_eq!(a.manifest.scale, Some(Scale::Tiny));
+        assert_eq!(a.manifest.seed, Some(7));
+        assert_eq!(a.group_bytes(0).unwrap(), b.group_bytes(0).unwrap());
+        for bad in ["", "a/b", ".."] {
+            let e = generate_named(&opts, bad).unwrap_err();
+            assert!(e.to_string().contains("name no directory"), "{bad}: {e}");
+        }
+    }
 }

@@ -31,7 +31,7 @@ pub use config::{
     Scale,
 };
 pub use error::{ModelError, Result};
-pub use generate::{generate, variant_name, GenOptions};
+pub use generate::{generate, generate_named, variant_name, GenOptions};
 pub use graph::{Architecture, Dtype, Layer, Op, OutputSpec, TensorSpec};
 pub use import::{import, ImportOptions};
 pub use inspect::inspect;

@@ -223,8 +223,12 @@ pub struct TrainingStatus {
     pub iteration_ms_ewma: f64,
     /// The current job's longest iteration.
     pub iteration_ms_max: f64,
-    /// Training loss of the last iteration.
+    /// Training loss of the last iteration; NaN when `simulated`.
     pub loss: f32,
+    /// The job's iterations are simulated (the `sim` executor: the
+    /// profile's training time held on the device, nothing computed, so
+    /// there is no loss).
+    pub simulated: bool,
     /// Why the last job stopped on its own (a failed iteration), if it did.
     pub last_error: Option<String>,
 }

@@ -18,7 +18,9 @@ use distmind_memserver::{Memserver, MemserverClient, MemserverConfig};
 use distmind_models::{generate, Family, GenOptions, Package, Scale};
 use distmind_runtime::client::{InferOptions, RuntimeClient};
 use distmind_runtime::exec::cpu::CpuExecutor;
-use distmind_runtime::exec::HostTensor;
+use distmind_runtime::exec::sim::SimExecutor;
+use distmind_runtime::exec::{Executor, HostTensor};
+use distmind_runtime::profile::{Profile, SHIPPED_V100_ESTIMATED_PATH};
 use distmind_runtime::server::{RuntimeConfig, RuntimeMonitor, RuntimeServer};
 use tokio::sync::watch;
 
@@ -53,8 +55,19 @@ struct Cluster {
 
 impl Cluster {
     /// Generates and deploys one tiny package per family, then starts a
-    /// runtime on `devices` with `train_batch` images per iteration.
+    /// runtime on `devices` with `train_batch` images per iteration (cpu
+    /// executor).
     fn start(families: &[Family], devices: Vec<u32>, train_batch: usize) -> Cluster {
+        Cluster::start_with(families, devices, train_batch, Arc::new(CpuExecutor::new()))
+    }
+
+    /// As [`Cluster::start`], on `executor`.
+    fn start_with(
+        families: &[Family],
+        devices: Vec<u32>,
+        train_batch: usize,
+        executor: Arc<dyn Executor>,
+    ) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let packages: Vec<Package> = families
             .iter()
@@ -108,7 +121,7 @@ impl Cluster {
             "127.0.0.1:0".parse().unwrap(),
             key(),
             controller.clone(),
-            Arc::new(CpuExecutor::new()),
+            executor,
         );
         config.devices = devices;
         config.cache_bytes = 32 << 20;
@@ -412,6 +425,108 @@ fn training_yields_to_inference_at_iteration_boundaries() {
         c.monitor.training(0).unwrap().total_iterations,
         status.total_iterations
     );
+}
+
+/// With the sim executor a training iteration computes nothing: it holds
+/// the device for the profile's training time times the dilation, counts,
+/// reports its time like a real one (no loss), and still yields to
+/// inference at its end.
+#[test]
+fn sim_training_holds_the_device_for_the_profiles_time() {
+    const K: f64 = 3.0;
+    const BATCH: usize = 32;
+    let profile = Profile::load(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join(SHIPPED_V100_ESTIMATED_PATH),
+    )
+    .unwrap();
+    let exec = Arc::new(SimExecutor::with_dilation(profile.clone(), K).unwrap());
+    let c = Cluster::start_with(&[Family::Resnet152], vec![0], BATCH, exec.clone());
+    let resnet = c.name(0).to_string();
+    let m = &c.packages[0].manifest;
+    let want = exec.train_iteration(m, BATCH).unwrap();
+    let want_s = profile
+        .train_iteration_s(Family::Resnet152, Scale::Tiny, BATCH)
+        .unwrap()
+        * K;
+    assert!(
+        (want.as_secs_f64() - want_s).abs() < 1e-6,
+        "{want:?} vs {want_s}"
+    );
+    let want_ms = want.as_secs_f64() * 1e3;
+
+    let mut client = c.client();
+    assert_eq!(
+        client.train(0, Some(&resnet)).unwrap(),
+        (Some(resnet.clone()), 0)
+    );
+    let started = Instant::now();
+    // A real job's first step: the model's bytes are in the host cache.
+    assert!(
+        c.monitor.snapshot().host_cached.contains(&resnet),
+        "{:?}",
+        c.monitor.snapshot().host_cached
+    );
+    let iterations = || c.monitor.training(0).unwrap().iterations;
+    wait_until("three simulated iterations", || iterations() >= 3);
+    let elapsed = started.elapsed();
+    let status = c.monitor.training(0).unwrap();
+    eprintln!(
+        "sim training: want {want_ms:.3} ms per iteration; {} iterations in {:.1} ms (last {:.3}, EWMA {:.3}, max {:.3} ms)",
+        status.iterations,
+        elapsed.as_secs_f64() * 1e3,
+        status.iteration_ms_last,
+        status.iteration_ms_ewma,
+        status.iteration_ms_max
+    );
+    assert!(status.simulated);
+    assert!(status.loss.is_nan(), "no loss: nothing was computed");
+    assert_eq!(status.model.as_deref(), Some(resnet.as_str()));
+    assert!(status.total_iterations >= 3);
+    // Never less than the profile's time; at most a sleep's overshoot more.
+    for t in [
+        status.iteration_ms_last,
+        status.iteration_ms_ewma,
+        status.iteration_ms_max,
+    ] {
+        assert!(t >= want_ms && t < 3.0 * want_ms, "{t} ms vs {want_ms} ms");
+    }
+    // Two whole iterations at least lie between the reply and the third end.
+    assert!(
+        elapsed.as_secs_f64() * 1e3 >= 2.0 * want_ms,
+        "{elapsed:?} for 3 iterations of {want_ms} ms"
+    );
+    assert!(
+        c.monitor.snapshot().devices[0].train_iteration_ms >= want_ms,
+        "the heartbeat reports the iteration time"
+    );
+
+    // Requests still wait for at most the iteration in progress.
+    let mut yields = Vec::new();
+    for _ in 0..4 {
+        let r = client
+            .infer_with(&resnet, &c.input(0), InferOptions::default())
+            .unwrap();
+        let max = c.monitor.training(0).unwrap().iteration_ms_max;
+        assert!(
+            r.timing.train_yield_ms <= 1.5 * max,
+            "waited {} ms for training; the longest iteration took {max} ms",
+            r.timing.train_yield_ms
+        );
+        assert!(r.timing.queue_ms >= r.timing.train_yield_ms);
+        yields.push(r.timing.train_yield_ms);
+        let served_at = iterations();
+        wait_until("training to continue after a request", || {
+            iterations() > served_at
+        });
+    }
+    assert!(
+        yields.iter().any(|y| *y > 0.0),
+        "requests sent while training found an iteration running: {yields:?}"
+    );
+    let (_, ran) = client.train(0, None).unwrap();
+    assert!(ran >= 7, "{ran}");
 }
 
 #[test]

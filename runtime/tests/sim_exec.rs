@@ -419,3 +419,55 @@ fn sim_dilation_stretches_layers_and_uploads() {
         assert!(e.to_string().contains("dilation"), "{bad}: {e}");
     }
 }
+
+#[test]
+fn sim_training_iteration_is_the_profiles_train_time_dilated() {
+    let dir = tempfile::tempdir().unwrap();
+    let pkg = package(Family::Resnet152, Scale::Tiny, dir.path());
+    let profile = shipped();
+    let batch = 16;
+    let want_s = profile
+        .train_iteration_s(Family::Resnet152, Scale::Tiny, batch)
+        .unwrap();
+    // Three forward passes at the batch (the profile's stated estimate).
+    let forward_s = profile
+        .get(Family::Resnet152, Scale::Tiny, batch)
+        .unwrap()
+        .total_s;
+    assert!(
+        (want_s - 3.0 * forward_s).abs() < 1e-12,
+        "{want_s} {forward_s}"
+    );
+    for k in [1.0, 4.0] {
+        let exec = SimExecutor::with_dilation(profile.clone(), k).unwrap();
+        let t = exec
+            .simulated_train_iteration(&pkg.manifest, batch)
+            .expect("the sim executor simulates training")
+            .unwrap();
+        // Rounded up to the nanosecond, never down.
+        let s = t.as_secs_f64();
+        assert!(
+            s >= want_s * k - 1e-12 && s <= want_s * k + 1e-9,
+            "x{k}: {s}"
+        );
+    }
+    let exec = SimExecutor::new(profile);
+    // An imported model without a preset scale cannot be timed, as for inference.
+    let mut imported = pkg.manifest.clone();
+    imported.scale = None;
+    let e = exec
+        .simulated_train_iteration(&imported, batch)
+        .unwrap()
+        .unwrap_err();
+    assert!(e.to_string().contains("imported"), "{e}");
+    let e = exec
+        .simulated_train_iteration(&pkg.manifest, 0)
+        .unwrap()
+        .unwrap_err();
+    assert!(e.to_string().contains("batch of 0"), "{e}");
+    // Executors that compute train for real.
+    let cpu = distmind_runtime::exec::cpu::CpuExecutor::new();
+    assert!(cpu
+        .simulated_train_iteration(&pkg.manifest, batch)
+        .is_none());
+}

@@ -15,6 +15,11 @@
 //! 5. Stops every process (SIGTERM, then SIGKILL after a grace period), on
 //!    every exit path: the normal end, an error, a panic, Ctrl-C.
 //!
+//! With `--use-train` a background training job shares the GPUs (the
+//! distmind policy's inference/training split, `training`); with
+//! `--timeline` a thread samples the runtime's `/metrics` during step 4
+//! ([`sampler`]) into the CSV of [`timeline`].
+//!
 //! Sizes, chosen to finish in about a minute and a half on 2 cores:
 //! * `cpu` executor (the default without a GPU): 20 tiny models (about
 //!   12 MB in all), real numbers.
@@ -28,7 +33,9 @@ mod compare;
 mod metrics;
 pub(crate) mod procs;
 pub mod results;
+pub mod sampler;
 pub mod timeline;
+mod training;
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -189,6 +196,34 @@ pub struct UpArgs {
     /// Batch size of every request (the sim executor takes the profile's time for this batch).
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
+    /// Share the GPUs with a background training job (the controller's --use-train; distmind
+    /// system, implied without --system): the distmind policy moves GPUs between inference and
+    /// training each second following inference_workload_s (--inference-workload).
+    #[arg(long)]
+    pub use_train: bool,
+    /// The training job (with --use-train): one of the run's models, or by default the
+    /// `<family>_train` model up generates and deploys (resnet152_train unless --family names
+    /// another CNN), at the run's scale.
+    #[arg(long)]
+    pub train_model: Option<String>,
+    /// Images per training iteration (the runtime's --train-batch; default 96 with the sim
+    /// executor, the original's one SGD step on 96 images, else the runtime's default).
+    #[arg(long)]
+    pub train_batch: Option<usize>,
+    /// GPUs doing inference in each second of the controller's clock, e.g. 2,1,0,1, each at most
+    /// --devices (with --use-train; overrides controller.json's inference_workload_s; emulated
+    /// seconds under --emulate-link).
+    #[arg(long)]
+    pub inference_workload: Option<services::InferenceWorkload>,
+    /// Write utilization over time (figure 9) to this CSV: the runtime's /metrics scraped every
+    /// --timeline-interval during the workload. Bounds from the sim executor's profile (forward
+    /// time at --batch under the workload's Zipf popularity, training iteration at the train
+    /// batch); with a real executor the bounds and utilization columns are 0.
+    #[arg(long)]
+    pub timeline: Option<PathBuf>,
+    /// Seconds between timeline samples (emulated time under --emulate-link).
+    #[arg(long, default_value_t = 0.5)]
+    pub timeline_interval: f64,
     /// Emulated link for every process of the cluster (sim executor only); without
     /// --emulate-loopback the bucket rate is chosen from a measurement of this machine's loopback.
     #[command(flatten)]
@@ -340,7 +375,12 @@ pub fn run(args: &UpArgs) -> anyhow::Result<()> {
             .map_err(|e| e.to_string())
     })
     .map_err(anyhow::Error::msg)?;
-    if args.system.is_none() && executor == ExecutorKind::Sim {
+    // Training and timelines are DistMind's: no side-by-side then.
+    if args.system.is_none()
+        && executor == ExecutorKind::Sim
+        && !args.use_train
+        && args.timeline.is_none()
+    {
         return compare::run(args);
     }
     run_one(args, executor, &why).map(drop)
@@ -428,6 +468,23 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
              (a real executor would look K times faster)"
         );
     }
+    training::check_flags(args, system)?;
+    let k = distmind_common::emulate::dilation(emulated.as_ref());
+    if args.timeline.is_some() {
+        let interval = args.timeline_interval;
+        if !(interval.is_finite() && interval > 0.0) {
+            bail!("--timeline-interval must be a positive number of seconds, got {interval}");
+        }
+        let n = duration.as_secs_f64() / interval;
+        if n > timeline::SAMPLES_MAX as f64 {
+            bail!(
+                "--timeline-interval {interval} s cuts --duration {:.0} s into {n:.0} intervals, more than a \
+                 timeline holds ({}): use longer intervals",
+                duration.as_secs_f64(),
+                timeline::SAMPLES_MAX
+            );
+        }
+    }
     println!("up: system {}", system.as_str());
     if let Some(e) = &emulated {
         println!(
@@ -467,19 +524,46 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
     for dir in &packages {
         let pkg = distmind_models::Package::open(dir)
             .with_context(|| format!("cannot open the generated package {}", dir.display()))?;
+        names.push(pkg.manifest.name.clone());
+        opened.push(pkg);
+    }
+    // The training job: one of the models, or one more package of up's own.
+    let train = if args.use_train {
+        let plan = training::plan(args, executor, &opened)?;
+        let train_pkg = match plan.generate {
+            Some(family) => Some(training::generate(
+                &model_dir,
+                &plan.model,
+                family,
+                scale,
+                args.seed,
+                args.group_bytes.unwrap_or(settings.controller.group_bytes),
+            )?),
+            None => None,
+        };
+        Some((plan, train_pkg))
+    } else {
+        None
+    };
+    for pkg in opened
+        .iter()
+        .chain(train.as_ref().and_then(|(_, p)| p.as_ref()))
+    {
         let stored = pkg.manifest.stored_bytes;
         total_bytes += stored;
         cached_bytes += stored.div_ceil(block) * block;
         largest = largest.max(stored.div_ceil(block) * block);
-        names.push(pkg.manifest.name.clone());
-        opened.push(pkg);
     }
+    let n_packages = n_models + usize::from(train.as_ref().is_some_and(|(_, p)| p.is_some()));
     println!(
-        "up: generated {n_models} packages ({:.1} MB) in {} in {:.1} s",
+        "up: generated {n_packages} packages ({:.1} MB) in {} in {:.1} s",
         total_bytes as f64 / 1e6,
         model_dir.display(),
         t.elapsed().as_secs_f64()
     );
+    if let Some((plan, _)) = &train {
+        println!("up: training: {}", plan.describe());
+    }
 
     // 2. Processes.
     let replication = settings.controller.replication.max(1) as u64;
@@ -519,6 +603,12 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
     }
     if let Some(b) = &args.balancer {
         a.extend(os(&["--balancer", b]));
+    }
+    if let Some((plan, _)) = &train {
+        a.extend(os(&["--use-train", "true", "--train-model", &plan.model]));
+    }
+    if let Some(w) = &args.inference_workload {
+        a.extend(os(&["--inference-workload", &w.to_string()]));
     }
     a.extend(emulate_flags.iter().cloned());
     let c = cluster.start(
@@ -571,6 +661,20 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
         );
         memservers.push(m.addr("memserver").to_string());
     }
+    let target = crate::deploy::Target {
+        controller: ctl.clone(),
+        key: key.clone(),
+    };
+    let deploy_opts =
+        crate::deploy::Options::from_settings(&settings, args.strategy, None, None, false);
+    if let Some(pkg) = train.as_ref().and_then(|(_, p)| p.as_ref()) {
+        // Before the runtime registers: the dispatcher sends Train as soon as
+        // it does, and a Train for a model not yet in the catalog fails and
+        // is sent again only when that GPU's role changes.
+        wait_registered(&ctl, &key, &memservers, None, timeout, stop, &mut cluster)?;
+        let out = crate::deploy::deploy_package(&target, pkg, &deploy_opts)?;
+        println!("up: {} (the training job)", out.summary());
+    }
     let mut a = vec![
         OsString::from("runtime"),
         "--settings".into(),
@@ -596,6 +700,9 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
     if let Some(m) = args.device_memory {
         a.extend(os(&["--device-memory", &size_arg(m)]));
     }
+    if let Some(b) = train.as_ref().and_then(|(plan, _)| plan.batch) {
+        a.extend(os(&["--train-batch", &b.to_string()]));
+    }
     a.extend(emulate_flags.iter().cloned());
     if let Some(b) = system.baseline() {
         a.extend(os(&["--baseline", system.as_str()]));
@@ -611,6 +718,7 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
         );
     }
     let mut profile_label = "-".to_string();
+    let mut sim_profile = None;
     if executor == ExecutorKind::Sim {
         let profile = args.profile.clone().unwrap_or_else(|| {
             let p = args.settings.join("profiles").join("h200-estimated.json");
@@ -631,9 +739,30 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
         profile_label = format!("{} ({})", portable(&profile).display(), p.source.as_str());
         a.push("--profile".into());
         a.push(profile.into_os_string());
+        sim_profile = Some(p);
     }
+    if args.timeline.is_some() && sim_profile.is_none() {
+        println!(
+            "up: note: the {executor} executor has no profile: the timeline's bounds and utilization columns are 0, its rates are measured"
+        );
+    }
+    let timeline_bounds = match &args.timeline {
+        Some(_) => Some(training::bounds(
+            sim_profile.as_ref(),
+            &opened,
+            args.batch,
+            ca_zipf(args, &settings),
+            args.devices,
+            train
+                .as_ref()
+                .map(|(plan, _)| (plan.family, plan.effective_batch())),
+            scale,
+        )?),
+        None => None,
+    };
     let r = cluster.start("runtime", &a, &["runtime", "metrics"], timeout, stop)?;
     let runtime = r.addr("runtime").to_string();
+    let runtime_metrics = r.addr("metrics").to_string();
     let runtime_pid = r.pid();
     println!(
         "up: runtime      pid {:>7}  requests {runtime}  executor {executor}  host cache {}  metrics {}",
@@ -645,7 +774,7 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
         &ctl,
         &key,
         &memservers,
-        &runtime,
+        Some(&runtime),
         timeout,
         stop,
         &mut cluster,
@@ -657,19 +786,15 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
 
     // 3. Deploy.
     let t = Instant::now();
-    let target = crate::deploy::Target {
-        controller: ctl.clone(),
-        key: key.clone(),
-    };
-    let opts = crate::deploy::Options::from_settings(&settings, args.strategy, None, None, false);
     for pkg in &opened {
         if stop.load(Ordering::Relaxed) {
             bail!("interrupted during the deploy; every process was stopped");
         }
-        let out = crate::deploy::deploy_package(&target, pkg, &opts)?;
+        let out = crate::deploy::deploy_package(&target, pkg, &deploy_opts)?;
         println!("up: {}", out.summary());
     }
     drop(opened);
+    drop(train);
     println!(
         "up: deployed {n_models} models ({:.1} MB) in {:.1} s",
         total_bytes as f64 / 1e6,
@@ -717,7 +842,19 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
         duration.as_secs_f64(),
         if emulated.is_some() { " (emulated time)" } else { "" }
     );
-    let report = loadgen::run_until(&ca, stop)?;
+    // Time 0 of the timeline: the workload's start.
+    let sampler = match &args.timeline {
+        Some(_) => Some(sampler::Sampler::start(
+            runtime_metrics.clone(),
+            args.timeline_interval,
+            k,
+        )?),
+        None => None,
+    };
+    let report = loadgen::run_until(&ca, stop);
+    // Stopped and joined on every path, the workload's errors included.
+    let recorded = sampler.map(sampler::Sampler::finish);
+    let report = report?;
     if stop.load(Ordering::Relaxed) {
         bail!("interrupted during the workload; every process was stopped");
     }
@@ -745,6 +882,39 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
         bail!(
             "no request was answered with outputs ({} sent); see the errors above",
             report.sent
+        );
+    }
+    if let (Some(path), Some(r), Some(bounds)) = (&args.timeline, &recorded, timeline_bounds) {
+        let labels = timeline::Labels {
+            test: args.test.clone(),
+            system: args
+                .label
+                .clone()
+                .unwrap_or_else(|| system.as_str().to_string()),
+            link: emulated.as_ref().map_or("loopback".to_string(), |e| {
+                distmind_common::emulate::format_link(e.link_bytes_per_s())
+            }),
+            dilation: k,
+            source: "processes".into(),
+        };
+        timeline::write(path, &labels, bounds, &r.samples)?;
+        println!(
+            "up: timeline: {} intervals of {} s{} written to {} ({} scrapes, {} failed{})",
+            r.samples.len(),
+            args.timeline_interval,
+            if emulated.is_some() {
+                " (emulated)"
+            } else {
+                ""
+            },
+            path.display(),
+            r.scrapes,
+            r.failed,
+            if r.truncated {
+                ", cut at the limit"
+            } else {
+                ""
+            }
         );
     }
     if let Some(path) = &args.csv {
@@ -930,13 +1100,13 @@ fn warm(
     Ok(())
 }
 
-/// Polls the controller until every memory server and the runtime are
-/// registered and alive (no fixed sleeps).
+/// Polls the controller until every memory server and the runtime (when
+/// given) are registered and alive (no fixed sleeps).
 fn wait_registered(
     ctl: &str,
     key: &ClusterKey,
     memservers: &[String],
-    runtime: &str,
+    runtime: Option<&str>,
     limit: Duration,
     stop: &AtomicBool,
     cluster: &mut procs::Cluster,
@@ -951,15 +1121,15 @@ fn wait_registered(
             .filter(|m| m.alive)
             .map(|m| m.addr)
             .collect();
-        let runtime_alive = c
-            .list_runtimes()?
-            .iter()
-            .any(|r| r.alive && r.addr == runtime);
+        let runtime_missing = match runtime {
+            Some(rt) => (!c.list_runtimes()?.iter().any(|r| r.alive && r.addr == rt)).then_some(rt),
+            None => None,
+        };
         let missing: Vec<&str> = memservers
             .iter()
             .filter(|m| !alive_ms.contains(m))
             .map(String::as_str)
-            .chain((!runtime_alive).then_some(runtime))
+            .chain(runtime_missing)
             .collect();
         if missing.is_empty() {
             return Ok(());

@@ -208,6 +208,18 @@ pub trait Executor: Send + Sync {
         manifest: &Manifest,
         arena: Arc<dyn Arena>,
     ) -> Result<Box<dyn Program>, ExecError>;
+
+    /// How long one training iteration (forward, backward and update of
+    /// `batch` inputs) of `manifest` holds this executor's simulated GPU:
+    /// `None` for executors that compute (cpu, cuda), whose training jobs
+    /// run the real SGD step; `Some` for `sim`, whose jobs compute nothing
+    /// and hold the device this long instead (an error when its profile
+    /// cannot time the model, as for inference).
+    fn simulated_train_iteration(
+        &self,
+        manifest: &Manifest,
+        batch: usize,
+    ) -> Option<Result<Duration, ExecError>>;
 }
 
 /// The concrete arena behind `arena`, if it is a `T`: how an executor gets

@@ -10,6 +10,11 @@
 //!   per group, before the first layer whose params live in group g, and
 //!   records `GroupReady`, `LayerStart`, `LayerEnd`.
 //!
+//! - [`SimExecutor::train_iteration`] (what
+//!   [`Executor::simulated_train_iteration`] answers): a background training
+//!   iteration computes nothing and holds the device for
+//!   [`Profile::train_iteration_s`] times the dilation.
+//!
 //! Timing: the run keeps a simulated GPU timeline since run start. A layer
 //! starts when the previous one ended, or when its gate returned if that is
 //! later, and ends its profiled time after. The wall clock is brought up to
@@ -34,13 +39,15 @@
 //! that layer ran, as a copy-done event fires on a GPU while earlier kernels
 //! run), never after the `LayerStart` of a layer of its group.
 
-use std::sync::Arc;
+use std::borrow::Cow;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use distmind_models::{Dtype, Manifest, OutputSpec, TensorSpec};
+use distmind_models::{Dtype, Manifest, OutputSpec, Scale, TensorSpec};
 
 use super::{Arena, ExecError, Executor, ExecutorKind, HostTensor, Program, Trace, TraceEvent};
-use crate::profile::{model_key, Profile};
+use crate::profile::{model_key, ModelProfile, Profile};
 
 /// The simulated timeline may run ahead of the wall clock by this much
 /// before the run sleeps.
@@ -60,13 +67,20 @@ pub struct SimExecutor {
     profile: Arc<Profile>,
     /// Every layer and upload time is multiplied by this (1: real time).
     dilation: f64,
+    /// Model keys already warned about as interpolated (a training job
+    /// starts again at every role change; one warning per key is enough).
+    interpolated: Arc<Mutex<HashSet<String>>>,
 }
+
+/// Most interpolated keys remembered; beyond, every one is warned about.
+const INTERPOLATED_KEYS_MAX: usize = 1024;
 
 impl SimExecutor {
     pub fn new(profile: Profile) -> Self {
         SimExecutor {
             profile: Arc::new(profile),
             dilation: 1.0,
+            interpolated: Arc::default(),
         }
     }
 
@@ -85,6 +99,7 @@ impl SimExecutor {
         Ok(SimExecutor {
             profile: Arc::new(profile),
             dilation: k,
+            interpolated: Arc::default(),
         })
     }
 
@@ -143,44 +158,9 @@ impl Executor for SimExecutor {
             .first()
             .and_then(|i| i.shape.first().copied())
             .ok_or_else(|| model_err("has no input with a batch dimension".into()))?;
-        let scale = manifest.scale.ok_or_else(|| {
-            model_err(format!(
-                "has a config of its own (imported; neither the full nor the tiny {} preset), \
-                 and GPU profiles cover only the presets; import it with the preset's \
-                 input size or run it with the cpu or cuda executor",
-                manifest.family
-            ))
-        })?;
+        let (scale, profile) = self.model_profile(manifest, batch)?;
         let key = model_key(manifest.family, scale, batch);
         let origin = self.profile.origin();
-        let profile = self
-            .profile
-            .get(manifest.family, scale, batch)
-            .ok_or_else(|| {
-                model_err(format!(
-                    "profile {origin} has no layer times for {key} (it has {}); \
-                     pick a profile that covers this model or add it",
-                    self.profile
-                        .models
-                        .keys()
-                        .cloned()
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ))
-            })?;
-        if let std::borrow::Cow::Owned(_) = profile {
-            log::warn!(
-                "{}: profile {origin} has no {key}; layer times interpolated from its other batches",
-                manifest.name
-            );
-        }
-        if profile.layers.len() != manifest.layers.len() {
-            return Err(model_err(format!(
-                "profile {origin} gives {} layers for {key}, the manifest has {} (a different architecture?)",
-                profile.layers.len(),
-                manifest.layers.len()
-            )));
-        }
         let mut layers = Vec::with_capacity(manifest.layers.len());
         for (p, l) in profile.layers.iter().zip(&manifest.layers) {
             if p.name != l.name || p.op != l.op.name() {
@@ -231,6 +211,103 @@ impl Executor for SimExecutor {
             outputs: manifest.outputs.clone(),
             _arena: arena,
         }))
+    }
+
+    /// [`Profile::train_iteration_s`] (three forward passes at `batch`, an
+    /// estimate stated there) times the dilation.
+    fn simulated_train_iteration(
+        &self,
+        manifest: &Manifest,
+        batch: usize,
+    ) -> Option<Result<Duration, ExecError>> {
+        Some(self.train_iteration(manifest, batch))
+    }
+}
+
+impl SimExecutor {
+    /// The scale preset of `manifest` and its profile at `batch`, checked
+    /// against its layer count; errors say what to do.
+    fn model_profile(
+        &self,
+        manifest: &Manifest,
+        batch: usize,
+    ) -> Result<(Scale, Cow<'_, ModelProfile>), ExecError> {
+        let model_err = |why: String| ExecError::Model {
+            model: manifest.name.clone(),
+            why,
+        };
+        let scale = manifest.scale.ok_or_else(|| {
+            model_err(format!(
+                "has a config of its own (imported; neither the full nor the tiny {} preset), \
+                 and GPU profiles cover only the presets; import it with the preset's \
+                 input size or run it with the cpu or cuda executor",
+                manifest.family
+            ))
+        })?;
+        let key = model_key(manifest.family, scale, batch);
+        let origin = self.profile.origin();
+        let profile = self
+            .profile
+            .get(manifest.family, scale, batch)
+            .ok_or_else(|| {
+                model_err(format!(
+                    "profile {origin} has no layer times for {key} (it has {}); \
+                     pick a profile that covers this model or add it",
+                    self.profile
+                        .models
+                        .keys()
+                        .cloned()
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))
+            })?;
+        if let Cow::Owned(_) = profile {
+            let mut seen = self.interpolated.lock().unwrap_or_else(|p| p.into_inner());
+            if !seen.contains(&key) {
+                if seen.len() < INTERPOLATED_KEYS_MAX {
+                    seen.insert(key.clone());
+                }
+                log::warn!(
+                    "{}: profile {origin} has no {key}; layer times interpolated from its other batches",
+                    manifest.name
+                );
+            }
+        }
+        if profile.layers.len() != manifest.layers.len() {
+            return Err(model_err(format!(
+                "profile {origin} gives {} layers for {key}, the manifest has {} (a different architecture?)",
+                profile.layers.len(),
+                manifest.layers.len()
+            )));
+        }
+        Ok((scale, profile))
+    }
+
+    /// One training iteration of `batch` inputs of `manifest`, dilated.
+    pub fn train_iteration(
+        &self,
+        manifest: &Manifest,
+        batch: usize,
+    ) -> Result<Duration, ExecError> {
+        if batch == 0 {
+            return Err(ExecError::Model {
+                model: manifest.name.clone(),
+                why: "a training batch of 0 images has no GPU time".into(),
+            });
+        }
+        let (scale, _) = self.model_profile(manifest, batch)?;
+        let s = self
+            .profile
+            .train_iteration_s(manifest.family, scale, batch)
+            .ok_or_else(|| ExecError::Model {
+                model: manifest.name.clone(),
+                why: format!(
+                    "profile {} has no training time for {}",
+                    self.profile.origin(),
+                    model_key(manifest.family, scale, batch)
+                ),
+            })?;
+        Ok(duration_ceil(s * self.dilation))
     }
 }
 

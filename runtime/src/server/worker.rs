@@ -4,9 +4,11 @@
 //! frames, already encoded) back to the connection that asked.
 //!
 //! Between tasks it runs the device's background training job, if one is
-//! set: ONE SGD iteration whenever the queue is empty, then it looks at the
+//! set: ONE iteration whenever the queue is empty, then it looks at the
 //! queue again, so a request waits for at most the iteration in progress
-//! (never preempted inside). Without a job it blocks on the queue. `Train`
+//! (never preempted inside). An iteration is a real SGD step (cpu, cuda) or,
+//! with the `sim` executor, the profile's training time held on the device
+//! ([`Executor::simulated_train_iteration`](crate::exec::Executor::simulated_train_iteration)). Without a job it blocks on the queue. `Train`
 //! requests arrive on a separate bounded control channel that is checked at
 //! every boundary (before the queue), so they never wait behind the
 //! background loop or behind queued inference.
@@ -235,26 +237,67 @@ impl Catalog {
     }
 }
 
-/// A device's background training job: a private working copy of the
-/// model's packed bytes (fetched through the host cache, as for inference)
-/// that every SGD step updates, the momentum buffers and one synthetic batch
-/// of random images and labels.
+/// A device's background training job; what an iteration is was chosen
+/// once, when the job started, by the executor.
+struct Trainer {
+    resolved: Arc<Resolved>,
+    work: Work,
+    iterations: u64,
+}
+
+/// What one iteration of a job does.
+enum Work {
+    /// cpu and cuda: a real SGD step.
+    Sgd(Box<SgdJob>),
+    /// sim: no math and no weights; the device is held for `iteration` (the
+    /// profile's training time, dilated like every simulated time).
+    Simulated { iteration: Duration },
+}
+
+/// A real job: a private working copy of the model's packed bytes (fetched
+/// through the host cache, as for inference) that every SGD step updates,
+/// the momentum buffers and one synthetic batch of random images and labels.
 ///
 /// Trained weights are NOT written back to the memory servers (as in the
 /// original, whose `resnet152_train` jobs only share the GPU): stopping or
 /// switching the job drops them.
-struct Trainer {
-    resolved: Arc<Resolved>,
+struct SgdJob {
     packed: Vec<u8>,
     state: SgdState,
     images: HostTensor,
     labels: Vec<i64>,
-    iterations: u64,
 }
 
 impl Trainer {
     fn name(&self) -> &str {
         &self.resolved.manifest.name
+    }
+
+    fn simulated(&self) -> bool {
+        matches!(self.work, Work::Simulated { .. })
+    }
+
+    /// For logs: what becomes of the job's work when it stops.
+    fn ending(&self) -> &'static str {
+        match self.work {
+            Work::Sgd(_) => "weights not written back",
+            Work::Simulated { .. } => "simulated: no weights",
+        }
+    }
+
+    /// For logs: what the job holds and does per iteration.
+    fn describe(&self, batch: usize) -> String {
+        match &self.work {
+            Work::Sgd(j) => format!(
+                "{} bytes of weights, batch {}",
+                j.packed.len(),
+                j.labels.len()
+            ),
+            Work::Simulated { iteration } => format!(
+                "simulated: batch {batch}, {:.3} ms per iteration from the profile, no weights copied",
+                ms(*iteration)
+            ),
+        }
     }
 }
 
@@ -322,10 +365,11 @@ pub(crate) fn run(
     }
     if let Some(t) = trainer.take() {
         log::info!(
-            "device {}: training of {} stopped at shutdown after {} iterations (weights not written back)",
+            "device {}: training of {} stopped at shutdown after {} iterations ({})",
             device.id,
             t.name(),
-            t.iterations
+            t.iterations,
+            t.ending()
         );
         let mut s = device.training();
         s.model = None;
@@ -617,16 +661,17 @@ fn apply_control(core: &Core, index: usize, trainer: &mut Option<Trainer>, mut c
             Ok(t) => {
                 let iterations = stop(core, index, trainer.take());
                 log::info!(
-                    "device {}: training {model} between requests ({} bytes of weights, batch {})",
+                    "device {}: training {model} between requests ({})",
                     device.id,
-                    t.packed.len(),
-                    t.labels.len()
+                    t.describe(core.train_batch)
                 );
+                let simulated = t.simulated();
                 *trainer = Some(t);
                 let mut s = device.training();
                 *s = TrainingStatus {
                     model: Some(model.clone()),
                     total_iterations: s.total_iterations,
+                    simulated,
                     ..TrainingStatus::default()
                 };
                 drop(s);
@@ -663,10 +708,11 @@ fn stop(core: &Core, index: usize, trainer: Option<Trainer>) -> u64 {
         return 0;
     };
     log::info!(
-        "device {}: training of {} stopped after {} iterations (weights not written back)",
+        "device {}: training of {} stopped after {} iterations ({})",
         device.id,
         t.name(),
-        t.iterations
+        t.iterations,
+        t.ending()
     );
     let mut s = device.training();
     s.model = None;
@@ -674,7 +720,9 @@ fn stop(core: &Core, index: usize, trainer: Option<Trainer>) -> u64 {
 }
 
 /// Validates `model` for training and builds its job: resolve, check that
-/// every op trains, fetch the packed bytes through the host cache, copy them.
+/// every op trains, fetch the packed bytes through the host cache; a real
+/// job copies them, a simulated one (the sim executor) only times the
+/// iteration.
 fn start(core: &Core, index: usize, id: u64, model: &str) -> Result<Trainer, ErrorReply> {
     let device = &core.devices[index];
     let resolved = core.catalog.resolve(model)?;
@@ -706,17 +754,46 @@ fn start(core: &Core, index: usize, id: u64, model: &str) -> Result<Trainer, Err
     if classes == 0 {
         return Err(refuse("its logits have no classes".into()));
     }
+    let batch = core.train_batch;
+    // Chosen once for the job's lifetime.
+    let simulated = core
+        .executor
+        .simulated_train_iteration(m, batch)
+        .transpose()
+        .map_err(|e| {
+            ErrorReply::new(
+                ErrorCode::BadRequest,
+                format!(
+                    "request {id}: model {model} cannot train on device {} with the {} executor: {e}",
+                    device.id,
+                    core.executor.kind()
+                ),
+            )
+        })?;
+    // As a real job starts: the model's bytes arrive in the host cache.
     let (cached, _, _) = cache_in(&core.cache, &resolved.entry, m, &core.pipeline)
         .map_err(|e| pipeline_error_reply(core, id, model, &e))?;
-    let mut packed = Vec::with_capacity(m.stored_bytes as usize);
+    let mut packed = Vec::with_capacity(if simulated.is_some() {
+        0
+    } else {
+        m.stored_bytes as usize
+    });
     for g in 0..cached.groups() {
         let bytes = cached
             .wait_group(g, core.pipeline.gate_timeout)
             .map_err(|e| ErrorReply::new(ErrorCode::Internal, format!("request {id}: {e}")))?;
-        packed.extend_from_slice(bytes);
+        if simulated.is_none() {
+            packed.extend_from_slice(bytes);
+        }
     }
     drop(cached);
-    let batch = core.train_batch;
+    if let Some(iteration) = simulated {
+        return Ok(Trainer {
+            resolved,
+            work: Work::Simulated { iteration },
+            iterations: 0,
+        });
+    }
     let mut shape = m.inputs[0].shape.clone();
     shape[0] = batch;
     let n: usize = shape.iter().product();
@@ -727,33 +804,44 @@ fn start(core: &Core, index: usize, id: u64, model: &str) -> Result<Trainer, Err
         .collect();
     Ok(Trainer {
         resolved,
-        packed,
-        state: SgdState::new(),
-        images,
-        labels,
+        work: Work::Sgd(Box::new(SgdJob {
+            packed,
+            state: SgdState::new(),
+            images,
+            labels,
+        })),
         iterations: 0,
     })
 }
 
-/// One SGD iteration of the device's job; a failed one ends the job.
+/// One iteration of the device's job (an SGD step, or the simulated time
+/// held); a failed one ends the job.
 fn iterate(core: &Core, index: usize, trainer: &mut Option<Trainer>) -> Iteration {
     let device = &core.devices[index];
     let start = Instant::now();
     let Some(t) = trainer.as_mut() else {
         return Iteration { start, end: start };
     };
-    let step = sgd_step_with_state(
-        &t.resolved.manifest,
-        &mut t.packed,
-        &t.images,
-        &t.labels,
-        &core.train_sgd,
-        &mut t.state,
-    );
+    let step = match &mut t.work {
+        Work::Sgd(j) => sgd_step_with_state(
+            &t.resolved.manifest,
+            &mut j.packed,
+            &j.images,
+            &j.labels,
+            &core.train_sgd,
+            &mut j.state,
+        )
+        .map(|report| report.loss),
+        Work::Simulated { iteration } => {
+            std::thread::sleep(*iteration);
+            // Nothing was computed: no loss.
+            Ok(f32::NAN)
+        }
+    };
     let end = Instant::now();
     device.add_busy(start);
     match step {
-        Ok(report) => {
+        Ok(loss) => {
             t.iterations += 1;
             let took = ms(end - start);
             let mut s = device.training();
@@ -767,7 +855,7 @@ fn iterate(core: &Core, index: usize, trainer: &mut Option<Trainer>) -> Iteratio
                     + (1.0 - TRAIN_ITERATION_EWMA_WEIGHT) * s.iteration_ms_ewma
             };
             s.iteration_ms_max = s.iteration_ms_max.max(took);
-            s.loss = report.loss;
+            s.loss = loss;
         }
         Err(e) => {
             let why = format!(
