@@ -73,6 +73,9 @@ pub const SLO_MS_DEFAULT: f64 = 1000.0;
 /// A request sent to a runtime and not answered within this long is failed
 /// (the runtime hangs or lost it); its reply, if it ever comes, is dropped.
 pub const OUTSTANDING_TIMEOUT_US: Micros = 120_000_000;
+/// A GPU whose runtime refused the training job is asked again after this
+/// long (times the time dilation): the job's model may not be deployed yet.
+pub const TRAIN_RETRY_US: Micros = 1_000_000;
 /// The cache-aware balancer frees this multiple of a model's size. The
 /// original frees 1.2x; at a cache of a few models that throws out two
 /// models to make room for one. The runtime's cache needs the model's
@@ -273,6 +276,8 @@ struct GpuState {
     assigned: Option<u32>,
     /// Its runtime's link is up (a copy of the host's flag, read per decision).
     link_up: bool,
+    /// Its runtime refused the training job: ask again from then on.
+    train_retry_at: Option<Micros>,
 }
 
 #[derive(Debug, Default)]
@@ -491,6 +496,7 @@ impl Dispatcher {
                     queue: EdfQueue::new(GPU_QUEUE_MAX),
                     training: None,
                     prefetching: false,
+                    train_retry_at: None,
                     assigned: None,
                     link_up: self.hosts.get(&runtime).is_some_and(|h| h.link_up),
                 });
@@ -1172,7 +1178,7 @@ impl Dispatcher {
                 self.drain_pending(now, out);
             }
             PolicyKind::Slo => {
-                self.start_training_everywhere(out);
+                self.start_training_everywhere(now, out);
                 self.prefetch_hot(now, out);
             }
             // No placement and no training: requests wait for a GPU only.
@@ -1227,8 +1233,11 @@ impl Dispatcher {
             if !self.hosts.get(&gpu.runtime).is_some_and(|h| h.link_up) {
                 continue;
             }
-            if self.gpus[gi].role != a.role {
+            let retry = a.role == GpuRole::Training
+                && self.gpus[gi].train_retry_at.is_some_and(|t| now >= t);
+            if self.gpus[gi].role != a.role || retry {
                 self.gpus[gi].role = a.role;
+                self.gpus[gi].train_retry_at = None;
                 let job = match a.role {
                     GpuRole::Training => train.clone(),
                     GpuRole::Inference => None,
@@ -1268,12 +1277,17 @@ impl Dispatcher {
 
     /// `slo` with training on: every GPU runs the training job between
     /// requests (the runtime yields at iteration boundaries).
-    fn start_training_everywhere(&mut self, out: &mut Vec<Action>) {
+    fn start_training_everywhere(&mut self, now: Micros, out: &mut Vec<Action>) {
         let Some(train) = self.train_model().map(str::to_string) else {
             return;
         };
-        for g in &self.gpus {
-            if self.hosts.get(&g.gpu.runtime).is_some_and(|h| h.link_up)
+        for g in &mut self.gpus {
+            if g.train_retry_at.is_some_and(|t| now >= t) {
+                g.train_retry_at = None;
+                self.training_started.remove(&g.gpu);
+            }
+            if g.train_retry_at.is_none()
+                && self.hosts.get(&g.gpu.runtime).is_some_and(|h| h.link_up)
                 && self.training_started.insert(g.gpu)
             {
                 out.push(Action::Train {
@@ -1338,6 +1352,16 @@ impl Dispatcher {
         let g = &mut self.gpus[gi];
         g.prefetching = true;
         g.busy_until = g.busy_until.max(now) + load;
+    }
+
+    /// The runtime refused a `Train` for `gpu` (the job's model may not be
+    /// deployed yet): it is asked again [`TRAIN_RETRY_US`] (dilated) later,
+    /// while the policy still wants it to train.
+    pub fn train_failed(&mut self, now: Micros, gpu: Gpu) {
+        let retry_us = (TRAIN_RETRY_US as f64 * self.cfg.time_dilation) as Micros;
+        if let Some(g) = self.gpus.iter_mut().find(|g| g.gpu == gpu) {
+            g.train_retry_at = Some(now + retry_us);
+        }
     }
 
     /// A prefetch finished (or failed): the GPU may prefetch again.

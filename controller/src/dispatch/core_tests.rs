@@ -347,6 +347,41 @@ fn distmind_policy_places_models_and_trains_the_rest() {
 }
 
 #[test]
+fn a_refused_training_job_is_asked_for_again_a_second_later() {
+    let mut c = cfg(PolicyKind::DistMind);
+    c.distmind.use_train = true;
+    c.distmind.inference_workload_s = vec![0];
+    c.train_model = Some("resnet152_train".into());
+    let mut d = Dispatcher::new(c).unwrap();
+    let mut out = Vec::new();
+    d.runtime_seen(0, 0, 1, &[0], 1 << 30, 4, None, &mut out);
+    d.link_up(0);
+    model(&mut d, "m0");
+    let trains = |out: &[Action]| {
+        out.iter()
+            .filter(|a| matches!(a, Action::Train { model: Some(_), .. }))
+            .count()
+    };
+    d.tick(0, &mut out);
+    assert_eq!(trains(&out), 1, "{out:?}");
+    out.clear();
+    // The runtime refuses (the job's model is not deployed yet).
+    let gpu = Gpu {
+        runtime: 0,
+        device: 0,
+    };
+    d.train_failed(10 * MS, gpu);
+    d.tick(500 * MS, &mut out);
+    assert_eq!(trains(&out), 0, "not before the retry time: {out:?}");
+    d.tick(1_100 * MS, &mut out);
+    assert_eq!(trains(&out), 1, "asked again: {out:?}");
+    out.clear();
+    // Accepted this time: no more asks.
+    d.tick(3_000 * MS, &mut out);
+    assert_eq!(trains(&out), 0, "{out:?}");
+}
+
+#[test]
 fn bounded_pending_and_request_table() {
     let mut d = dispatcher(PolicyKind::DistMind, 1);
     let m = model(&mut d, "a");

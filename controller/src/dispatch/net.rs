@@ -436,7 +436,10 @@ impl CoreTask {
             };
             match &reply {
                 RuntimeReply::Error { error, .. } => {
-                    log::warn!("dispatcher: {what} on {gpu} failed: {error}")
+                    log::warn!("dispatcher: {what} on {gpu} failed: {error}");
+                    if what == "train" {
+                        self.d.train_failed(now, gpu);
+                    }
                 }
                 r => log::debug!("dispatcher: {what} on {gpu}: {r:?}"),
             }
