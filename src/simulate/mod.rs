@@ -566,6 +566,8 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<Outcome> {
             link: distmind_common::emulate::format_link(link),
             dilation: 1.0,
             source: "simulator".into(),
+            executor: "sim".into(),
+            profile: profile_label(&profile_path, &profile),
         };
         crate::up::timeline::write(
             path,

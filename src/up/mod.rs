@@ -896,6 +896,8 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
             }),
             dilation: k,
             source: "processes".into(),
+            executor: executor.to_string(),
+            profile: profile_label.clone(),
         };
         timeline::write(path, &labels, bounds, &r.samples)?;
         println!(

@@ -11,7 +11,7 @@ use anyhow::Context;
 
 /// The columns, in order.
 pub const HEADER: &str = "test,system,t_s,inference_rps,training_ips,inference_util,training_util,\
-inference_bound_rps,training_bound_ips,link,dilation,source";
+inference_bound_rps,training_bound_ips,link,dilation,source,executor,profile";
 
 /// Most intervals one file holds (a bound on what a run writes).
 pub const SAMPLES_MAX: usize = 100_000;
@@ -56,6 +56,10 @@ pub struct Labels {
     pub dilation: f64,
     /// `processes` or `simulator`.
     pub source: String,
+    /// sim, cpu or cuda.
+    pub executor: String,
+    /// The sim executor's profile and its source, `-` otherwise.
+    pub profile: String,
 }
 
 /// Writes `samples` (replacing the file); the header first.
@@ -75,6 +79,8 @@ pub fn write(
         ("system", &labels.system),
         ("link", &labels.link),
         ("source", &labels.source),
+        ("executor", &labels.executor),
+        ("profile", &labels.profile),
     ] {
         anyhow::ensure!(
             !v.is_empty() && !v.contains([',', '"', '\n', '\r']),
@@ -86,7 +92,7 @@ pub fn write(
     for s in samples {
         let share = |x: f64, bound: f64| if bound > 0.0 { x / bound } else { 0.0 };
         text.push_str(&format!(
-            "{},{},{:.3},{:.3},{:.4},{:.4},{:.4},{:.3},{:.4},{},{:.4},{}\n",
+            "{},{},{:.3},{:.3},{:.4},{:.4},{:.4},{:.3},{:.4},{},{:.4},{},{},{}\n",
             labels.test,
             labels.system,
             s.t_s,
@@ -98,7 +104,9 @@ pub fn write(
             bounds.training_ips,
             labels.link,
             labels.dilation,
-            labels.source
+            labels.source,
+            labels.executor,
+            labels.profile
         ));
     }
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -198,6 +206,8 @@ mod tests {
             link: "100gbit".into(),
             dilation: 12.5,
             source: "simulator".into(),
+            executor: "sim".into(),
+            profile: "settings/profiles/v100-estimated.json (estimated)".into(),
         };
         let bounds = Bounds::per_gpu(2, 0.004, 0.25);
         let s = [Sample {
