@@ -670,7 +670,7 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
     if let Some(pkg) = train.as_ref().and_then(|(_, p)| p.as_ref()) {
         // Before the runtime registers: the dispatcher sends Train as soon as
         // it does, and a Train for a model not yet in the catalog fails and
-        // is sent again only when that GPU's role changes.
+        // is asked for again only a (dilated) second later.
         wait_registered(&ctl, &key, &memservers, None, timeout, stop, &mut cluster)?;
         let out = crate::deploy::deploy_package(&target, pkg, &deploy_opts)?;
         println!("up: {} (the training job)", out.summary());

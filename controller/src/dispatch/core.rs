@@ -995,6 +995,14 @@ impl Dispatcher {
         best[0].or(best[1]).map(|(_, gi)| gi)
     }
 
+    /// Whether a GPU of `runtime` holds `model`.
+    fn resident_on_host(&self, runtime: u32, model: u32) -> bool {
+        self.resident_on
+            .get(model)
+            .iter()
+            .any(|&gi| self.gpus[gi].gpu.runtime == runtime)
+    }
+
     /// Cache-aware cache-out: before a model is pulled into a host cache
     /// that lacks it, evict models there until [`CACHE_OUT_FACTOR`] x its
     /// size fits: idle ones with the lowest request rate first (`lor`), or
@@ -1024,8 +1032,14 @@ impl Dispatcher {
             .filter(|&m| !self.active.contains_key(&(runtime, m)))
             .collect();
         match self.cfg.balancer {
-            Balancer::LeastOutstanding => victims
-                .sort_by_key(|&m| (self.models[m as usize].rate.get().unwrap_or(0.0) * 1e6) as u64),
+            // Models a GPU of this host holds first: they are served from the
+            // device, so the host copy is the one not needed now.
+            Balancer::LeastOutstanding => victims.sort_by_key(|&m| {
+                (
+                    !self.resident_on_host(runtime, m),
+                    (self.models[m as usize].rate.get().unwrap_or(0.0) * 1e6) as u64,
+                )
+            }),
             Balancer::Lfu => victims.sort_by_key(|&m| self.models[m as usize].uses),
         }
         let mut freed = 0;
@@ -1260,7 +1274,12 @@ impl Dispatcher {
             if a.role == GpuRole::Inference {
                 if let Some(m) = a.model {
                     let m = m as u32;
-                    if !self.gpus[gi].resident.contains(&m) && !self.gpus[gi].prefetching {
+                    // Loaded ahead only onto an idle GPU: a prefetch goes
+                    // through the device's queue, and on a busy GPU it
+                    // would delay the requests behind it for a model none
+                    // of them asked for (a request for it loads it anyway).
+                    let g = &self.gpus[gi];
+                    if !g.resident.contains(&m) && !g.prefetching && g.outstanding == 0 {
                         self.occupy_with_prefetch(now, gi, m);
                         self.cache_out_for(gi, m, out);
                         self.expect_resident(gi, m);

@@ -382,6 +382,96 @@ fn a_refused_training_job_is_asked_for_again_a_second_later() {
 }
 
 #[test]
+fn a_reassignment_loads_its_model_only_onto_an_idle_gpu() {
+    let prefetched = |out: &[Action]| -> Vec<String> {
+        out.iter()
+            .filter_map(|x| match x {
+                Action::Prefetch { model, .. } => Some(model.clone()),
+                _ => None,
+            })
+            .collect()
+    };
+    // A seed whose first draw reassigns the GPU to `b` while it serves `a`.
+    for seed in 0..64 {
+        let mut c = cfg(PolicyKind::DistMind);
+        c.distmind.seed = seed;
+        let mut d = Dispatcher::new(c).unwrap();
+        let mut out = Vec::new();
+        d.runtime_seen(0, 0, 1, &[0], 1 << 30, 4, None, &mut out);
+        d.link_up(0);
+        let a = model(&mut d, "a");
+        model(&mut d, "b");
+        let r = d.submit(0, a, Some(1e6), &mut out);
+        out.clear();
+        d.tick(0, &mut out);
+        if d.assignments()[0].models != vec!["b".to_string()] {
+            continue;
+        }
+        assert!(
+            prefetched(&out).is_empty(),
+            "nothing ahead of a request the GPU is serving: {out:?}"
+        );
+        // Idle again: the next tick loads it.
+        let t = timing(ServePath::DeviceResident, 10.0);
+        d.complete(10 * MS, r, &c_of(&t, &["a".to_string()]), &mut out);
+        out.clear();
+        d.tick(50 * MS, &mut out);
+        assert_eq!(prefetched(&out), vec!["b".to_string()], "{out:?}");
+        return;
+    }
+    panic!("no seed in 0..64 reassigns to b first");
+}
+
+#[test]
+fn cache_out_drops_the_host_copy_of_a_model_a_gpu_holds_first() {
+    // One host with a cache for two 10 MB models (25 MB) and one GPU; the
+    // host caches m0 and m1, the GPU holds m1 and m2.
+    let mut d = Dispatcher::new(cfg(PolicyKind::DistMind)).unwrap();
+    let mut out = Vec::new();
+    d.runtime_seen(0, 0, 1, &[0], 25_000_000, 4, None, &mut out);
+    d.link_up(0);
+    let ms: Vec<u32> = (0..4).map(|k| model(&mut d, &format!("m{k}"))).collect();
+    let snap = RuntimeSnapshot {
+        devices: vec![DeviceSnapshot {
+            device: 0,
+            resident: vec!["m1".into(), "m2".into()],
+            ..Default::default()
+        }],
+        host_cached: vec!["m0".into(), "m1".into()],
+        host_cached_truncated: false,
+    };
+    d.runtime_seen(
+        0,
+        0,
+        1,
+        &[0],
+        25_000_000,
+        4,
+        Some((next_seq(), &snap)),
+        &mut out,
+    );
+    out.clear();
+    // m3 needs room: m1 goes (served from the GPU), m0 stays (it is not).
+    d.submit(0, ms[3], Some(1e6), &mut out);
+    let evicted: Vec<String> = out
+        .iter()
+        .filter_map(|a| match a {
+            Action::Evict { model, .. } => Some(model.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(evicted, vec!["m1".to_string()], "{out:?}");
+    assert!(d.hosts[&0].cached.contains(&ms[0]));
+}
+
+fn c_of<'a>(t: &'a TimingMsg, resident: &'a [String]) -> Completion<'a> {
+    Completion {
+        timing: Some(t),
+        resident,
+    }
+}
+
+#[test]
 fn bounded_pending_and_request_table() {
     let mut d = dispatcher(PolicyKind::DistMind, 1);
     let m = model(&mut d, "a");
