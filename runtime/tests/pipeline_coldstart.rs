@@ -116,14 +116,6 @@ impl Executor for DoubleExecutor {
             layer_delay: self.layer_delay,
         }))
     }
-
-    fn simulated_train_iteration(
-        &self,
-        _manifest: &Manifest,
-        _batch: usize,
-    ) -> Option<Result<Duration, ExecError>> {
-        None
-    }
 }
 
 struct DoubleProgram {

@@ -263,18 +263,7 @@ fn input_for(pkg: &Package) -> HostTensor {
 }
 
 fn append_csv(path: &Path, rows: &[Row]) -> anyhow::Result<()> {
-    use std::io::Write;
-    let existing = std::fs::read_to_string(path).unwrap_or_default();
-    anyhow::ensure!(
-        existing.is_empty() || existing.lines().next() == Some(CSV_HEADER),
-        "{} has other columns; write to a new file",
-        path.display()
-    );
     let mut text = String::new();
-    if existing.is_empty() {
-        text.push_str(CSV_HEADER);
-        text.push('\n');
-    }
     for r in rows {
         text.push_str(&format!(
             "{},distmind,{:.3},{},cpu,-\n",
@@ -287,13 +276,5 @@ fn append_csv(path: &Path, rows: &[Row]) -> anyhow::Result<()> {
             ));
         }
     }
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .and_then(|mut f| f.write_all(text.as_bytes()))
-        .with_context(|| format!("writing {}", path.display()))
+    super::append_csv(path, CSV_HEADER, &text)
 }

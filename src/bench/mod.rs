@@ -20,6 +20,39 @@ pub fn median(mut xs: Vec<f64>) -> f64 {
     }
 }
 
+/// Appends `lines` (each ending in a newline) to the CSV at `path`, with
+/// `header` first when the file is new; a file with another header is
+/// refused rather than mixed.
+pub fn append_csv(path: &std::path::Path, header: &str, lines: &str) -> anyhow::Result<()> {
+    use anyhow::Context;
+    use std::io::Write;
+    let existing = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+    };
+    anyhow::ensure!(
+        existing.is_empty() || existing.lines().next() == Some(header),
+        "{} has other columns; write to a new file",
+        path.display()
+    );
+    let mut text = String::new();
+    if existing.is_empty() {
+        text.push_str(header);
+        text.push('\n');
+    }
+    text.push_str(lines);
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .and_then(|mut f| f.write_all(text.as_bytes()))
+        .with_context(|| format!("writing {}", path.display()))
+}
+
 /// One line describing the machine, printed with every bench's figures.
 pub fn machine_line() -> String {
     let cores = std::thread::available_parallelism()

@@ -30,7 +30,7 @@
 //! Every figure carries a caption under the plot area saying which executor
 //! produced the numbers, built from the plotted rows ([`executor_caption`]):
 //! `sim` rows give "GPU time simulated from <profiles>", `cpu` rows
-//! "executor: cpu (real model math on CPU, tiny models)", `cuda` rows
+//! "executor: cpu (real model math on this CPU)", `cuda` rows
 //! "executor: cuda (measured on a GPU)"; a figure mixing executors lists
 //! each, joined by "; ". `--caption TEXT` is appended after " | ".
 //!
@@ -312,7 +312,7 @@ pub fn executor_caption(table: &Table, extra: Option<&str>) -> Result<String> {
                     format!("GPU time simulated from {}", profiles.join(", "))
                 }
             }
-            "cpu" => "executor: cpu (real model math on CPU, tiny models)".to_string(),
+            "cpu" => "executor: cpu (real model math on this CPU)".to_string(),
             "cuda" => "executor: cuda (measured on a GPU)".to_string(),
             other => format!("executor: {other}"),
         })
@@ -662,7 +662,7 @@ mod tests {
         let t = table("executor,profile,v\ncpu,,1\n");
         assert_eq!(
             executor_caption(&t, None).unwrap(),
-            "executor: cpu (real model math on CPU, tiny models)"
+            "executor: cpu (real model math on this CPU)"
         );
         let t = table("executor,profile,v\ncuda,h200,1\n");
         assert_eq!(
@@ -672,7 +672,7 @@ mod tests {
         let t = table("executor,profile,v\ncpu,,1\nsim,h200,2\ncuda,,3\n");
         assert_eq!(
             executor_caption(&t, Some("x")).unwrap(),
-            "executor: cpu (real model math on CPU, tiny models); \
+            "executor: cpu (real model math on this CPU); \
              GPU time simulated from h200; executor: cuda (measured on a GPU) | x"
         );
     }

@@ -217,9 +217,11 @@ pub trait Executor: Send + Sync {
     /// cannot time the model, as for inference).
     fn simulated_train_iteration(
         &self,
-        manifest: &Manifest,
-        batch: usize,
-    ) -> Option<Result<Duration, ExecError>>;
+        _manifest: &Manifest,
+        _batch: usize,
+    ) -> Option<Result<Duration, ExecError>> {
+        None
+    }
 }
 
 /// The concrete arena behind `arena`, if it is a `T`: how an executor gets

@@ -129,15 +129,6 @@ impl Executor for CpuExecutor {
             })?;
         Ok(Box::new(CpuProgram::new(manifest, cpu_arena)?))
     }
-
-    /// `None`: cpu training jobs run the real SGD step.
-    fn simulated_train_iteration(
-        &self,
-        _manifest: &Manifest,
-        _batch: usize,
-    ) -> Option<Result<std::time::Duration, ExecError>> {
-        None
-    }
 }
 
 /// One model's parameters in host memory, in the packed layout.

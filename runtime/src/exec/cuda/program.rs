@@ -91,15 +91,6 @@ impl Executor for CudaExecutor {
             self.options,
         )?))
     }
-
-    /// `None`: training jobs next to the cuda executor run the real SGD step.
-    fn simulated_train_iteration(
-        &self,
-        _manifest: &Manifest,
-        _batch: usize,
-    ) -> Option<Result<std::time::Duration, ExecError>> {
-        None
-    }
 }
 
 /// A model compiled for one GPU against one arena.

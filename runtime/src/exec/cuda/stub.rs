@@ -55,14 +55,6 @@ impl Executor for CudaExecutor {
     ) -> Result<Box<dyn Program>, ExecError> {
         match self.never {}
     }
-
-    fn simulated_train_iteration(
-        &self,
-        _manifest: &Manifest,
-        _batch: usize,
-    ) -> Option<Result<std::time::Duration, ExecError>> {
-        match self.never {}
-    }
 }
 
 /// A pin hook that fails with [`NOT_COMPILED`] (do not install it in
