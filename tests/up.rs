@@ -32,12 +32,17 @@ fn up_runs_a_workload_and_stops_everything() {
             "no stop line for {who}:\n{stdout}\n{stderr}"
         );
     }
-    let answered = stdout
+    let answered = total_get(&stdout);
+    assert!(answered > 0, "{stdout}");
+}
+
+/// Requests answered, from the client report's `Total get: N` line.
+fn total_get(stdout: &str) -> u64 {
+    stdout
         .lines()
         .find_map(|l| l.strip_prefix("Total get: "))
         .and_then(|n| n.trim().parse::<u64>().ok())
-        .expect("a Total get line");
-    assert!(answered > 0, "{stdout}");
+        .unwrap_or_else(|| panic!("no Total get line in:\n{stdout}"))
 }
 
 /// Runs `up` with `extra` on tiny models (cpu executor, real math), closed
@@ -318,11 +323,7 @@ fn up_shares_gpus_with_training_and_writes_a_timeline() {
         ),
         "{stdout}"
     );
-    let answered = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("Total get: "))
-        .and_then(|n| n.trim().parse::<u64>().ok())
-        .expect("a Total get line");
+    let answered = total_get(&stdout);
     assert!(answered > 0, "{stdout}");
     let iterations = runtime_counter(
         &stdout,
