@@ -297,6 +297,7 @@ pub fn deploy(target: &Target, model: &Model<'_>, opts: &Options) -> anyhow::Res
         total_bytes: sizes.iter().sum(),
         strategy: opts.strategy.to_string(),
         replication: opts.replication as u32,
+        version: 0,
         groups,
         manifest: model.manifest.clone(),
     };

@@ -195,6 +195,10 @@ pub struct ModelEntry {
     pub strategy: String,
     pub replication: u32,
     pub groups: Vec<GroupLocation>,
+    /// Set by the controller's catalog when the entry is stored: it grows
+    /// with every put, so a newer deployment of a name has a larger version.
+    #[serde(default)]
+    pub version: u64,
     /// The package manifest (layers, params, groups), so that GPU servers
     /// need nothing but the catalog to run the model.
     pub manifest: serde_json::Value,
@@ -421,6 +425,18 @@ pub enum RuntimeRequest {
         trace: bool,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         device: Option<u32>,
+        /// Dynamic batching: more requests for `model` that run in one
+        /// batch with this one (at most [`BATCH_MEMBERS_MAX`]). One input
+        /// frame follows per request, this one's first, then the members'
+        /// in order; every request gets its own reply under its own id,
+        /// with its rows of the outputs.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        batch: Vec<BatchMember>,
+        /// The catalog version of `model` the sender resolved (the
+        /// dispatcher's); a runtime whose compiled plan is older refreshes it
+        /// once. `None`: the runtime's own view is used.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        catalog_version: Option<u64>,
     },
     /// Cache-in without running: fetch `model` into the host cache and, with
     /// `device`, make it resident there. Replies `Prefetched`.
@@ -452,6 +468,19 @@ pub enum RuntimeRequest {
         #[serde(default)]
         host_only: bool,
     },
+}
+
+/// Most requests one batched `Infer` carries besides its own.
+pub const BATCH_MEMBERS_MAX: usize = 63;
+
+/// Another request in a batched `Infer`: its id and its own deadline.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BatchMember {
+    pub id: u64,
+    #[serde(default)]
+    pub deadline_ms: Option<u64>,
+    #[serde(default)]
+    pub trace: bool,
 }
 
 /// Which stages a request went through.
@@ -488,6 +517,13 @@ pub struct TimingMsg {
     /// this request (0 when it was not training).
     #[serde(default)]
     pub train_yield_ms: f64,
+    /// Requests that ran in the same batch (1: alone).
+    #[serde(default = "one")]
+    pub batch_requests: u32,
+}
+
+fn one() -> u32 {
+    1
 }
 
 /// One event of a request's pipeline, `at_ms` after the pipeline started.
@@ -676,6 +712,8 @@ mod tests {
             deadline_ms: None,
             trace: false,
             device: None,
+            batch: Vec::new(),
+            catalog_version: None,
         };
         let s = serde_json::to_string(&r).unwrap();
         assert_eq!(serde_json::from_str::<RuntimeRequest>(&s).unwrap(), r);

@@ -33,6 +33,8 @@ pub struct DroppedReplicas {
 #[derive(Debug, Default)]
 pub struct Catalog {
     models: BTreeMap<String, Arc<ModelEntry>>,
+    /// The last version given to an entry (see [`ModelEntry::version`]).
+    version: u64,
 }
 
 impl Catalog {
@@ -53,7 +55,7 @@ impl Catalog {
     /// `memserver_addr` says where a registered memory server lives.
     pub fn put<'a>(
         &mut self,
-        entry: ModelEntry,
+        mut entry: ModelEntry,
         memserver_addr: impl Fn(u32) -> Option<&'a str>,
     ) -> Result<Option<Arc<ModelEntry>>, ErrorReply> {
         validate(&entry, memserver_addr).map_err(|m| ErrorReply::new(ErrorCode::BadRequest, m))?;
@@ -66,7 +68,14 @@ impl Catalog {
                 ),
             ));
         }
+        entry.version = self.bump();
         Ok(self.models.insert(entry.name.clone(), Arc::new(entry)))
+    }
+
+    /// A fresh entry version: every change to an entry gets one.
+    fn bump(&mut self) -> u64 {
+        self.version += 1;
+        self.version
     }
 
     pub fn get(&self, name: &str) -> Result<Arc<ModelEntry>, ErrorReply> {
@@ -107,6 +116,8 @@ impl Catalog {
                 continue;
             }
             let entry = Arc::make_mut(entry);
+            self.version += 1;
+            entry.version = self.version;
             let mut d = DroppedReplicas {
                 model: name.clone(),
                 slices: 0,
@@ -292,6 +303,7 @@ pub(crate) mod tests {
             total_bytes: 1024 * groups as u64,
             strategy: "hybrid".into(),
             replication: 2,
+            version: 0,
             groups: (0..groups)
                 .map(|index| GroupLocation {
                     index,
@@ -329,6 +341,9 @@ pub(crate) mod tests {
         let old = c.put(entry("b", 3), known).unwrap().unwrap();
         assert_eq!(old.groups.len(), 2);
         assert_eq!(c.get("b").unwrap().groups.len(), 3);
+        // Every put gets a newer version, whatever the sender set.
+        assert!(old.version >= 1 && c.get("b").unwrap().version > old.version);
+        assert!(c.get("b").unwrap().version > c.get("a").unwrap().version);
         let names: Vec<_> = c.list().into_iter().map(|s| (s.name, s.groups)).collect();
         assert_eq!(names, vec![("a".to_string(), 1), ("b".to_string(), 3)]);
         assert_eq!(c.remove("a").unwrap().name, "a");

@@ -899,6 +899,7 @@ mod tests {
             total_bytes: bytes.len() as u64,
             strategy: "hybrid".into(),
             replication: 2,
+            version: 0,
             groups: (0..groups)
                 .map(|g| {
                     let range = g * len..(g + 1) * len;

@@ -412,6 +412,8 @@ impl RuntimeSender {
             deadline_ms: opts.deadline_ms,
             trace: opts.trace,
             device: opts.device,
+            batch: Vec::new(),
+            catalog_version: None,
         };
         wire::send_message_sync(&mut self.w, &req)
             .and_then(|()| wire::write_frame_sync(&mut self.w, FrameKind::WriteChunk, &[&bytes]))

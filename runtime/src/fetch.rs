@@ -434,6 +434,7 @@ mod tests {
             total_bytes: model.len() as u64,
             strategy: "hybrid".into(),
             replication: 2,
+            version: 0,
             groups: (0..groups)
                 .map(|g| GroupLocation {
                     index: g as u32,

@@ -292,6 +292,7 @@ fn world(group_bytes: u64) -> World {
         total_bytes: model.len() as u64,
         strategy: "hybrid".into(),
         replication: 2,
+        version: 0,
         groups,
         manifest: serde_json::to_value(&manifest).unwrap(),
     };

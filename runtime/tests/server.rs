@@ -217,6 +217,7 @@ fn deploy(controller: &mut ControllerClient, memserver: &str, pkg: &Package) {
             total_bytes: m.stored_bytes,
             strategy: "test".into(),
             replication: 1,
+            version: 0,
             groups,
             manifest: serde_json::to_value(m).unwrap(),
         })

@@ -1057,6 +1057,7 @@ impl Sim {
                         0
                     },
                     train_yield_ms: 0.0,
+                    batch_requests: 1,
                 };
                 let resident: Vec<String> = self.devices[gi]
                     .residency

@@ -79,6 +79,7 @@ fn timing(path: ServePath, service_ms: f64) -> TimingMsg {
         device: 0,
         fetched_bytes: 0,
         train_yield_ms: 0.0,
+        batch_requests: 1,
     }
 }
 

@@ -531,6 +531,8 @@ impl CoreTask {
                             deadline_ms: Some(budget_ms),
                             trace: f.trace,
                             device: Some(gpu.device),
+                            batch: Vec::new(),
+                            catalog_version: None,
                         },
                         Some(input),
                     );
@@ -872,6 +874,7 @@ async fn client_conn(
             deadline_ms,
             trace,
             device,
+            ..
         } = req
         else {
             reply_now(

@@ -107,6 +107,7 @@ pub fn model(name: &str, groups: u32, servers: &[MemserverInfo]) -> ModelEntry {
         total_bytes: 2048 * groups as u64,
         strategy: "hybrid".into(),
         replication: 2,
+        version: 0,
         groups: (0..groups)
             .map(|index| GroupLocation {
                 index,

@@ -300,6 +300,8 @@ async fn read_loop(
                         deadline_ms,
                         trace,
                         device,
+                        batch: _,
+                        catalog_version: _,
                     }) => {
                         let arrived = Instant::now();
                         let input = match read_incoming(&mut rd).await {

@@ -931,6 +931,7 @@ pub(crate) fn timing_msg(t: &Timing, device: u32) -> TimingMsg {
         device,
         fetched_bytes: t.fetched_bytes,
         train_yield_ms: 0.0,
+        batch_requests: 1,
     }
 }
 
