@@ -23,6 +23,11 @@ pub enum ErrorCode {
     /// earliest finish the dispatcher could offer.
     Rejected,
     ShuttingDown,
+    /// No GPU server can take the request: the one it was queued for or
+    /// running on was lost (the message names it and why) and no other
+    /// can meet its deadline, or none is up. Sent at once, not at the
+    /// deadline.
+    Unavailable,
     /// The server does not offer what was asked (a data path it does not serve).
     Unsupported,
     Internal,
@@ -42,6 +47,7 @@ impl ErrorCode {
             ErrorCode::DeadlineExceeded => "deadline_exceeded",
             ErrorCode::Rejected => "rejected",
             ErrorCode::ShuttingDown => "shutting_down",
+            ErrorCode::Unavailable => "unavailable",
             ErrorCode::Unsupported => "unsupported",
             ErrorCode::Internal => "internal",
         }
@@ -688,6 +694,8 @@ mod tests {
             DeadlineExceeded,
             Rejected,
             ShuttingDown,
+            Unavailable,
+            Unsupported,
             Internal,
         ] {
             assert_eq!(serde_json::to_value(c).unwrap(), c.as_str());

@@ -8,10 +8,13 @@
 //! explicit status, prefetch, evict, start or stop training.
 //!
 //! **Invariant:** every submitted request ends in exactly one `Send` that
-//! is later `complete`d or failed by [`Dispatcher::runtime_down`], or in
-//! exactly one `Fail`. Nothing is dropped silently.
+//! is later `complete`d, or in exactly one `Fail`. Nothing is dropped
+//! silently. A `Send` to a runtime that [`Dispatcher::runtime_down`] then
+//! reports lost is void: the request is sent again elsewhere (at most once
+//! after it was in flight) or failed `unavailable`.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 
 use distmind_common::proto::{
     DispatchInfo, ErrorCode, ErrorReply, GpuAssignment, GpuRole, RuntimeSnapshot, ServePath,
@@ -169,6 +172,11 @@ pub struct DispatchCounters {
     pub deadline_exceeded: u64,
     pub failed_other: u64,
     pub busy: u64,
+    /// Failed `unavailable`: their GPU server was lost and no other could
+    /// take them in time.
+    pub unavailable: u64,
+    /// Requests in flight on a lost GPU server sent again elsewhere.
+    pub retried: u64,
     pub prefetches: u64,
     pub evictions: u64,
 }
@@ -184,6 +192,12 @@ struct Req {
     at: Where,
     gpu: Option<usize>,
     sent_at: Option<Micros>,
+    /// Set when the loss of a runtime moved it: "runtime N (why)". Routing
+    /// that finds no GPU for it fails it `unavailable` with this reason.
+    displaced: Option<Arc<str>>,
+    /// It was in flight on a lost runtime and was sent again: a second
+    /// loss fails it.
+    retried: bool,
 }
 
 /// A GPU's resident models, most recently used first, with a set beside
@@ -288,6 +302,10 @@ struct HostState {
     cached: IdSet<u32>,
     cache_bytes: u64,
     link_up: bool,
+    /// Why its runtime was lost, from [`Dispatcher::runtime_down`] until
+    /// its link is up again. A runtime whose link is not up yet and was
+    /// never lost is starting: requests may wait for it, not for a lost one.
+    lost: Option<String>,
 }
 
 #[derive(Debug)]
@@ -554,21 +572,26 @@ impl Dispatcher {
     pub fn link_up(&mut self, runtime: u32) {
         if let Some(h) = self.hosts.get_mut(&runtime) {
             h.link_up = true;
+            h.lost = None;
         }
         for g in self.gpus.iter_mut().filter(|g| g.gpu.runtime == runtime) {
             g.link_up = true;
         }
     }
 
-    /// The runtime is gone (dead, restarted, its link broke): requests
-    /// outstanding there fail explicitly; requests queued for its GPUs are
-    /// routed again.
+    /// The runtime is gone (dead, restarted, its link broke), `why` says
+    /// how. Every request it held moves at once, earliest deadline first:
+    /// those queued for its GPUs are routed again, those in flight there
+    /// (inference is idempotent) are sent again once, each to a GPU that
+    /// can still meet its deadline; the rest fail `unavailable`, naming
+    /// the runtime and why. Nothing waits for a GPU that is gone.
     pub fn runtime_down(&mut self, now: Micros, runtime: u32, why: &str, out: &mut Vec<Action>) {
         if let Some(h) = self.hosts.get_mut(&runtime) {
             h.link_up = false;
             h.cached.clear();
+            h.lost = Some(why.to_string());
         }
-        let mut requeue = Vec::new();
+        let mut moved = Vec::new();
         for gi in 0..self.gpus.len() {
             if self.gpus[gi].gpu.runtime != runtime {
                 continue;
@@ -576,41 +599,117 @@ impl Dispatcher {
             self.resident_replace(gi, Vec::new());
             let g = &mut self.gpus[gi];
             g.link_up = false;
-            requeue.extend(g.queue.drain());
+            moved.extend(g.queue.drain());
             g.outstanding = 0;
             g.busy_until = now;
             g.training = None;
+            g.prefetching = false;
         }
-        let gpu_idx: HashSet<usize> = self
-            .gpus
-            .iter()
-            .enumerate()
-            .filter(|(_, g)| g.gpu.runtime == runtime)
-            .map(|(i, _)| i)
-            .collect();
-        let lost: Vec<ReqId> = self
-            .reqs
-            .iter()
-            .filter(|(_, r)| r.sent_at.is_some() && r.gpu.is_some_and(|i| gpu_idx.contains(&i)))
-            .map(|(&id, _)| id)
-            .collect();
-        for id in lost {
-            let r = self.take(id).expect("listed above");
-            let message = format!(
-                "request for {} was running on runtime {runtime} and is lost: {why}; retry it",
-                self.models[r.model as usize].meta.name
-            );
-            self.fail(id, ErrorCode::Internal, message, out);
-        }
+        moved.extend(
+            self.reqs
+                .iter()
+                .filter(|(_, r)| {
+                    r.sent_at.is_some()
+                        && r.gpu.is_some_and(|gi| self.gpus[gi].gpu.runtime == runtime)
+                })
+                .map(|(&id, _)| id),
+        );
         self.training_started.retain(|g| g.runtime != runtime);
-        for id in requeue {
-            if let Some(mut r) = self.reqs.remove(&id) {
-                if let Some(gi) = r.gpu.take() {
-                    self.unbind_gpu(gi, r.model);
-                }
-                self.route(now, id, r, out);
+        let reason: Arc<str> = Arc::from(format!("runtime {runtime} was lost ({why})"));
+        let mut moved: Vec<(Micros, ReqId, Req)> = moved
+            .into_iter()
+            .filter_map(|id| Some((id, self.take(id)?)))
+            .map(|(id, r)| (r.deadline, id, r))
+            .collect();
+        moved.sort_unstable_by_key(|&(deadline, id, _)| (deadline, id));
+        for (_, id, mut r) in moved {
+            let name = &self.models[r.model as usize].meta.name;
+            if r.sent_at.is_some() && r.retried {
+                let message = format!(
+                    "request for {name} was lost twice: {reason} while it ran there, after a first \
+                     GPU server was lost"
+                );
+                self.fail(id, ErrorCode::Unavailable, message, out);
+                continue;
+            }
+            let was_in_flight = r.sent_at.take().is_some();
+            r.retried |= was_in_flight;
+            r.displaced = Some(reason.clone());
+            r.gpu = None;
+            self.reroute(now, id, r, out);
+            if was_in_flight && self.reqs.contains_key(&id) {
+                self.counters.retried += 1;
             }
         }
+        // With every GPU server lost, requests waiting for a GPU would
+        // only wait out their deadline.
+        if let Some(why) = self.every_gpu_lost() {
+            for id in std::mem::take(&mut self.pending) {
+                if let Some(r) = self.take(id) {
+                    let message = format!(
+                        "request for {}: {why}",
+                        self.models[r.model as usize].meta.name
+                    );
+                    self.fail(id, ErrorCode::Unavailable, message, out);
+                }
+            }
+        }
+    }
+
+    /// Routes a request that the loss of a runtime moved, or fails it
+    /// `unavailable` when no GPU can meet its deadline: under `slo` the
+    /// admission test decides (its rejection becomes `unavailable`, see
+    /// [`Self::route_slo`]); the balancers have no admission test, so a
+    /// request that cannot finish in time even where its model is resident
+    /// fails here, and the others route as usual.
+    fn reroute(&mut self, now: Micros, id: ReqId, r: Req, out: &mut Vec<Action>) {
+        if self.cfg.policy != PolicyKind::Slo {
+            let meta = &self.models[r.model as usize].meta;
+            let best = self.cost.estimate(r.model, meta, Where::Resident);
+            if now + best > r.deadline {
+                let message = format!(
+                    "request for {}: {}, and {:.0} ms are left of its {:.0} ms SLO, less than \
+                     the {:.1} ms it takes where its model is resident",
+                    meta.name,
+                    r.displaced.as_deref().unwrap_or("its GPU server was lost"),
+                    r.deadline.saturating_sub(now) as f64 / 1e3,
+                    r.slo_ms,
+                    best as f64 / 1e3
+                );
+                self.fail(id, ErrorCode::Unavailable, message, out);
+                return;
+            }
+        }
+        self.route(now, id, r, out);
+    }
+
+    /// When GPUs are known and the runtime of every one of them is lost
+    /// (not merely starting), why: "no GPU server is available: runtime 0
+    /// was lost (why); ...". `None` otherwise.
+    fn every_gpu_lost(&self) -> Option<String> {
+        if self.gpus.is_empty() {
+            return None;
+        }
+        let mut lost = Vec::new();
+        for g in &self.gpus {
+            if g.link_up {
+                return None;
+            }
+            match self
+                .hosts
+                .get(&g.gpu.runtime)
+                .and_then(|h| h.lost.as_deref())
+            {
+                Some(why) => lost.push((g.gpu.runtime, why)),
+                None => return None,
+            }
+        }
+        lost.dedup_by_key(|(runtime, _)| *runtime);
+        let each: Vec<String> = lost
+            .iter()
+            .map(|(runtime, why)| format!("runtime {runtime} was lost ({why})"))
+            .collect();
+        Some(format!("no GPU server is available: {}", each.join("; ")))
     }
 
     // ------------------------------------------------------------------
@@ -641,6 +740,7 @@ impl Dispatcher {
             ErrorCode::Rejected => c.rejected += 1,
             ErrorCode::DeadlineExceeded => c.deadline_exceeded += 1,
             ErrorCode::Busy => c.busy += 1,
+            ErrorCode::Unavailable => c.unavailable += 1,
             _ => c.failed_other += 1,
         }
         out.push(Action::Fail {
@@ -691,6 +791,8 @@ impl Dispatcher {
             at: Where::Remote,
             gpu: None,
             sent_at: None,
+            displaced: None,
+            retried: false,
         };
         self.route(now, id, r, out);
         id
@@ -733,7 +835,14 @@ impl Dispatcher {
             PolicyKind::DistMind | PolicyKind::Mps | PolicyKind::Ray | PolicyKind::Gpu => {
                 self.reqs.insert(id, r);
                 if self.route_balanced(now, id, out) != Routed::Sent {
-                    if self.pending.len() >= PENDING_MAX {
+                    if let Some(why) = self.every_gpu_lost() {
+                        let r = self.take(id).expect("inserted above");
+                        let message = format!(
+                            "request for {}: {why}",
+                            self.models[r.model as usize].meta.name
+                        );
+                        self.fail(id, ErrorCode::Unavailable, message, out);
+                    } else if self.pending.len() >= PENDING_MAX {
                         let r = self.take(id).expect("inserted above");
                         let message = format!(
                             "request for {}: {PENDING_MAX} requests already wait for a GPU; retry later",
@@ -789,18 +898,41 @@ impl Dispatcher {
             }
         }
         let Some((finish, at, gi, service)) = best else {
-            let why = match earliest {
-                None => "no GPU server is available".to_string(),
-                Some(f) => format!(
-                    "the earliest any GPU could finish it is {:.1} ms after arrival",
-                    (f - now) as f64 / 1e3
+            // A request the loss of a runtime moved, or one that finds no
+            // GPU server up, is `unavailable` (the loss is the cause);
+            // otherwise no GPU can meet its deadline: `rejected`.
+            let (code, message) = match (earliest, &r.displaced) {
+                (None, _) => (
+                    ErrorCode::Unavailable,
+                    format!(
+                        "request for {}: {}",
+                        meta.name,
+                        self.every_gpu_lost()
+                            .unwrap_or_else(|| "no GPU server is available".to_string())
+                    ),
+                ),
+                (Some(f), Some(lost)) => (
+                    ErrorCode::Unavailable,
+                    format!(
+                        "request for {}: {lost}, and no other GPU can meet its {:.0} ms SLO (the \
+                         earliest would finish {:.1} ms after it arrived)",
+                        meta.name,
+                        r.slo_ms,
+                        (f - r.arrival) as f64 / 1e3
+                    ),
+                ),
+                (Some(f), None) => (
+                    ErrorCode::Rejected,
+                    format!(
+                        "request for {} rejected: it cannot meet its {:.0} ms SLO (the earliest \
+                         any GPU could finish it is {:.1} ms after arrival)",
+                        meta.name,
+                        r.slo_ms,
+                        (f - now) as f64 / 1e3
+                    ),
                 ),
             };
-            let message = format!(
-                "request for {} rejected: it cannot meet its {:.0} ms SLO ({why})",
-                meta.name, r.slo_ms
-            );
-            self.fail(id, ErrorCode::Rejected, message, out);
+            self.fail(id, code, message, out);
             return;
         };
         r.est_finish = finish;

@@ -44,6 +44,7 @@ pub struct DispatchMetrics {
     queued: Gauge,
     held_bytes: Gauge,
     rejected: Counter,
+    retried: Gauge,
     prefetches: Gauge,
     evictions: Gauge,
     pub runtimes_alive: Gauge,
@@ -83,6 +84,7 @@ impl DispatchMetrics {
             queued: Gauge::default(),
             held_bytes: Gauge::default(),
             rejected: Counter::default(),
+            retried: Gauge::default(),
             prefetches: Gauge::default(),
             evictions: Gauge::default(),
             runtimes_alive: Gauge::default(),
@@ -133,8 +135,13 @@ impl DispatchMetrics {
             );
             r.register(
                 "held_input_bytes",
-                "Input bytes of requests not yet sent",
+                "Input bytes of requests not yet answered",
                 m.held_bytes.clone(),
+            );
+            r.register(
+                "retried",
+                "Requests in flight on a lost GPU server sent again to another, since start",
+                m.retried.clone(),
             );
             r.register(
                 "prefetches",
@@ -200,6 +207,7 @@ impl DispatchMetrics {
         self.in_flight.set(d.in_flight() as i64);
         self.queued.set(d.queued() as i64);
         self.held_bytes.set(held_bytes as i64);
+        self.retried.set(c.retried as i64);
         self.prefetches.set(c.prefetches as i64);
         self.evictions.set(c.evictions as i64);
     }

@@ -48,7 +48,7 @@ pub const CLIENT_IN_FLIGHT_MAX: usize = 256;
 const EVENTS_MAX: usize = 16_384;
 /// Messages waiting to be written to one runtime.
 const LINK_QUEUE_MAX: usize = 4096;
-/// Input bytes the dispatcher holds for requests not yet sent.
+/// Input bytes the dispatcher holds for requests not yet answered.
 pub const HELD_INPUT_BYTES_MAX: u64 = 1 << 30;
 /// How often the core re-reads the runtime registry and runs the policy.
 const TICK: Duration = Duration::from_millis(50);
@@ -102,14 +102,16 @@ enum Event {
 }
 
 enum LinkMsg {
-    Request(RuntimeRequest, Option<Vec<u8>>),
+    Request(RuntimeRequest, Option<Arc<Vec<u8>>>),
 }
 
 struct Inflight {
     client: mpsc::Sender<Outgoing>,
     client_id: u64,
     trace: bool,
-    input: Option<Vec<u8>>,
+    /// Kept until the request is answered: a request in flight on a
+    /// runtime that is lost is sent again elsewhere.
+    input: Arc<Vec<u8>>,
     permit: Option<OwnedSemaphorePermit>,
     model: String,
 }
@@ -117,6 +119,15 @@ struct Inflight {
 struct Link {
     boot_id: u64,
     tx: mpsc::Sender<LinkMsg>,
+    /// The link's task: a link given up (its runtime stopped heartbeating)
+    /// may be stuck writing to a host that vanished; dropping it ends it.
+    task: tokio::task::AbortHandle,
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 /// The dispatcher's tasks; see the module docs.
@@ -257,9 +268,14 @@ impl CoreTask {
         let now = self.now();
         let wall = Instant::now();
         // Snapshots are cloned out of the registry only when new.
-        let views = lock(&self.state)
-            .runtimes()
-            .live_newer(wall, |id| self.d.snapshot_seq(id));
+        let (views, dead_after) = {
+            let s = lock(&self.state);
+            let r = s.runtimes();
+            (
+                r.live_newer(wall, |id| self.d.snapshot_seq(id)),
+                r.dead_after(),
+            )
+        };
         let live: HashMap<u32, u64> = views.iter().map(|v| (v.id, v.boot_id)).collect();
         // Runtimes that died or restarted: their links go.
         let gone: Vec<u32> = self
@@ -268,14 +284,18 @@ impl CoreTask {
             .filter(|(id, l)| live.get(id) != Some(&l.boot_id))
             .map(|(&id, _)| id)
             .collect();
+        // A host that vanishes silently (no reset, no FIN) is noticed here:
+        // within the registry's dead-after (3 heartbeat intervals) plus a
+        // tick. A closed or reset connection is noticed at once (LinkDown).
         for id in gone {
             self.links.remove(&id);
-            self.d.runtime_down(
-                now,
-                id,
-                "it stopped heartbeating or restarted",
-                &mut self.actions,
-            );
+            self.controls.retain(|_, (g, _)| g.runtime != id);
+            let why = if live.contains_key(&id) {
+                "it restarted".to_string()
+            } else {
+                format!("it sent no heartbeat for over {dead_after:?}")
+            };
+            self.d.runtime_down(now, id, &why, &mut self.actions);
         }
         for v in &views {
             self.d.runtime_seen(
@@ -293,18 +313,20 @@ impl CoreTask {
             }
             if let std::collections::hash_map::Entry::Vacant(slot) = self.links.entry(v.id) {
                 let (tx, rx) = mpsc::channel(LINK_QUEUE_MAX);
-                slot.insert(Link {
-                    boot_id: v.boot_id,
-                    tx,
-                });
-                tokio::spawn(link(
+                let task = tokio::spawn(link(
                     v.id,
                     v.boot_id,
                     v.addr.clone(),
                     self.key.clone(),
                     rx,
                     self.events.clone(),
-                ));
+                ))
+                .abort_handle();
+                slot.insert(Link {
+                    boot_id: v.boot_id,
+                    tx,
+                    task,
+                });
             }
         }
         self.d.tick(now, &mut self.actions);
@@ -365,7 +387,7 @@ impl CoreTask {
                         client,
                         client_id,
                         trace,
-                        input: Some(input),
+                        input: Arc::new(input),
                         permit: Some(permit),
                         model,
                     },
@@ -452,6 +474,7 @@ impl CoreTask {
             log::debug!("dispatcher: reply for unknown request {id} from runtime {runtime}");
             return;
         };
+        self.held_bytes -= f.input.len() as u64;
         let (completion, code) = match &reply {
             RuntimeReply::Output {
                 timing, resident, ..
@@ -519,11 +542,10 @@ impl CoreTask {
                     model,
                     budget_ms,
                 } => {
-                    let Some(f) = self.inflight.get_mut(&req) else {
+                    let Some(f) = self.inflight.get(&req) else {
                         continue;
                     };
-                    let input = f.input.take().unwrap_or_default();
-                    self.held_bytes -= input.len() as u64;
+                    let input = f.input.clone();
                     let msg = LinkMsg::Request(
                         RuntimeRequest::Infer {
                             id: req,
@@ -536,11 +558,19 @@ impl CoreTask {
                         },
                         Some(input),
                     );
-                    if let Err(why) = self.send_link(gpu.runtime, msg) {
-                        let now = self.now();
-                        self.d
-                            .complete(now, req, &Completion::default(), &mut self.actions);
-                        self.fail(req, ErrorReply::new(ErrorCode::Internal, why));
+                    match self.send_link(gpu.runtime, msg) {
+                        Ok(()) => {}
+                        // The link's task ended after queueing its LinkDown
+                        // (it closes its queue only on return): the request
+                        // is in flight on a lost runtime, which `runtime_down`
+                        // settles when that event arrives.
+                        Err(SendError::Closed) => {}
+                        Err(SendError::NoLink(why) | SendError::Full(why)) => {
+                            let now = self.now();
+                            self.d
+                                .complete(now, req, &Completion::default(), &mut self.actions);
+                            self.fail(req, ErrorReply::new(ErrorCode::Internal, why));
+                        }
                     }
                 }
                 Action::Fail { req, error } => self.fail(req, error),
@@ -603,15 +633,15 @@ impl CoreTask {
         id
     }
 
-    fn send_link(&mut self, runtime: u32, msg: LinkMsg) -> Result<(), String> {
+    fn send_link(&mut self, runtime: u32, msg: LinkMsg) -> Result<(), SendError> {
         let Some(l) = self.links.get(&runtime) else {
-            return Err(format!("no link to runtime {runtime}"));
+            return Err(SendError::NoLink(format!("no link to runtime {runtime}")));
         };
         l.tx.try_send(msg).map_err(|e| match e {
-            mpsc::error::TrySendError::Full(_) => format!(
+            mpsc::error::TrySendError::Full(_) => SendError::Full(format!(
                 "the link to runtime {runtime} has {LINK_QUEUE_MAX} messages waiting; it is not keeping up"
-            ),
-            mpsc::error::TrySendError::Closed(_) => format!("the link to runtime {runtime} is closed"),
+            )),
+            mpsc::error::TrySendError::Closed(_) => SendError::Closed,
         })
     }
 
@@ -619,9 +649,7 @@ impl CoreTask {
         let Some(mut f) = self.inflight.remove(&req) else {
             return;
         };
-        if let Some(input) = f.input.take() {
-            self.held_bytes -= input.len() as u64;
-        }
+        self.held_bytes -= f.input.len() as u64;
         self.metrics.finished(&f.model, Err(error.code));
         let _ = f.client.try_send(Outgoing {
             reply: RuntimeReply::Error {
@@ -632,6 +660,16 @@ impl CoreTask {
             permit: f.permit.take(),
         });
     }
+}
+
+/// Why a message could not be queued on a runtime's link.
+enum SendError {
+    /// No link to that runtime (never linked, or given up).
+    NoLink(String),
+    /// Its queue is full: the runtime is not keeping up.
+    Full(String),
+    /// Its task ended, after queueing the LinkDown that says why.
+    Closed,
 }
 
 // ---------------------------------------------------------------------------
@@ -707,6 +745,9 @@ async fn link(
             }
         }
     });
+    // The reader goes with the link, however the link's task ends (aborted
+    // included): a host that vanished never closes the connection.
+    let _reader_guard = AbortOnDrop(reader.abort_handle());
     let why = loop {
         tokio::select! {
             r = &mut reader => break r.unwrap_or_else(|e| format!("reader task failed: {e}")),
@@ -715,7 +756,7 @@ async fn link(
                     reader.abort();
                     return; // the dispatcher dropped the link
                 };
-                if let Err(e) = write_request(&mut wr, &req, input.as_deref()).await {
+                if let Err(e) = write_request(&mut wr, &req, input.as_deref().map(Vec::as_slice)).await {
                     reader.abort();
                     break format!("cannot write to {addr}: {e}");
                 }
@@ -723,6 +764,15 @@ async fn link(
         }
     };
     let _ = events.send(down(why)).await;
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 async fn write_request<W: AsyncWrite + Unpin>(
