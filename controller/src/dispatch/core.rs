@@ -683,6 +683,11 @@ impl Dispatcher {
         self.route(now, id, r, out);
     }
 
+    /// Runtimes whose link is up: requests can be sent to their GPUs.
+    pub fn runtimes_linked(&self) -> usize {
+        self.hosts.values().filter(|h| h.link_up).count()
+    }
+
     /// When GPUs are known and the runtime of every one of them is lost
     /// (not merely starting), why: "no GPU server is available: runtime 0
     /// was lost (why); ...". `None` otherwise.

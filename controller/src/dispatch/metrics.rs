@@ -45,6 +45,7 @@ pub struct DispatchMetrics {
     held_bytes: Gauge,
     rejected: Counter,
     retried: Gauge,
+    runtimes_linked: Gauge,
     prefetches: Gauge,
     evictions: Gauge,
     pub runtimes_alive: Gauge,
@@ -85,6 +86,7 @@ impl DispatchMetrics {
             held_bytes: Gauge::default(),
             rejected: Counter::default(),
             retried: Gauge::default(),
+            runtimes_linked: Gauge::default(),
             prefetches: Gauge::default(),
             evictions: Gauge::default(),
             runtimes_alive: Gauge::default(),
@@ -142,6 +144,11 @@ impl DispatchMetrics {
                 "retried",
                 "Requests in flight on a lost GPU server sent again to another, since start",
                 m.retried.clone(),
+            );
+            r.register(
+                "runtimes_linked",
+                "GPU servers the dispatcher has a link to and may send requests to",
+                m.runtimes_linked.clone(),
             );
             r.register(
                 "prefetches",
@@ -208,6 +215,7 @@ impl DispatchMetrics {
         self.queued.set(d.queued() as i64);
         self.held_bytes.set(held_bytes as i64);
         self.retried.set(c.retried as i64);
+        self.runtimes_linked.set(d.runtimes_linked() as i64);
         self.prefetches.set(c.prefetches as i64);
         self.evictions.set(c.evictions as i64);
     }
