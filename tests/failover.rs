@@ -40,6 +40,7 @@ struct Cluster {
     runtimes: Vec<Proc>,
     metadata: String,
     client: String,
+    metrics: String,
     _dir: tempfile::TempDir,
 }
 
@@ -125,6 +126,7 @@ fn start(policy: &str, runtimes: usize, slower: f64, controller_args: &[&str]) -
         runtimes: rts,
         metadata,
         client,
+        metrics,
         _dir: dir,
     }
 }
@@ -381,6 +383,12 @@ fn runtime_id(c: &Cluster, addr: &str) -> u32 {
         .expect("registered")
 }
 
+/// Requests the dispatcher sent again after their GPU server was lost.
+fn retried(c: &Cluster) -> f64 {
+    let (_, text) = scrape(&c.metrics, "/metrics", Duration::from_secs(5)).unwrap();
+    sample_value(&text, "distmind_controller_retried", &[]).expect("the retried gauge")
+}
+
 /// Runs the load on `c`, killing `c.runtimes[victim]` (SIGKILL) on time.
 fn run_with_kill(
     c: &mut Cluster,
@@ -419,7 +427,11 @@ fn one_of_two_gpu_servers_killed_under_load_costs_nobody_their_slo() {
         };
         let (ended, killed_at) = run_with_kill(&mut c, &ms, victim, load);
         print_summary(
-            &format!("{policy}: runtime {victim_id} killed at {killed_at:?}"),
+            &format!(
+                "{policy}: runtime {victim_id} killed at {killed_at:?}, {} request(s) in flight \
+                 there sent again",
+                retried(&c)
+            ),
             &ended,
         );
         let sent = ended.len();

@@ -6,6 +6,12 @@
 //! [`MISSED_HEARTBEATS_DEAD`] heartbeat intervals is dead and a heartbeat
 //! brings it back; the same address with a new boot id is a restart. The
 //! dispatcher reads [`RuntimeRegistry::live`] every tick.
+//!
+//! Losing a runtime: the dispatcher notices a closed or reset link at once;
+//! a host that vanishes silently (no FIN, no reset: power, network) is
+//! noticed here, once [`RuntimeRegistry::dead_after`] passed without a
+//! heartbeat, within a dispatcher tick after that. That bound is the
+//! longest a request in flight there can wait before it is sent again.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
