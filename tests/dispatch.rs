@@ -458,7 +458,7 @@ fn the_client_port_refuses_bad_input_clearly_and_keeps_serving() {
     };
 
     // The dispatcher links to the runtime within a tick of its
-    // registration; until then requests are rejected ("no GPU server").
+    // registration; until then requests are refused ("no GPU server").
     let t0 = Instant::now();
     while let Err(e) = rc.infer_with(model, &input, InferOptions::default()) {
         assert!(t0.elapsed() < Duration::from_secs(20), "never served: {e}");

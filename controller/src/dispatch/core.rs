@@ -626,8 +626,8 @@ impl Dispatcher {
             let name = &self.models[r.model as usize].meta.name;
             if r.sent_at.is_some() && r.retried {
                 let message = format!(
-                    "request for {name} was lost twice: {reason} while it ran there, after a first \
-                     GPU server was lost"
+                    "request for {name}: {reason} while it ran there, and it had been sent there \
+                     again after another GPU server was lost; it is not sent a third time"
                 );
                 self.fail(id, ErrorCode::Unavailable, message, out);
                 continue;
@@ -695,7 +695,7 @@ impl Dispatcher {
         if self.gpus.is_empty() {
             return None;
         }
-        let mut lost = Vec::new();
+        let mut lost = BTreeMap::new();
         for g in &self.gpus {
             if g.link_up {
                 return None;
@@ -705,11 +705,10 @@ impl Dispatcher {
                 .get(&g.gpu.runtime)
                 .and_then(|h| h.lost.as_deref())
             {
-                Some(why) => lost.push((g.gpu.runtime, why)),
+                Some(why) => lost.insert(g.gpu.runtime, why),
                 None => return None,
-            }
+            };
         }
-        lost.dedup_by_key(|(runtime, _)| *runtime);
         let each: Vec<String> = lost
             .iter()
             .map(|(runtime, why)| format!("runtime {runtime} was lost ({why})"))
