@@ -508,3 +508,69 @@ fn the_only_gpu_server_killed_fails_its_requests_at_once_as_unavailable() {
         p.kill();
     }
 }
+
+#[test]
+fn a_gpu_server_that_hangs_silently_is_given_up_within_its_heartbeat_timeout() {
+    // SIGSTOP: the process keeps its connections open and answers
+    // nothing, as a host that lost power or its network would. Only the
+    // missed heartbeats tell: 3 intervals of the controller's 1 s default.
+    let dead_after = Duration::from_secs(3);
+    let mut c = start("slo", 2, 30.0, &[]);
+    let ms = models(&c);
+    let victim = busiest(&c, &ms);
+    let victim_id = runtime_id(&c, &c.runtimes[victim].addr);
+    let pid = c.runtimes[victim].pid();
+    let load = Load {
+        rate: 100.0,
+        duration: Duration::from_secs(6),
+        slo_ms: 200,
+        kill_after: Duration::from_millis(1000),
+    };
+    let (ended, stopped_at) = {
+        let Cluster { client, .. } = &c;
+        poisson(client, &ms, load, || {
+            let ok = std::process::Command::new("kill")
+                .args(["-STOP", &pid.to_string()])
+                .status()
+                .is_ok_and(|s| s.success());
+            assert!(ok, "kill -STOP {pid}");
+        })
+    };
+    print_summary(
+        &format!(
+            "slo: runtime {victim_id} stopped at {stopped_at:?}, {} request(s) in flight there sent again",
+            retried(&c)
+        ),
+        &ended,
+    );
+    let sent = ended.len();
+    // Bounded: no request waited longer than its SLO plus the heartbeat
+    // timeout (and a generous margin for a loaded test machine).
+    assert_accounted(
+        &ended,
+        sent,
+        load.slo_ms,
+        dead_after + Duration::from_secs(1),
+    );
+    for e in ended.iter().filter(|e| e.outcome == "unavailable") {
+        assert!(
+            e.message.contains(&format!("runtime {victim_id} was lost")),
+            "{}",
+            e.message
+        );
+    }
+    // Once given up, the hung server gets nothing and the other serves.
+    let given_up = stopped_at + dead_after + Duration::from_secs(1);
+    let after: Vec<&Ended> = ended.iter().filter(|e| e.sent_at > given_up).collect();
+    assert!(!after.is_empty());
+    assert!(after.iter().all(|e| e.runtime != Some(victim_id)));
+    let ok_after = after.iter().filter(|e| e.outcome == "ok").count();
+    assert!(
+        ok_after * 2 > after.len(),
+        "{ok_after} of {} served once the hung server was given up",
+        after.len()
+    );
+    for p in c.procs.iter_mut().chain(&mut c.runtimes) {
+        p.kill();
+    }
+}
