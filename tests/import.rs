@@ -313,6 +313,48 @@ fn half_precision_checkpoints_stay_half() {
     }
 }
 
+/// A checkpoint mixing F16 and F32 parameters is stored as f32, every value
+/// widened exactly, and the importer says why.
+#[test]
+fn a_checkpoint_mixing_dtypes_is_widened_and_says_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    let r = Reference::open(golden("resnet152_f16"));
+    let mut tensors = load(&r.dir.join("model.safetensors"));
+    let fc = tensors.get_mut("fc.weight").unwrap();
+    let wide: Vec<u8> = fc
+        .data
+        .chunks_exact(2)
+        .flat_map(|c| {
+            distmind_models::dtype::f16_to_f32(u16::from_le_bytes([c[0], c[1]])).to_le_bytes()
+        })
+        .collect();
+    fc.dtype = safetensors::Dtype::F32;
+    fc.data = wide;
+    let mixed = Reference {
+        dir: tmp.path().join("mixed"),
+        meta: r.meta.clone(),
+    };
+    std::fs::create_dir_all(&mixed.dir).unwrap();
+    save(&tensors, &mixed.dir.join("model.safetensors"));
+    std::fs::copy(r.dir.join("input.npy"), mixed.dir.join("input.npy")).unwrap();
+    std::fs::copy(r.dir.join("output.npy"), mixed.dir.join("output.npy")).unwrap();
+    let out = tmp.path().join("pkg");
+    let args = mixed.import_args(&out);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let stderr =
+        String::from_utf8_lossy(&ok_output(distmind(&args), "mixed import").stderr).into_owned();
+    assert!(
+        stderr.contains("stored as f32 (from F16 + F32, widened exactly: mixed dtypes)"),
+        "{stderr}"
+    );
+    let m = read_json(&out.join("manifest.json"));
+    assert_eq!(m["param_dtype"], "F32");
+    assert_eq!(m["origin"]["converted_to_f32"], true);
+    // Same values as PyTorch's: the f32 package computes its outputs.
+    let _ = std::fs::remove_dir_all(&out);
+    mixed.check(tmp.path(), "mixed");
+}
+
 /// A half-precision package computes what PyTorch computes in f32 with the
 /// half weights widened: `distmind infer --executor cpu` on the kept-half
 /// import against PyTorch's outputs, to the f32 tolerance.

@@ -21,6 +21,34 @@
 //! Widening is exact for every value: bf16 is the top half of an f32 (a
 //! shift), and every f16, subnormals, infinities and NaN payloads included,
 //! is an f32 value.
+//!
+//! An upload of every group into a device arena, as a host-side executor
+//! does it:
+//!
+//! ```
+//! use distmind_models::{dtype, generate, Family, GenOptions, Package, ParamDtype, Scale};
+//!
+//! let dir = tempfile::tempdir().unwrap();
+//! let opts = GenOptions {
+//!     scale: Scale::Tiny,
+//!     dtype: ParamDtype::BF16,
+//!     ..GenOptions::new(Family::Resnet152, dir.path())
+//! };
+//! let pkg = Package::open(&generate(&opts).unwrap()[0]).unwrap();
+//! let m = &pkg.manifest;
+//! let mut arena = vec![0u8; m.device_bytes() as usize]; // twice m.stored_bytes
+//! for (g, group) in m.groups.iter().enumerate() {
+//!     let stored = pkg.group_bytes(g).unwrap(); // what memory servers send
+//!     let at = group.device_offset(m.param_dtype) as usize;
+//!     let len = group.device_bytes(m.param_dtype) as usize;
+//!     dtype::widen_to_le_bytes(m.param_dtype, &stored, &mut arena[at..at + len]);
+//! }
+//! // Every param is now f32 at its device offset.
+//! let p = &m.params[0];
+//! let at = m.device_param_offset(p) as usize;
+//! let first = f32::from_le_bytes(arena[at..at + 4].try_into().unwrap());
+//! assert_eq!(first, pkg.param_f32(&p.name).unwrap()[0]);
+//! ```
 
 use std::fmt;
 use std::str::FromStr;
