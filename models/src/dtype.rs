@@ -240,8 +240,13 @@ fn widen_u16_to_bytes_with(src: &[u8], dst: &mut [u8], f: impl Fn(u16) -> f32 + 
     for (s, d) in (&mut s).zip(&mut d) {
         let s: &[u8; 2 * BLOCK] = s.try_into().expect("exact chunk");
         let d: &mut [u8; 4 * BLOCK] = d.try_into().expect("exact chunk");
-        for i in 0..BLOCK {
-            let v = f(u16::from_le_bytes([s[2 * i], s[2 * i + 1]])).to_bits();
+        // Widen the block into registers-sized bits first (the loop the f32
+        // destination vectorizes), then spread them into bytes.
+        let mut bits = [0u32; BLOCK];
+        for (i, b) in bits.iter_mut().enumerate() {
+            *b = f(u16::from_le_bytes([s[2 * i], s[2 * i + 1]])).to_bits();
+        }
+        for (i, v) in bits.into_iter().enumerate() {
             // Byte by byte with shifts: a pattern the compiler vectorizes.
             d[4 * i] = v as u8;
             d[4 * i + 1] = (v >> 8) as u8;
