@@ -106,7 +106,9 @@ fn input(pkg: &Package) -> HostTensor {
     let n: usize = shape.iter().product();
     HostTensor::f32(
         shape,
-        (0..n).map(|k| ((k * 37 % 101) as f32 / 50.0) - 1.0).collect(),
+        (0..n)
+            .map(|k| ((k * 37 % 101) as f32 / 50.0) - 1.0)
+            .collect(),
     )
 }
 
@@ -163,7 +165,10 @@ fn two_devices_fetch_two_cold_models_at_once() {
     let mut cc = ControllerClient::connect(&controller, &key(), TIMEOUT).unwrap();
     let deadline = Instant::now() + TIMEOUT;
     while !cc.list_memservers().unwrap().iter().any(|m| m.alive) {
-        assert!(Instant::now() < deadline, "the memory server never registered");
+        assert!(
+            Instant::now() < deadline,
+            "the memory server never registered"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
     for p in &pkgs {

@@ -30,10 +30,10 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 use distmind_common::handshake::ClusterKey;
+use distmind_common::proto::ModelEntry;
 use distmind_common::settings::{TransportKind, FABRIC_PROVIDER_DEFAULT};
 use distmind_controller::ControllerClient;
 use distmind_models::{Family, Package, Scale};
-use distmind_common::proto::ModelEntry;
 use distmind_runtime::{fetch_model, Destination, FetchOptions, Peers};
 use distmind_transport::tcp::{TcpOptions, TcpTransport};
 use distmind_transport::{HostBuffer, HugePages, RegionId, Transport};
@@ -444,8 +444,7 @@ mod fabric {
     use serde::Serialize;
 
     use super::{
-        capacity, deploy_all, fetch_gbps, machine_line, median, sources, LocalCluster,
-        TransferArgs,
+        capacity, deploy_all, fetch_gbps, machine_line, median, sources, LocalCluster, TransferArgs,
     };
 
     /// Bytes per `fi_read` of the raw loop.

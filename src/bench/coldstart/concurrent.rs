@@ -54,6 +54,11 @@ pub struct ConcurrentRow {
     pub aggregate_transfer_ratio: f64,
     /// First request to the last device's reply, ms.
     pub concurrent_served_ms: f64,
+    /// First request to each model's group 0 in host memory (when its
+    /// device can start computing), mean over the N models, ms.
+    pub concurrent_group0_ms: f64,
+    /// The same with the fills one after another (`--serial`).
+    pub serial_group0_ms: Option<f64>,
     /// The same N models filled one after another (`--serial`).
     pub serial_gbps: Option<f64>,
     pub serial_transfer_ratio: Option<f64>,
@@ -142,7 +147,7 @@ pub fn run(
         "{n} devices cold-start {n} different models at once through one host cache and one tcp \
          transport from {servers} memory servers; transfer: one verified fetch of one of the models \
          (bench transfer's `verified`); aggregate: the N models' bytes over first request to last \
-         model in host memory{}",
+         model in host memory; group0: mean time to each model's first group in host memory{}",
         if args.serial {
             "; serial: the same fills one after another"
         } else {
@@ -150,7 +155,7 @@ pub fn run(
         }
     );
     println!(
-        "{:<13} {:<10} {:>6} {:>10} {:>10} {:>11} {:>9} {:>10} {:>9} {:>9} {:>9}",
+        "{:<13} {:<10} {:>6} {:>8} {:>9} {:>10} {:>7} {:>9} {:>9} {:>7} {:>8} {:>9} {:>9}",
         "family",
         "link",
         "models",
@@ -158,10 +163,12 @@ pub fn run(
         "transfer",
         "concurrent",
         "ratio",
+        "group0 ms",
         "served ms",
         "serial",
         "ratio",
-        "conc/ser"
+        "conc/ser",
+        "group0 ms"
     );
     let limit = match &emulated {
         Some(e) => Some(e.loopback_bytes_per_s()),
@@ -179,7 +186,7 @@ pub fn run(
     for pkgs in &packages {
         let row = setup.measure(pkgs)?;
         println!(
-            "{:<13} {:<10} {:>6} {:>10.1} {:>10.2} {:>11.2} {:>9.3} {:>10.1} {:>9} {:>9} {:>9}",
+            "{:<13} {:<10} {:>6} {:>8.1} {:>9.2} {:>10.2} {:>7.3} {:>9.1} {:>9.1} {:>7} {:>8} {:>9} {:>9}",
             row.family,
             row.link,
             row.models,
@@ -187,10 +194,12 @@ pub fn run(
             row.transfer_gbps,
             row.concurrent_gbps,
             row.aggregate_transfer_ratio,
+            row.concurrent_group0_ms,
             row.concurrent_served_ms,
             opt(row.serial_gbps, 2),
             opt(row.serial_transfer_ratio, 3),
             opt(row.serial_gbps.map(|s| row.concurrent_gbps / s), 3),
+            opt(row.serial_group0_ms, 1),
         );
         rows.push(row);
     }
@@ -288,7 +297,10 @@ impl Setup<'_> {
 
         let k = dilation(self.emulated.as_ref());
         let gbps = |bytes: u64, d: Duration| bytes as f64 / d.as_secs_f64() / 1e9 * k;
-        let (mut transfer, mut concurrent, mut served, mut serial) = (vec![], vec![], vec![], vec![]);
+        let (mut transfer, mut concurrent, mut served, mut serial) =
+            (vec![], vec![], vec![], vec![]);
+        let (mut group0, mut serial_group0) = (vec![], vec![]);
+        let ms = |d: Duration| d.as_secs_f64() * 1e3 / k;
         // Warm-up, not measured: both transports connect to every server.
         transfer::fetch_gbps(
             &transfer_t,
@@ -319,8 +331,9 @@ impl Setup<'_> {
                 for (p, e) in pkgs.iter().zip(&entries) {
                     cache_in(&cache, e, &p.manifest, &opts)?;
                 }
-                let done = last_in_host(&cache, pkgs)?;
+                let (g0, done) = in_host(&cache, pkgs)?;
                 serial.push(gbps(bytes, done.saturating_duration_since(started)));
+                serial_group0.push(mean_ms(&g0, started, ms));
             }
             forget();
             // Every device starts its request at once.
@@ -359,9 +372,10 @@ impl Setup<'_> {
             })?;
             let started = runs.iter().map(|r| r.0).min().expect("n >= 1");
             let last_reply = runs.iter().map(|r| r.1).max().expect("n >= 1");
-            let done = last_in_host(&cache, pkgs)?;
+            let (g0, done) = in_host(&cache, pkgs)?;
             concurrent.push(gbps(bytes, done.saturating_duration_since(started)));
-            served.push(last_reply.saturating_duration_since(started).as_secs_f64() * 1e3 / k);
+            group0.push(mean_ms(&g0, started, ms));
+            served.push(ms(last_reply.saturating_duration_since(started)));
         }
         forget();
         drop(cache);
@@ -383,6 +397,8 @@ impl Setup<'_> {
             concurrent_gbps: concurrent,
             aggregate_transfer_ratio: concurrent / transfer,
             concurrent_served_ms: median(served),
+            concurrent_group0_ms: median(group0),
+            serial_group0_ms: (!serial_group0.is_empty()).then(|| median(serial_group0)),
             serial_gbps: serial,
             serial_transfer_ratio: serial.map(|s| s / transfer),
         })
@@ -396,8 +412,10 @@ impl Setup<'_> {
     }
 }
 
-/// When the last group of any of `pkgs` became visible in the host cache.
-fn last_in_host(cache: &HostCache, pkgs: &[Package]) -> anyhow::Result<Instant> {
+/// When each of `pkgs` had its group 0 in the host cache, and when the last
+/// group of any of them became visible.
+fn in_host(cache: &HostCache, pkgs: &[Package]) -> anyhow::Result<(Vec<Instant>, Instant)> {
+    let mut group0 = Vec::with_capacity(pkgs.len());
     let mut last: Option<Instant> = None;
     for p in pkgs {
         let name = &p.manifest.name;
@@ -408,16 +426,29 @@ fn last_in_host(cache: &HostCache, pkgs: &[Package]) -> anyhow::Result<Instant> 
             let at = m
                 .ready_at(g)
                 .with_context(|| format!("{name} group {g} never became visible"))?;
+            if g == 0 {
+                group0.push(at);
+            }
             last = last.max(Some(at));
         }
     }
-    last.context("no model measured")
+    Ok((group0, last.context("no model measured")?))
+}
+
+/// Mean of `times` after `start`, in ms as `ms` reports them.
+fn mean_ms(times: &[Instant], start: Instant, ms: impl Fn(Duration) -> f64) -> f64 {
+    let sum: f64 = times
+        .iter()
+        .map(|t| ms(t.saturating_duration_since(start)))
+        .sum();
+    sum / times.len().max(1) as f64
 }
 
 /// The CSV columns of `--concurrent` with `--csv` (another file than the
 /// single-model rows).
 pub const CSV_HEADER: &str = "family,models,bytes,link,dilation,transfer_gbps,concurrent_gbps,\
-aggregate_transfer_ratio,concurrent_served_ms,serial_gbps,serial_transfer_ratio,executor";
+aggregate_transfer_ratio,concurrent_group0_ms,concurrent_served_ms,serial_gbps,serial_transfer_ratio,\
+serial_group0_ms,executor";
 
 fn append_csv(
     path: &std::path::Path,
@@ -429,7 +460,7 @@ fn append_csv(
     let mut text = String::new();
     for r in rows {
         text.push_str(&format!(
-            "{},{},{},{},{:.4},{:.4},{:.4},{:.4},{:.3},{},{},{executor}\n",
+            "{},{},{},{},{:.4},{:.4},{:.4},{:.4},{:.3},{:.3},{},{},{},{executor}\n",
             r.family,
             r.models,
             r.bytes,
@@ -438,9 +469,11 @@ fn append_csv(
             r.transfer_gbps,
             r.concurrent_gbps,
             r.aggregate_transfer_ratio,
+            r.concurrent_group0_ms,
             r.concurrent_served_ms,
             opt(r.serial_gbps),
             opt(r.serial_transfer_ratio),
+            opt(r.serial_group0_ms),
         ));
     }
     super::super::append_csv(path, CSV_HEADER, &text)
