@@ -490,9 +490,13 @@ mod tests {
         (entries, bytes)
     }
 
-    /// Records what a job said, tagged with the job's index.
+    /// A job's group (`Ok(g)`), report (`Ok(usize::MAX)`) or error, tagged
+    /// with the job's index.
+    type Event = (usize, Result<usize, String>);
+
+    /// Records what jobs said.
     #[derive(Clone, Default)]
-    struct Log(Arc<Mutex<Vec<(usize, Result<usize, String>)>>>);
+    struct Log(Arc<Mutex<Vec<Event>>>);
 
     struct Tagged(usize, Log);
 
