@@ -13,13 +13,13 @@
 //!   one fits. A model larger than the cache, or a cache whose models are all
 //!   in use, is a clear error naming the sizes.
 //! * [`HostCache::fill`] fetches a reserved model into its run through the
-//!   cache's fetch [`Engine`] (one thread per cache that owns the
-//!   transport's completions; fills of different models from different
-//!   threads run at once and share the links); each group becomes visible ([`CachedModel::group`],
-//!   [`CachedModel::wait_group`]) only once all its slices arrived and
-//!   verified. A failed fetch fails every group still pending (waiters get
-//!   the reason at once) and drops the model from the cache, so the next
-//!   request fetches it again.
+//!   cache's fetch engine ([`crate::fetch::engine`]: one thread per cache
+//!   that owns the transport's completions; fills of different models from
+//!   different threads run at once and share the links); each group becomes
+//!   visible ([`CachedModel::group`], [`CachedModel::wait_group`]) only once
+//!   all its slices arrived and verified. A failed fetch fails every group
+//!   still pending (waiters get the reason at once) and drops the model from
+//!   the cache, so the next request fetches it again.
 //! * A [`CachedModel`] is a pin: while one lives, the model's blocks are
 //!   neither evicted nor reused. [`HostCache::remove`] (cache-out) frees the
 //!   blocks at once, or when the last pin is dropped.

@@ -25,7 +25,7 @@ use super::job::{Job, Landed};
 use super::{FetchError, FetchOptions, FetchReport, Peers, POLL_STALL_LIMIT, READS_IN_FLIGHT_MIN};
 
 /// Fetch jobs waiting in an engine's channel; a full channel blocks the
-/// caller of [`Engine::submit`].
+/// thread that submits the next one (a host cache's fill).
 pub const JOBS_QUEUED_MAX: usize = 64;
 /// Jobs an engine runs at once (more wait in the channel).
 pub const JOBS_ACTIVE_MAX: usize = 64;
@@ -309,7 +309,7 @@ struct Submit {
 /// fetch into the region at once. Dropping it stops taking jobs, fails the
 /// jobs still held, waits for their reads in flight (up to
 /// [`POLL_STALL_LIMIT`]) and joins the thread.
-pub struct Engine {
+pub(crate) struct Engine {
     tx: Option<Sender<Submit>>,
     thread: Option<JoinHandle<bool>>,
     region_len: u64,

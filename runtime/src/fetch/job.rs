@@ -269,6 +269,8 @@ impl Job {
         self.in_flight -= 1;
         self.last_progress = now;
         match result {
+            // A failed job announces nothing more: its fill has failed.
+            Ok(()) if self.stopped => Landed::Pending,
             Ok(()) => {
                 let g = self.items[i].group;
                 self.remaining[g] -= 1;
@@ -500,7 +502,11 @@ mod tests {
         assert_eq!(j.landed(0, Err("lost too".into()), now), Landed::Failed);
         assert!(j.next().is_none(), "a failed job posts nothing more");
         assert!(!j.has_outcome(), "item 1 is still in flight");
-        assert_eq!(j.landed(1, Ok(()), now), Landed::GroupReady(1));
+        assert_eq!(
+            j.landed(1, Ok(()), now),
+            Landed::Pending,
+            "a failed job announces no group"
+        );
         let e = j.take_outcome(now).unwrap_err().to_string();
         assert!(
             e.contains("group 0") && e.contains("a: lost") && e.contains("b: lost too"),

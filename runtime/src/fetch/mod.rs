@@ -6,8 +6,8 @@
 //! * [`job`]: one model's fetch as a plain state machine (what to read next,
 //!   what a completion means, when a group is complete).
 //! * [`engine`]: the driver that posts the reads of many jobs on one
-//!   transport and routes completions by `wr_id`, and the [`Engine`] thread
-//!   a host cache runs it on, so that fetches of different models share the
+//!   transport and routes completions by `wr_id`, and the engine thread a
+//!   host cache runs it on, so that fetches of different models share the
 //!   links at once.
 //! * [`fetch_model`]: one job driven on the calling thread, for tools and
 //!   benches that own a transport.
@@ -31,7 +31,6 @@ use distmind_transport::{HostBuffer, PeerId, RegionId, Transport, TransportError
 pub mod engine;
 pub(crate) mod job;
 
-pub use engine::Engine;
 use engine::{Driver, JobSink};
 use job::Job;
 
@@ -176,7 +175,7 @@ pub struct Destination<'a> {
 /// in `dest`.
 ///
 /// This fetch must be the only user of `t`'s completions while it runs (a
-/// host cache's [`Engine`] runs many fetches at once instead).
+/// host cache's fetch engine runs many fetches at once instead).
 pub fn fetch_model(
     t: &dyn Transport,
     peers: &mut Peers,
