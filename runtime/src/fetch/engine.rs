@@ -1,6 +1,6 @@
-//! Running fetch jobs on a transport: the [`Driver`] posts the reads of
-//! every active [`Job`] and routes each completion back to its job by
-//! `wr_id`; the [`Engine`] is the long-lived thread of one host cache that
+//! Running fetch jobs on a transport: the `Driver` posts the reads of
+//! every active `Job` and routes each completion back to its job by
+//! `wr_id`; the `Engine` is the long-lived thread of one host cache that
 //! owns its transport's completions and runs a driver over the jobs it takes
 //! from a bounded channel.
 //!

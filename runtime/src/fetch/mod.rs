@@ -3,7 +3,7 @@
 //! checksummed when it lands, and a failed or corrupted read is retried on
 //! the slice's next replica.
 //!
-//! * [`job`]: one model's fetch as a plain state machine (what to read next,
+//! * `job`: one model's fetch as a plain state machine (what to read next,
 //!   what a completion means, when a group is complete).
 //! * [`engine`]: the driver that posts the reads of many jobs on one
 //!   transport and routes completions by `wr_id`, and the engine thread a
