@@ -12,12 +12,14 @@
 //!   bitmap, evicting least-recently-used models that no reader holds until
 //!   one fits. A model larger than the cache, or a cache whose models are all
 //!   in use, is a clear error naming the sizes.
-//! * [`HostCache::fill`] fetches a reserved model into its run with
-//!   [`fetch_model`]; each group becomes visible ([`CachedModel::group`],
-//!   [`CachedModel::wait_group`]) only once all its slices arrived and
-//!   verified. A failed fetch fails every group still pending (waiters get
-//!   the reason at once) and drops the model from the cache, so the next
-//!   request fetches it again.
+//! * [`HostCache::fill`] fetches a reserved model into its run through the
+//!   cache's fetch engine ([`crate::fetch::engine`]: one thread per cache
+//!   that owns the transport's completions; fills of different models from
+//!   different threads run at once and share the links); each group becomes
+//!   visible ([`CachedModel::group`], [`CachedModel::wait_group`]) only once
+//!   all its slices arrived and verified. A failed fetch fails every group
+//!   still pending (waiters get the reason at once) and drops the model from
+//!   the cache, so the next request fetches it again.
 //! * A [`CachedModel`] is a pin: while one lives, the model's blocks are
 //!   neither evicted nor reused. [`HostCache::remove`] (cache-out) frees the
 //!   blocks at once, or when the last pin is dropped.
@@ -27,19 +29,23 @@
 //! table; blocks freed with the last pin).
 //!
 //! Bounds: at most one model per block, so the tables are bounded by the
-//! block count; fetches into one cache are serialised (a fetch must be the
-//! only user of its transport's completions), each with the transport's
-//! bounded bytes in flight.
+//! block count; the engine holds at most
+//! [`JOBS_ACTIVE_MAX`](crate::fetch::engine::JOBS_ACTIVE_MAX) fills (more
+//! wait in its bounded channel) with bytes in flight bounded per memory
+//! server. Dropping the cache stops the engine once its reads in flight
+//! completed, then deregisters the buffer.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use crossbeam::channel;
 use distmind_common::proto::ModelEntry;
 use distmind_transport::{HostBuffer, HugePages, MemoryError, RegionId, Transport, TransportError};
 
-use crate::fetch::{fetch_model, Destination, FetchError, FetchOptions, FetchReport, Peers};
+use crate::fetch::engine::{Engine, JobSink};
+use crate::fetch::{FetchError, FetchOptions, FetchReport};
 
 /// Default size of the host cache.
 pub const CACHE_BYTES_DEFAULT: u64 = 4 << 30;
@@ -291,9 +297,6 @@ struct Inner {
     blocks: usize,
     transport: Arc<dyn Transport>,
     region: RegionId,
-    /// Fetches are serialised: `fetch_model` must be its transport's only
-    /// completion consumer. The lock also holds the peer connections.
-    fetch: Mutex<Peers>,
     table: Mutex<Table>,
     /// Bytes read by completed fills.
     fetched_bytes: AtomicU64,
@@ -313,6 +316,9 @@ impl Inner {
 /// between threads.
 pub struct HostCache {
     inner: Arc<Inner>,
+    /// Runs every fill; not in `Inner`, so that dropping the cache stops it
+    /// while pins may still be held.
+    engine: Engine,
 }
 
 impl HostCache {
@@ -365,6 +371,15 @@ impl HostCache {
             },
             transport.name()
         );
+        let engine = match Engine::start("host cache", transport.clone(), region, buf.clone()) {
+            Ok(e) => e,
+            Err(e) => {
+                let _ = transport.deregister(region);
+                return Err(CacheError::Config(format!(
+                    "starting the fetch engine thread: {e}"
+                )));
+            }
+        };
         Ok(HostCache {
             inner: Arc::new(Inner {
                 buf,
@@ -372,10 +387,10 @@ impl HostCache {
                 blocks: blocks as usize,
                 transport,
                 region,
-                fetch: Mutex::new(Peers::new()),
                 table: Mutex::new(table),
                 fetched_bytes: AtomicU64::new(0),
             }),
+            engine,
         })
     }
 
@@ -615,7 +630,8 @@ impl HostCache {
     /// `on_group_ready(g)` runs. On failure every pending group fails with
     /// the reason and the model leaves the cache.
     ///
-    /// Fetches into one cache run one at a time.
+    /// Blocks until the fill is over; fills of different models from
+    /// different threads run at once in the cache's fetch engine.
     pub fn fill(
         &self,
         model: &CachedModel,
@@ -662,46 +678,41 @@ impl HostCache {
             }
             f.state = FillState::Filling;
         }
-        let result = {
-            let mut peers = self.inner.fetch.lock().unwrap_or_else(|p| p.into_inner());
-            fetch_model(
-                &*self.inner.transport,
-                &mut peers,
-                entry,
-                Destination {
-                    region: self.inner.region,
-                    buf: &self.inner.buf,
-                    base: slot.base,
-                },
-                opts,
-                &mut |g| {
-                    {
-                        let mut f = slot.lock();
-                        f.ready[g] = Some(Instant::now());
-                    }
-                    slot.cv.notify_all();
-                    on_group_ready(g);
-                },
-            )
+        // One event per group and the outcome: the engine never waits on it.
+        let (tx, rx) = channel::bounded(slot.groups.len() + 1);
+        let sink = FillSink {
+            model: Some(model.clone()),
+            events: tx,
         };
-        match result {
-            Ok(report) => {
-                self.inner
-                    .fetched_bytes
-                    .fetch_add(report.bytes, Ordering::Relaxed);
-                slot.lock().state = FillState::Complete;
-                slot.cv.notify_all();
-                Ok(report)
-            }
-            Err(source) => {
-                let why = source.to_string();
-                slot.lock().state = FillState::Failed(why);
-                slot.cv.notify_all();
-                self.inner.table().doom(slot.id);
-                Err(CacheError::Fetch {
-                    model: slot.name.clone(),
-                    source,
-                })
+        if let Err(source) = self.engine.submit(entry, slot.base, opts, Box::new(sink)) {
+            fail_slot(&self.inner, slot, source.to_string());
+            return Err(CacheError::Fetch {
+                model: slot.name.clone(),
+                source,
+            });
+        }
+        loop {
+            match rx.recv() {
+                Ok(FillEvent::Group(g)) => on_group_ready(g),
+                Ok(FillEvent::Done(Ok(report))) => return Ok(report),
+                Ok(FillEvent::Done(Err(source))) => {
+                    return Err(CacheError::Fetch {
+                        model: slot.name.clone(),
+                        source,
+                    })
+                }
+                Err(_) => {
+                    // The sink went without an outcome: the engine died.
+                    let source = FetchError::Aborted {
+                        model: slot.name.clone(),
+                        why: "the fetch engine stopped during the fill".into(),
+                    };
+                    fail_slot(&self.inner, slot, source.to_string());
+                    return Err(CacheError::Fetch {
+                        model: slot.name.clone(),
+                        source,
+                    });
+                }
             }
         }
     }
@@ -718,10 +729,72 @@ impl HostCache {
 
 impl Drop for HostCache {
     fn drop(&mut self) {
+        // No fill runs (they borrow the cache); the engine waits for the
+        // reads of fills it still holds (failed or stalled ones) to complete.
+        if !self.engine.shutdown() {
+            log::error!("host cache: reads still in flight; its buffer stays registered");
+            return;
+        }
         if let Err(e) = self.inner.transport.deregister(self.inner.region) {
             log::warn!("host cache: deregistering its buffer: {e}");
         }
     }
+}
+
+/// What a fill hears from the engine.
+enum FillEvent {
+    Group(usize),
+    Done(Result<FetchReport, FetchError>),
+}
+
+/// A fill's end of an engine job, run on the engine thread: makes groups
+/// visible and settles the model's state as soon as the engine knows, then
+/// tells the filling thread. Its pin keeps the model's blocks from reuse
+/// until the job's last read completed.
+struct FillSink {
+    model: Option<CachedModel>,
+    events: channel::Sender<FillEvent>,
+}
+
+impl JobSink for FillSink {
+    fn group_ready(&mut self, group: usize) {
+        let Some(model) = &self.model else { return };
+        let slot = &model.slot;
+        slot.lock().ready[group] = Some(Instant::now());
+        slot.cv.notify_all();
+        // Bounded by one event per group and the outcome: never full.
+        let _ = self.events.try_send(FillEvent::Group(group));
+    }
+
+    fn finished(&mut self, result: Result<FetchReport, FetchError>, settled: bool) {
+        let Some(model) = &self.model else { return };
+        let slot = &model.slot;
+        match &result {
+            Ok(report) => {
+                model
+                    .cache
+                    .fetched_bytes
+                    .fetch_add(report.bytes, Ordering::Relaxed);
+                slot.lock().state = FillState::Complete;
+                slot.cv.notify_all();
+            }
+            Err(e) => fail_slot(&model.cache, slot, e.to_string()),
+        }
+        if settled {
+            // Unpinned before the filler hears of it: a failed model's
+            // blocks are free once its fill returned and its pins dropped.
+            self.model = None;
+        }
+        let _ = self.events.try_send(FillEvent::Done(result));
+    }
+}
+
+/// A failed fill: every pending group fails with `why` (waiters are woken)
+/// and the model leaves the lookup table.
+fn fail_slot(inner: &Inner, slot: &Slot, why: String) {
+    slot.lock().state = FillState::Failed(why);
+    slot.cv.notify_all();
+    inner.table().doom(slot.id);
 }
 
 /// A pinned cached model: its blocks stay put while this handle lives.
@@ -1106,6 +1179,66 @@ mod tests {
         assert_eq!(hit, Lookup::Miss);
         c.fill(&m, &entry, FetchOptions::default(), &mut |_| {})
             .unwrap();
+    }
+
+    #[test]
+    fn cache_fills_of_different_models_from_different_threads_run_at_once() {
+        let (c, fabric) = cache(64);
+        // Both models in one arena per peer, "b" after "a".
+        let (ea, a) = model(&fabric, "a", 6, 4096);
+        let (mut eb, _) = model(&fabric, "b", 6, 4096);
+        let mut arena = a.clone();
+        let b: Vec<u8> = (0..a.len()).map(|i| (i * 3 % 241) as u8).collect();
+        arena.extend_from_slice(&b);
+        for peer in ["ms0", "ms1"] {
+            let mut buf = HostBuffer::new(arena.len(), HugePages::No).unwrap();
+            buf.as_mut_slice().copy_from_slice(&arena);
+            fabric.add_peer(peer, Arc::new(buf));
+        }
+        for (g, group) in eb.groups.iter_mut().enumerate() {
+            let sum = to_hex(checksum(&b[g * 4096..(g + 1) * 4096]));
+            group.checksum = sum.clone();
+            group.slices[0].checksum = sum;
+            for r in &mut group.slices[0].replicas {
+                r.offset += a.len() as u64;
+            }
+        }
+        let ma = c.reserve("a", &[4096; 6]).unwrap();
+        let mb = c.reserve("b", &[4096; 6]).unwrap();
+        // Each fill waits in its callback for the other's first group: with
+        // fills one at a time this would deadlock (and time out).
+        let (ga, gb) = (ma.clone(), mb.clone());
+        std::thread::scope(|s| {
+            let fa = s.spawn(|| {
+                c.fill(&ma, &ea, FetchOptions::default(), &mut |g| {
+                    if g == 0 {
+                        gb.wait_group(0, Duration::from_secs(10)).unwrap();
+                    }
+                })
+            });
+            let fb = s.spawn(|| {
+                c.fill(&mb, &eb, FetchOptions::default(), &mut |g| {
+                    if g == 0 {
+                        ga.wait_group(0, Duration::from_secs(10)).unwrap();
+                    }
+                })
+            });
+            fa.join().unwrap().unwrap();
+            fb.join().unwrap().unwrap();
+        });
+        for g in 0..6 {
+            assert_eq!(ma.group(g).unwrap(), &a[g * 4096..(g + 1) * 4096]);
+            assert_eq!(mb.group(g).unwrap(), &b[g * 4096..(g + 1) * 4096]);
+        }
+        assert_eq!(c.stats().fetched_bytes, 2 * 6 * 4096);
+        let buf = c.buffer().clone();
+        drop((ma, mb, ga, gb));
+        drop(c);
+        assert_eq!(
+            Arc::strong_count(&buf),
+            1,
+            "the engine stopped and the transport let go of the buffer"
+        );
     }
 
     #[test]

@@ -39,6 +39,8 @@ use serde::Serialize;
 use super::{local::LocalCluster, machine_line, median};
 use crate::deploy;
 
+pub mod concurrent;
+
 #[derive(Args, Debug, Clone)]
 pub struct ColdstartArgs {
     /// cpu (real math) or sim (layer times from --profile).
@@ -84,6 +86,16 @@ pub struct ColdstartArgs {
     /// Print, per group, when it was in host memory, uploaded, and when its first layer started (last pipelined run).
     #[arg(long)]
     pub trace: bool,
+    /// N devices cold-start N different models (variants of each family,
+    /// default resnet152) at once from the same memory servers; prints
+    /// `aggregate/transfer ratio`: their aggregate rate over one verified
+    /// fetch's rate (bench transfer's `verified`), measured in the same run.
+    #[arg(long, value_name = "N")]
+    pub concurrent: Option<usize>,
+    /// With --concurrent: also fill the same N models one after another
+    /// (fetches one at a time) and print that aggregate next to it.
+    #[arg(long, requires = "concurrent")]
+    pub serial: bool,
     /// Emulated link (sim executor only): the memory servers' and this GPU server's links are held
     /// to the loopback rate (measured and chosen at start unless given), the GPU clock is dilated
     /// by K, and every figure is reported in emulated time.
@@ -135,6 +147,9 @@ pub fn run(args: &ColdstartArgs) -> anyhow::Result<()> {
     let exec =
         crate::services::executor(args.executor, &args.profile, dilation(emulated.as_ref()))?;
     let exec = exec.as_ref();
+    if let Some(n) = args.concurrent {
+        return concurrent::run(args, n, exec, emulated);
+    }
     let families = if args.family.is_empty() {
         Family::ALL.to_vec()
     } else {

@@ -30,12 +30,13 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 use distmind_common::handshake::ClusterKey;
+use distmind_common::proto::ModelEntry;
 use distmind_common::settings::{TransportKind, FABRIC_PROVIDER_DEFAULT};
 use distmind_controller::ControllerClient;
 use distmind_models::{Family, Package, Scale};
 use distmind_runtime::{fetch_model, Destination, FetchOptions, Peers};
 use distmind_transport::tcp::{TcpOptions, TcpTransport};
-use distmind_transport::{HostBuffer, HugePages, Transport};
+use distmind_transport::{HostBuffer, HugePages, RegionId, Transport};
 use rand::RngCore;
 use serde::Serialize;
 
@@ -181,18 +182,10 @@ fn run_tcp(args: &TransferArgs) -> anyhow::Result<()> {
             for _ in 0..args.repeat {
                 raw.push(baseline.copy_gbps(s.bytes(), n * args.streams)?);
                 for (verify, out) in [(false, &mut path), (true, &mut verified)] {
-                    let dest = Destination {
-                        region,
-                        buf: &dest,
-                        base: 0,
-                    };
-                    let opts = FetchOptions {
-                        verify,
-                        ..FetchOptions::default()
-                    };
-                    let report =
-                        fetch_model(&transport, &mut peers, &entry, dest, opts, &mut |_| {})?;
-                    out.push(report.gbps());
+                    let in_flight = args.in_flight_mib << 20;
+                    out.push(fetch_gbps(
+                        &transport, &mut peers, &entry, region, &dest, verify, in_flight,
+                    )?);
                 }
             }
             let (raw, path, verified) = (median(raw), median(path), median(verified));
@@ -228,6 +221,33 @@ fn run_tcp(args: &TransferArgs) -> anyhow::Result<()> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// The rate of one fetch of `entry` into `buf` (registered with `t` as
+/// `region`) from offset 0, in GB/s: the figure `bench transfer` reports as
+/// `path` (`verify` off) or `verified`. `t` must have no other user of its
+/// completions while this runs.
+pub(crate) fn fetch_gbps(
+    t: &dyn Transport,
+    peers: &mut Peers,
+    entry: &ModelEntry,
+    region: RegionId,
+    buf: &HostBuffer,
+    verify: bool,
+    in_flight: u64,
+) -> anyhow::Result<f64> {
+    let dest = Destination {
+        region,
+        buf,
+        base: 0,
+    };
+    let opts = FetchOptions {
+        verify,
+        bytes_in_flight_max: in_flight,
+    };
+    let report = fetch_model(t, peers, entry, dest, opts, &mut |_| {})
+        .with_context(|| format!("fetching {} over {}", entry.name, t.name()))?;
+    Ok(report.gbps())
 }
 
 /// Memory-server capacity for every model spread over `n` servers, plus
@@ -415,16 +435,18 @@ mod fabric {
     use distmind_controller::ControllerClient;
     use distmind_memserver::{MemserverClient, OneSidedConfig};
     use distmind_runtime::transports::{open_transport, TransportChoice};
-    use distmind_runtime::{fetch_model, Destination, FetchOptions, Peers};
+    use distmind_runtime::Peers;
     use distmind_transport::fabric::{
         read_ranges, Access, AddressVector, CompletionQueue, Domain, Endpoint, Fabric, Hints, Info,
         MemoryRegion, PeerAddr, RemoteRange,
     };
     use distmind_transport::tcp::{TcpOptions, TcpTransport};
-    use distmind_transport::{HostBuffer, HugePages, RegionId, Transport};
+    use distmind_transport::{HostBuffer, HugePages, Transport};
     use serde::Serialize;
 
-    use super::{capacity, deploy_all, machine_line, median, sources, LocalCluster, TransferArgs};
+    use super::{
+        capacity, deploy_all, fetch_gbps, machine_line, median, sources, LocalCluster, TransferArgs,
+    };
 
     /// Bytes per `fi_read` of the raw loop.
     const PIECE_BYTES: usize = 4 << 20;
@@ -606,29 +628,6 @@ mod fabric {
                 .with_context(|| format!("writing {}", path.display()))?;
         }
         Ok(())
-    }
-
-    fn fetch_gbps(
-        t: &dyn Transport,
-        peers: &mut Peers,
-        entry: &ModelEntry,
-        region: RegionId,
-        buf: &HostBuffer,
-        verify: bool,
-        in_flight: u64,
-    ) -> anyhow::Result<f64> {
-        let dest = Destination {
-            region,
-            buf,
-            base: 0,
-        };
-        let opts = FetchOptions {
-            verify,
-            bytes_in_flight_max: in_flight,
-        };
-        let report = fetch_model(t, peers, entry, dest, opts, &mut |_| {})
-            .with_context(|| format!("fetching {} over {}", entry.name, t.name()))?;
-        Ok(report.gbps())
     }
 
     /// The baseline: one endpoint reading memory servers' arenas with plain

@@ -1,6 +1,16 @@
-//! Cache-in of one model: every slice of every group is read at once (group 0
-//! first, bytes in flight bounded), each slice is checksummed when it lands,
-//! and a failed or corrupted read is retried on the slice's next replica.
+//! Cache-in of models: every slice of every group is read at once (group 0
+//! first, bytes in flight bounded per memory server), each slice is
+//! checksummed when it lands, and a failed or corrupted read is retried on
+//! the slice's next replica.
+//!
+//! * `job`: one model's fetch as a plain state machine (what to read next,
+//!   what a completion means, when a group is complete).
+//! * [`engine`]: the driver that posts the reads of many jobs on one
+//!   transport and routes completions by `wr_id`, and the engine thread a
+//!   host cache runs it on, so that fetches of different models share the
+//!   links at once.
+//! * [`fetch_model`]: one job driven on the calling thread, for tools and
+//!   benches that own a transport.
 //!
 //! A group becomes visible when its last slice has landed and verified. The
 //! slices tile the group and their checksums were taken from the same bytes
@@ -12,30 +22,44 @@
 //! The model lands in the packed layout: group g at `base + sum(bytes of
 //! groups < g)`, so parameter offsets from the manifest apply unchanged.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use distmind_common::checksum::{checksum, from_hex};
 use distmind_common::proto::ModelEntry;
-use distmind_transport::{
-    Completion, HostBuffer, PeerId, ReadOp, RegionId, Transport, TransportError,
-};
+use distmind_transport::{HostBuffer, PeerId, RegionId, Transport, TransportError};
 
-/// Default bound of bytes posted and not yet completed by one fetch: one
-/// default group. Reads share the link, so everything in flight slows group
+pub mod engine;
+pub(crate) mod job;
+
+use engine::{Driver, JobSink};
+use job::Job;
+
+/// Default bound of bytes posted and not yet completed per memory server:
+/// one default group. Reads share the link, so everything in flight slows group
 /// 0, which compute waits for first; measured on a 4.7 Gb/s limited link,
 /// 256 MiB in flight delayed group 0 of ResNet-152 from 67 ms to 256 ms,
 /// while loopback throughput is the same from 32 to 256 MiB
 /// (`distmind bench transfer --in-flight-mib N`).
 pub const BYTES_IN_FLIGHT_DEFAULT: u64 = 32 << 20;
-/// Reads kept in flight even when they exceed the byte bound.
-const READS_IN_FLIGHT_MIN: usize = 2;
-/// How long a fetch waits for any completion before declaring the transport stuck.
-const POLL_STALL_LIMIT: Duration = Duration::from_secs(60);
+/// Reads kept in flight per memory server even when they exceed the byte
+/// bound: with one read in flight the link idles between a completion and
+/// the next post (measured: 0.84 of a raw copy from one memory server
+/// instead of 0.95). The transport serves a peer's chunks in posting order,
+/// so the earlier group still finishes first.
+pub const READS_IN_FLIGHT_MIN: usize = 2;
+/// How long a fetch with reads in flight waits for one of them to complete
+/// before declaring the transport stuck.
+pub const POLL_STALL_LIMIT: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Clone, Copy)]
 pub struct FetchOptions {
-    /// Per memory server the model spans (see `fetch_model`).
+    /// Bytes posted and not yet completed per memory server, counting the
+    /// reads of every fetch from that server (at least
+    /// [`READS_IN_FLIGHT_MIN`] reads whatever their size). Reads share the
+    /// link, so a deep window delays the group compute needs first; each
+    /// server's streams need reads of their own to stay busy (measured: a
+    /// model over 4 servers pulled at 0.65 of a raw copy with one 32 MiB
+    /// window for all, 0.8 with one per server).
     pub bytes_in_flight_max: u64,
     /// Checksum every slice (default). Off only where the link already
     /// guarantees integrity end to end; the transfer bench turns it off to
@@ -76,6 +100,8 @@ pub enum FetchError {
         POLL_STALL_LIMIT
     )]
     Stalled { model: String },
+    #[error("model {model}: fetch abandoned: {why}")]
+    Aborted { model: String, why: String },
     #[error("transport: {0}")]
     Transport(#[from] TransportError),
 }
@@ -116,20 +142,21 @@ impl Peers {
         Ok(p)
     }
 
-    /// Forgets a peer after a failure so the next use reconnects.
+    /// Forgets a peer and closes its connection (failing its reads in
+    /// flight), so the next use reconnects.
     pub fn forget(&mut self, t: &dyn Transport, addr: &str) {
         if let Some(p) = self.by_addr.remove(addr) {
             t.disconnect(p);
         }
     }
-}
 
-/// One slice read, with the replica currently tried.
-struct Item {
-    group: usize,
-    slice: usize,
-    replica: usize,
-    errors: Vec<String>,
+    /// Forgets a peer's id but keeps its connection: after a failed read the
+    /// next use asks the transport again, which returns the same connection
+    /// while it is alive and a fresh one for a lost peer. Reads of other
+    /// fetches from the same server are not disturbed.
+    pub fn unlearn(&mut self, addr: &str) {
+        self.by_addr.remove(addr);
+    }
 }
 
 /// Where a fetched model lands: `buf` (registered with the transport as
@@ -143,9 +170,12 @@ pub struct Destination<'a> {
 
 /// Reads the whole model into `dest`. `on_group_ready(g)` runs as soon as group g is
 /// complete and verified, before later groups finish: the compute pipeline
-/// hangs off it.
+/// hangs off it. Returns once every read it posted completed, except when
+/// the transport stalls ([`FetchError::Stalled`]): then reads may still land
+/// in `dest`.
 ///
-/// This fetch must be the only user of `t`'s completions while it runs.
+/// This fetch must be the only user of `t`'s completions while it runs (a
+/// host cache's fetch engine runs many fetches at once instead).
 pub fn fetch_model(
     t: &dyn Transport,
     peers: &mut Peers,
@@ -154,251 +184,48 @@ pub fn fetch_model(
     opts: FetchOptions,
     on_group_ready: &mut dyn FnMut(usize),
 ) -> Result<FetchReport, FetchError> {
-    let started = Instant::now();
     let Destination { region, buf, base } = dest;
-    let model = entry.name.as_str();
-    let (group_base, total) = layout(entry)?;
-    if base + total > buf.len() as u64 {
-        return Err(FetchError::NoRoom {
-            model: model.into(),
-            need: total,
-            base,
-            have: buf.len() as u64,
-        });
-    }
-
-    let mut items: Vec<Item> = Vec::new();
-    let mut remaining: Vec<usize> = vec![0; entry.groups.len()];
-    for (g, group) in entry.groups.iter().enumerate() {
-        for s in 0..group.slices.len() {
-            items.push(Item {
-                group: g,
-                slice: s,
-                replica: 0,
-                errors: Vec::new(),
-            });
-            remaining[g] += 1;
-        }
-    }
-    // Group order: group 0's slices are posted first.
-    let mut queue: VecDeque<usize> = (0..items.len()).collect();
-    // The bound is per memory server the model spans: each server's streams
-    // need reads of their own to stay busy (measured: a model over 4 servers
-    // pulled at 0.65 of a raw copy with one 32 MiB window, 0.8 with more),
-    // while one server keeps the shallow window that lets group 0 arrive
-    // first on a slow link.
-    let spanned: std::collections::HashSet<&str> = entry
-        .groups
-        .iter()
-        .flat_map(|g| g.slices.iter().map(|s| s.replicas[0].addr.as_str()))
-        .collect();
-    let bytes_in_flight_max = opts
-        .bytes_in_flight_max
-        .saturating_mul(spanned.len().max(1) as u64);
-    let mut in_flight_bytes = 0u64;
-    let mut in_flight_ops = 0usize;
-    let mut group_ready = vec![Duration::ZERO; entry.groups.len()];
-    let mut retries = 0u32;
-    let mut completions: Vec<Completion> = Vec::with_capacity(64);
-    let mut failure: Option<FetchError> = None;
-
-    for (g, &n) in remaining.iter().enumerate() {
-        if n == 0 {
-            return Err(FetchError::BadEntry {
-                model: model.into(),
-                why: format!("group {g} has no slices"),
-            });
-        }
-    }
-
-    loop {
-        // Post while under the in-flight bound (always at least one read).
-        while failure.is_none() {
-            let Some(&i) = queue.front() else { break };
-            let it = &items[i];
-            let slice = &entry.groups[it.group].slices[it.slice];
-            // Two reads at least, whatever their size: with one read in
-            // flight the link idles between a completion and the next post
-            // (measured: 0.84 of a raw copy from one memory server instead
-            // of 0.95). The transport serves a peer's chunks in posting
-            // order, so the earlier group still finishes first.
-            if in_flight_ops >= READS_IN_FLIGHT_MIN
-                && in_flight_bytes + slice.len > bytes_in_flight_max
-            {
-                break;
-            }
-            let loc = &slice.replicas[it.replica];
-            let op = ReadOp {
-                wr_id: i as u64,
-                remote_offset: loc.offset,
-                len: slice.len,
-                local: region,
-                local_offset: base + group_base[it.group] + slice.group_offset,
-            };
-            let posted = peers.get(t, &loc.addr).and_then(|peer| {
-                // SAFETY: the destination range belongs to this fetch alone
-                // and nothing reads it until the op's completion is polled
-                // below (and, for the group, until all its slices completed).
-                #[allow(unsafe_code)]
-                unsafe {
-                    t.post_reads(peer, std::slice::from_ref(&op))
-                }
-            });
-            match posted {
-                Ok(()) => {
-                    queue.pop_front();
-                    in_flight_bytes += slice.len;
-                    in_flight_ops += 1;
-                }
-                Err(TransportError::QueueFull { .. }) if in_flight_ops > 0 => break,
-                Err(e) => {
-                    queue.pop_front();
-                    if let Some(err) = next_replica(entry, &mut items[i], &loc.addr, &e, peers, t) {
-                        failure = Some(err);
-                    } else {
-                        retries += 1;
-                        queue.push_front(i);
-                    }
-                }
-            }
-        }
-        if in_flight_ops == 0 && (queue.is_empty() || failure.is_some()) {
-            break;
-        }
-        completions.clear();
-        let n = t.poll(&mut completions, 64, POLL_STALL_LIMIT)?;
-        if n == 0 {
-            // Nothing completes: in-flight reads may still land in `buf`, so
-            // this is reported rather than retried.
-            return Err(FetchError::Stalled {
-                model: model.into(),
-            });
-        }
-        for c in completions.drain(..) {
-            let i = c.wr_id as usize;
-            let (g, s) = (items[i].group, items[i].slice);
-            let slice = &entry.groups[g].slices[s];
-            in_flight_bytes -= slice.len;
-            in_flight_ops -= 1;
-            let result = c.result.map_err(|e| e.to_string()).and_then(|()| {
-                if !opts.verify {
-                    return Ok(());
-                }
-                let start = (base + group_base[g] + slice.group_offset) as usize;
-                // SAFETY: this slice's read has completed and no other read
-                // targets its range.
-                #[allow(unsafe_code)]
-                let bytes = unsafe { buf.slice(start..start + slice.len as usize) };
-                match from_hex(&slice.checksum) {
-                    Some(want) if want == checksum(bytes) => Ok(()),
-                    _ => Err(format!(
-                        "slice checksum mismatch (catalog says {})",
-                        slice.checksum
-                    )),
-                }
-            });
-            match result {
-                Ok(()) => {
-                    remaining[g] -= 1;
-                    if remaining[g] == 0 {
-                        group_ready[g] = started.elapsed();
-                        on_group_ready(g);
-                    }
-                }
-                Err(why) => {
-                    let addr = slice.replicas[items[i].replica].addr.clone();
-                    match next_replica(entry, &mut items[i], &addr, &why, peers, t) {
-                        Some(e) => {
-                            failure.get_or_insert(e);
-                        }
-                        None => {
-                            retries += 1;
-                            queue.push_front(i);
-                        }
-                    }
-                }
-            }
-        }
-    }
-    if let Some(e) = failure {
-        return Err(e);
-    }
-    Ok(FetchReport {
-        bytes: total,
-        elapsed: started.elapsed(),
-        group_ready,
-        retries,
-    })
-}
-
-/// Moves an item to its next replica; returns the final error when none is left.
-fn next_replica(
-    entry: &ModelEntry,
-    it: &mut Item,
-    addr: &str,
-    err: &dyn std::fmt::Display,
-    peers: &mut Peers,
-    t: &dyn Transport,
-) -> Option<FetchError> {
-    log::warn!(
-        "{} group {} slice {}: read from {addr} failed: {err}",
-        entry.name,
-        it.group,
-        it.slice
+    let job = Job::new(entry, base, buf.len() as u64, opts, Instant::now())?;
+    let mut result = None;
+    let mut driver = Driver::new(t, region, buf, std::mem::take(peers));
+    driver.add(
+        job,
+        Inline {
+            on_group_ready,
+            result: &mut result,
+        },
     );
-    it.errors.push(format!("{addr}: {err}"));
-    peers.forget(t, addr);
-    it.replica += 1;
-    if it.replica < entry.groups[it.group].slices[it.slice].replicas.len() {
-        None
-    } else {
-        Some(FetchError::AllReplicasFailed {
-            model: entry.name.clone(),
-            group: it.group,
-            slice: it.slice,
-            errors: it.errors.join("; "),
-        })
+    while driver.unreported() > 0 {
+        driver.post();
+        driver.poll(INLINE_POLL);
     }
+    *peers = driver.into_peers();
+    result.expect("the job reported its outcome")
 }
 
-/// Start of each group in the packed layout, and the total.
-fn layout(entry: &ModelEntry) -> Result<(Vec<u64>, u64), FetchError> {
-    let mut starts = Vec::with_capacity(entry.groups.len());
-    let mut at = 0u64;
-    for (g, group) in entry.groups.iter().enumerate() {
-        if group.index as usize != g {
-            return Err(FetchError::BadEntry {
-                model: entry.name.clone(),
-                why: format!("group {g} is labelled {}", group.index),
-            });
-        }
-        let mut covered = 0u64;
-        for s in &group.slices {
-            if s.group_offset != covered || s.replicas.is_empty() {
-                return Err(FetchError::BadEntry {
-                    model: entry.name.clone(),
-                    why: format!("group {g}: slices do not tile the group at offset {covered}"),
-                });
-            }
-            covered += s.len;
-        }
-        if covered != group.bytes {
-            return Err(FetchError::BadEntry {
-                model: entry.name.clone(),
-                why: format!("group {g}: slices cover {covered} of {} bytes", group.bytes),
-            });
-        }
-        starts.push(at);
-        at += group.bytes;
+/// How long [`fetch_model`] waits in one poll (stalls are detected per job).
+const INLINE_POLL: Duration = Duration::from_millis(100);
+
+/// [`fetch_model`]'s sink: the caller's callback, and the outcome.
+struct Inline<'a> {
+    on_group_ready: &'a mut dyn FnMut(usize),
+    result: &'a mut Option<Result<FetchReport, FetchError>>,
+}
+
+impl JobSink for Inline<'_> {
+    fn group_ready(&mut self, group: usize) {
+        (self.on_group_ready)(group);
     }
-    Ok((starts, at))
+    fn finished(&mut self, result: Result<FetchReport, FetchError>, _settled: bool) {
+        *self.result = Some(result);
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
 
-    use distmind_common::checksum::to_hex;
+    use distmind_common::checksum::{checksum, to_hex};
     use distmind_common::proto::{GroupLocation, Location, Slice};
     use distmind_transport::mem::{MemFabric, MemTransport};
 
