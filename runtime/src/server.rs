@@ -260,6 +260,13 @@ pub(crate) struct DeviceState {
     /// Nanoseconds spent loading or computing: requests, prefetches,
     /// starting training jobs and training iterations.
     pub busy_ns: AtomicU64,
+    /// Nanoseconds the worker (the device's serial path) spent on queued
+    /// tasks, from taking one off the queue to handing its last reply to
+    /// the connection.
+    pub serial_ns: AtomicU64,
+    /// The part of `serial_ns` that was neither the executor's compute nor
+    /// its copies: parsing, resolving, batching, encoding, replying.
+    pub serial_overhead_ns: AtomicU64,
     pub training: Mutex<TrainingStatus>,
 }
 
@@ -272,6 +279,15 @@ impl DeviceState {
     pub fn add_busy(&self, since: Instant) {
         let ns = u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.busy_ns.fetch_add(ns, Ordering::Relaxed);
+    }
+
+    /// One task on the serial path: `took` in all, `work` of it the
+    /// executor's compute and copies.
+    pub fn add_serial(&self, took: Duration, work: Duration) {
+        let ns = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.serial_ns.fetch_add(ns(took), Ordering::Relaxed);
+        self.serial_overhead_ns
+            .fetch_add(ns(took.saturating_sub(work)), Ordering::Relaxed);
     }
 }
 
@@ -336,6 +352,8 @@ impl Core {
                     let t = d.training.lock().unwrap_or_else(|p| p.into_inner()).clone();
                     DeviceStats {
                         busy_ms: d.busy_ns.load(Ordering::Relaxed) as f64 / 1e6,
+                        serial_overhead_ms: d.serial_overhead_ns.load(Ordering::Relaxed) as f64
+                            / 1e6,
                         training: t.model,
                         train_iterations: t.total_iterations,
                         train_iteration_ms: t.iteration_ms_ewma,
@@ -623,6 +641,8 @@ impl RuntimeServer {
                     queued: AtomicU64::new(0),
                     served: AtomicU64::new(0),
                     busy_ns: AtomicU64::new(0),
+                    serial_ns: AtomicU64::new(0),
+                    serial_overhead_ns: AtomicU64::new(0),
                     training: Mutex::new(TrainingStatus::default()),
                 })
                 .collect(),

@@ -379,7 +379,9 @@ pub(crate) fn run(
                 Err(_) => break,
             }
         };
-        handle(core, index, task, last);
+        let taken = Instant::now();
+        let work = handle(core, index, task, last);
+        device.add_serial(taken.elapsed(), work);
     }
     if let Some(t) = trainer.take() {
         log::info!(
@@ -395,8 +397,9 @@ pub(crate) fn run(
     log::debug!("device {} worker stopped", device.id);
 }
 
-/// Serves one queued task and sends its reply.
-fn handle(core: &Core, index: usize, task: Task, last: Option<Iteration>) {
+/// Serves one queued task and sends its replies; returns the device's own
+/// time in it (see [`device_work`]).
+fn handle(core: &Core, index: usize, task: Task, last: Option<Iteration>) -> Duration {
     let device = &core.devices[index];
     // Time from its arrival at the worker until the iteration it found
     // running ended; 0 when it arrived while no iteration ran.
@@ -407,7 +410,7 @@ fn handle(core: &Core, index: usize, task: Task, last: Option<Iteration>) {
     match task {
         Task::Infer(mut job) => {
             let train_yield = yield_of(job.queued_at);
-            let outs = serve(core, index, &job, train_yield);
+            let (outs, work) = serve(core, index, &job, train_yield);
             device.queued.fetch_sub(job.len() as u64, Ordering::Relaxed);
             for (out, m) in outs.into_iter().zip(job.requests.iter_mut()) {
                 let status = match &out.reply {
@@ -433,9 +436,10 @@ fn handle(core: &Core, index: usize, task: Task, last: Option<Iteration>) {
                 // The connection may be gone; its reply goes nowhere then.
                 let _ = job.reply.blocking_send(out);
             }
+            work
         }
         Task::Prefetch(mut p) => {
-            let out = prefetch_device(core, index, &p);
+            let (out, work) = prefetch_device(core, index, &p);
             if let RuntimeReply::Error { error, .. } = &out.reply {
                 log::debug!("device {}: prefetch {} failed: {error}", device.id, p.id);
             }
@@ -445,7 +449,21 @@ fn handle(core: &Core, index: usize, task: Task, last: Option<Iteration>) {
                 ..out
             };
             let _ = p.reply.blocking_send(out);
+            work
         }
+    }
+}
+
+/// The device's own time in a pipeline run: its compute and its
+/// host-to-device copies. Overlapped, they run at once (the copies under
+/// the compute's gate waits); a whole-model load runs the fetch, the copies
+/// and the compute one after the other, and its fetch counts too (it is
+/// the network's time, not the server's).
+fn device_work(t: &Timing, whole_model: bool) -> Duration {
+    if whole_model {
+        t.fetch + t.h2d + t.compute
+    } else {
+        t.compute.max(t.h2d)
     }
 }
 
@@ -479,7 +497,7 @@ fn pipeline_error_reply(core: &Core, id: u64, model: &str, e: &PipelineError) ->
 /// request whose deadline passed in the queue, or whose input does not
 /// parse or fit the model, is answered with its error and left out; the
 /// others run as one batch.
-fn serve(core: &Core, index: usize, job: &Job, train_yield: Duration) -> Vec<Outgoing> {
+fn serve(core: &Core, index: usize, job: &Job, train_yield: Duration) -> (Vec<Outgoing>, Duration) {
     let device = &core.devices[index];
     let n = job.len();
     let mut replies: Vec<Option<Outgoing>> = (0..n).map(|_| None).collect();
@@ -524,17 +542,21 @@ fn serve(core: &Core, index: usize, job: &Job, train_yield: Duration) -> Vec<Out
             }
         }
     }
-    if !ready.is_empty() {
-        run_batch(core, index, job, ready, train_yield, &who, &mut replies);
-    }
-    replies
+    let work = if ready.is_empty() {
+        Duration::ZERO
+    } else {
+        run_batch(core, index, job, ready, train_yield, &who, &mut replies)
+    };
+    let replies = replies
         .into_iter()
         .map(|r| r.expect("every request of a job is answered"))
-        .collect()
+        .collect();
+    (replies, work)
 }
 
 /// Runs the requests of `job` whose inputs are `ready` (index into the
-/// job's requests, parsed input) as one batch and fills in their replies.
+/// job's requests, parsed input) as one batch and fills in their replies;
+/// returns the device's own time in the run ([`device_work`]).
 fn run_batch(
     core: &Core,
     index: usize,
@@ -543,7 +565,7 @@ fn run_batch(
     train_yield: Duration,
     who: &dyn Fn(usize) -> String,
     replies: &mut [Option<Outgoing>],
-) {
+) -> Duration {
     let device = &core.devices[index];
     let id_of = |k: usize| job.requests[k].id;
     let resolved = match core.catalog.resolve(&job.model) {
@@ -552,7 +574,7 @@ fn run_batch(
             for (k, _) in &ready {
                 replies[*k] = Some(error(id_of(*k), e.code, e.message.clone()));
             }
-            return;
+            return Duration::ZERO;
         }
     };
     let m = &resolved.manifest;
@@ -568,7 +590,7 @@ fn run_batch(
         }
     });
     if ready.is_empty() {
-        return;
+        return Duration::ZERO;
     }
     let (members, tensors): (Vec<usize>, Vec<HostTensor>) = ready.into_iter().unzip();
     let rows: Vec<usize> = tensors
@@ -587,12 +609,13 @@ fn run_batch(
         match batch::concat_rows(&tensors) {
             Ok(t) => t,
             Err(why) => {
-                return fail_all(replies, ErrorCode::BadRequest, &|id| {
+                fail_all(replies, ErrorCode::BadRequest, &|id| {
                     format!(
                         "request {id} for {}: cannot batch its inputs: {why}",
                         job.model
                     )
-                })
+                });
+                return Duration::ZERO;
             }
         }
     };
@@ -614,6 +637,7 @@ fn run_batch(
     } else {
         cold_start(&stages, &request, &core.pipeline)
     };
+    let ran = busy.elapsed();
     device.add_busy(busy);
     let (outputs, timing, trace) = match served {
         Ok(v) => v,
@@ -623,11 +647,14 @@ fn run_batch(
                 // A stale entry (the model moved) is re-read next time.
                 core.catalog.forget(&job.model);
             }
-            return fail_all(replies, code, &|id| format!("request {id}: {e}"));
+            fail_all(replies, code, &|id| format!("request {id}: {e}"));
+            // No breakdown: the whole failed run counts as the device's.
+            return ran;
         }
     };
+    let work = device_work(&timing, core.whole_model);
     if outputs.len() > RUNTIME_OUTPUTS_MAX || outputs.len() != m.outputs.len() {
-        return fail_all(replies, ErrorCode::Internal, &|_| {
+        fail_all(replies, ErrorCode::Internal, &|_| {
             format!(
                 "model {}: {} outputs (the manifest names {}, at most {RUNTIME_OUTPUTS_MAX} per reply)",
                 m.name,
@@ -635,6 +662,7 @@ fn run_batch(
                 m.outputs.len()
             )
         });
+        return work;
     }
     // Per output, each request's rows (a request alone keeps the tensor).
     let per_output: Vec<Vec<HostTensor>> = if members.len() == 1 {
@@ -645,14 +673,15 @@ fn run_batch(
             match batch::split_rows(t, &rows) {
                 Ok(parts) => split.push(parts),
                 Err(why) => {
-                    return fail_all(replies, ErrorCode::Internal, &|_| {
+                    fail_all(replies, ErrorCode::Internal, &|_| {
                         format!(
                             "model {} output {} cannot be split back over a batch of {} requests: {why}",
                             m.name,
                             spec.name,
                             members.len()
                         )
-                    })
+                    });
+                    return work;
                 }
             }
         }
@@ -710,6 +739,7 @@ fn run_batch(
             },
         });
     }
+    work
 }
 
 fn serve_path(p: LoadPath) -> ServePath {
@@ -722,11 +752,11 @@ fn serve_path(p: LoadPath) -> ServePath {
 
 /// A prefetch to device `index`: fetch into the host cache if missing,
 /// upload, leave the model resident; nothing runs.
-fn prefetch_device(core: &Core, index: usize, p: &PrefetchJob) -> Outgoing {
+fn prefetch_device(core: &Core, index: usize, p: &PrefetchJob) -> (Outgoing, Duration) {
     let device = &core.devices[index];
     let resolved = match core.catalog.resolve(&p.model) {
         Ok(r) => r,
-        Err(e) => return error(p.id, e.code, e.message),
+        Err(e) => return (error(p.id, e.code, e.message), Duration::ZERO),
     };
     let stages = Stages {
         cache: &core.cache,
@@ -741,6 +771,7 @@ fn prefetch_device(core: &Core, index: usize, p: &PrefetchJob) -> Outgoing {
     };
     let busy = Instant::now();
     let loaded = load(&stages, &request, &core.pipeline);
+    let ran = busy.elapsed();
     device.add_busy(busy);
     match loaded {
         Ok(timing) => {
@@ -751,7 +782,7 @@ fn prefetch_device(core: &Core, index: usize, p: &PrefetchJob) -> Outgoing {
                 timing.path,
                 timing.total
             );
-            Outgoing {
+            let out = Outgoing {
                 reply: RuntimeReply::Prefetched {
                     id: p.id,
                     model: p.model.clone(),
@@ -760,9 +791,11 @@ fn prefetch_device(core: &Core, index: usize, p: &PrefetchJob) -> Outgoing {
                 },
                 frames: Vec::new(),
                 permit: None,
-            }
+            };
+            // A load overlaps its fetch and copies (never whole-model).
+            (out, device_work(&timing, false))
         }
-        Err(e) => pipeline_error(core, p.id, &p.model, &e),
+        Err(e) => (pipeline_error(core, p.id, &p.model, &e), ran),
     }
 }
 
