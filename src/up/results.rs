@@ -47,7 +47,8 @@ pub struct Row {
     pub source: String,
     /// Per request the GPU server answered with outputs, the time its
     /// devices' serial paths spent beyond the executor's compute and copy
-    /// time ([`serial_overhead_ms`]); `None` (an empty cell) when not
+    /// time ([`serial_overhead_ms`]), in the run's time like every time of
+    /// the row (emulated: wall time / K); `None` (an empty cell) when not
     /// measured (the simulator has no serial path of its own).
     pub serial_overhead_ms: Option<f64>,
 }
