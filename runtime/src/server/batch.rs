@@ -7,7 +7,7 @@ use crate::exec::{HostTensor, TensorData};
 /// Concatenates `parts` along dimension 0. Every part must have the same
 /// dtype and the same shape past dimension 0 (the worker checked each
 /// against the manifest); an error names the first part that differs.
-pub(crate) fn concat_rows(parts: &[HostTensor]) -> Result<HostTensor, String> {
+pub(crate) fn concat_rows(parts: &[&HostTensor]) -> Result<HostTensor, String> {
     let Some(first) = parts.first() else {
         return Err("a batch of no requests".into());
     };
@@ -50,7 +50,7 @@ pub(crate) fn concat_rows(parts: &[HostTensor]) -> Result<HostTensor, String> {
     })
 }
 
-fn concat<T: Copy>(parts: &[HostTensor], data: impl Fn(&HostTensor) -> &[T]) -> Vec<T> {
+fn concat<T: Copy>(parts: &[&HostTensor], data: impl Fn(&HostTensor) -> &[T]) -> Vec<T> {
     let mut out = Vec::with_capacity(parts.iter().map(|p| data(p).len()).sum());
     for p in parts {
         out.extend_from_slice(data(p));
@@ -101,12 +101,12 @@ mod tests {
     fn rows_concatenate_and_split_back() {
         let a = HostTensor::f32(vec![1, 2], vec![1.0, 2.0]);
         let b = HostTensor::f32(vec![2, 2], vec![3.0, 4.0, 5.0, 6.0]);
-        let c = concat_rows(&[a.clone(), b.clone()]).unwrap();
+        let c = concat_rows(&[&a, &b]).unwrap();
         assert_eq!(c.shape, vec![3, 2]);
         assert_eq!(c.data, TensorData::F32(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]));
         assert_eq!(split_rows(&c, &[1, 2]).unwrap(), vec![a, b]);
         let i = HostTensor::i64(vec![2], vec![7, 8]);
-        let j = concat_rows(&[i.clone(), i.clone()]).unwrap();
+        let j = concat_rows(&[&i, &i]).unwrap();
         assert_eq!(j.data, TensorData::I64(vec![7, 8, 7, 8]));
         assert_eq!(split_rows(&j, &[2, 2]).unwrap(), vec![i.clone(), i]);
     }
@@ -115,15 +115,15 @@ mod tests {
     fn mismatches_name_the_input_and_the_shapes() {
         let a = HostTensor::f32(vec![1, 2], vec![1.0, 2.0]);
         let b = HostTensor::f32(vec![1, 3], vec![1.0, 2.0, 3.0]);
-        let e = concat_rows(&[a.clone(), b]).unwrap_err();
+        let e = concat_rows(&[&a, &b]).unwrap_err();
         assert!(
             e.contains("batch input 1 is f32 [1, 3]") && e.contains("[1, 2]"),
             "{e}"
         );
         let i = HostTensor::i64(vec![1, 2], vec![1, 2]);
-        assert!(concat_rows(&[a.clone(), i]).unwrap_err().contains("i64"));
+        assert!(concat_rows(&[&a, &i]).unwrap_err().contains("i64"));
         let scalar = HostTensor::f32(vec![], vec![1.0]);
-        assert!(concat_rows(&[scalar]).unwrap_err().contains("scalar"));
+        assert!(concat_rows(&[&scalar]).unwrap_err().contains("scalar"));
         let e = split_rows(&a, &[1, 1]).unwrap_err();
         assert!(e.contains("1 rows") && e.contains("have 2"), "{e}");
     }

@@ -12,6 +12,7 @@
 //! stream ends the connection, after a best-effort error reply.
 
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,7 +28,9 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 
-use super::worker::{self, Job, Member, Outgoing, PrefetchJob, Task, TrainControl};
+use super::worker::{self, encode_frames, Job, Member, Outgoing, PrefetchJob, Task, TrainControl};
+use crate::npy::parse_npy;
+
 use super::{
     DispatchError, Shared, BATCH_INPUT_BYTES_MAX, PREFETCHES_IN_FLIGHT_MAX,
     REQUESTS_IN_FLIGHT_PER_CONNECTION_MAX, TRAIN_CONTROLS_MAX,
@@ -116,7 +119,8 @@ async fn write_loop(
     let mut w = BufWriter::with_capacity(WRITE_BUFFER_BYTES, wr);
     while let Some(out) = rx.recv().await {
         let mut payload = wire::encode_message(&out.reply);
-        let mut frames = out.frames;
+        // Encoded here, off the device's serial path (which checked their size).
+        let mut frames = encode_frames(&out.frames);
         if payload.len() > CONTROL_FRAME_BYTES_MAX as usize {
             let message = format!(
                 "the reply is {} bytes, more than a frame's {CONTROL_FRAME_BYTES_MAX} bytes (ask without trace?)",
@@ -496,10 +500,15 @@ async fn read_inputs(
         } else {
             input
         };
+        // Parsed here, on the connection's task, off the device's serial path.
+        let input = input.and_then(|bytes| {
+            parse_npy(&bytes, Path::new("the input frame"))
+                .map_err(|e| format!("request {} for {model}: {e}", req.id))
+        });
         match input {
-            Ok(bytes) => members.push(Member {
+            Ok(input) => members.push(Member {
                 id: req.id,
-                input: bytes,
+                input,
                 deadline: req.deadline_ms.map(Duration::from_millis),
                 trace: req.trace,
                 permit: Some(permit),

@@ -14,7 +14,6 @@
 //! background loop or behind queued inference.
 
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -35,19 +34,26 @@ use super::{batch, Core, TrainingStatus, TRAIN_ITERATION_EWMA_WEIGHT};
 use crate::cache::CacheError;
 use crate::device::DeviceError;
 use crate::exec::{ExecError, HostTensor, TraceEvent};
-use crate::npy::{encode_npy, parse_npy};
+use crate::npy::{encode_npy, encoded_len};
 use crate::pipeline::{
     cache_in, cold_start, load, sequential, LoadPath, MergedTrace, PipelineError,
 };
 use crate::pipeline::{PipelineEvent, Request, Stages, Timing};
 use crate::train::{check_trainable, sgd_step_with_state, SgdState};
 
-/// A reply ready to write: the message and the frames that follow it. The
-/// permit is the connection's in-flight slot, released once written.
+/// A reply ready to write: the message and the outputs that follow it, one
+/// `.npy` frame each (encoded by the connection's writer, off the device's
+/// serial path; each was checked to fit a frame). The permit is the
+/// connection's in-flight slot, released once written.
 pub(crate) struct Outgoing {
     pub reply: RuntimeReply,
-    pub frames: Vec<Vec<u8>>,
+    pub frames: Vec<HostTensor>,
     pub permit: Option<OwnedSemaphorePermit>,
+}
+
+/// The output frames of a reply, as `.npy` bytes.
+pub(crate) fn encode_frames(outputs: &[HostTensor]) -> Vec<Vec<u8>> {
+    outputs.iter().map(encode_npy).collect()
 }
 
 /// One queued inference: a request alone, or a batch of requests for the
@@ -69,8 +75,8 @@ pub struct Job {
 /// One request of a [`Job`].
 pub(crate) struct Member {
     pub id: u64,
-    /// The input frame, `.npy` bytes (parsed by the worker, off the async threads).
-    pub input: Vec<u8>,
+    /// The input frame, parsed by the connection.
+    pub input: HostTensor,
     pub deadline: Option<Duration>,
     pub trace: bool,
     /// The connection's in-flight slot, released once the reply is written.
@@ -494,9 +500,9 @@ fn pipeline_error_reply(core: &Core, id: u64, model: &str, e: &PipelineError) ->
 }
 
 /// Serves an inference job: one reply per request, in the job's order. A
-/// request whose deadline passed in the queue, or whose input does not
-/// parse or fit the model, is answered with its error and left out; the
-/// others run as one batch.
+/// request whose deadline passed in the queue, or whose input does not fit
+/// the model, is answered with its error and left out; the others run as
+/// one batch.
 fn serve(core: &Core, index: usize, job: &Job, train_yield: Duration) -> (Vec<Outgoing>, Duration) {
     let device = &core.devices[index];
     let n = job.len();
@@ -515,29 +521,21 @@ fn serve(core: &Core, index: usize, job: &Job, train_yield: Duration) -> (Vec<Ou
         }
     };
     let waited = job.arrived.elapsed();
-    let mut ready: Vec<(usize, HostTensor)> = Vec::with_capacity(n);
+    let mut ready: Vec<usize> = Vec::with_capacity(n);
     for (k, m) in job.requests.iter().enumerate() {
-        if let Some(deadline) = m.deadline.filter(|d| waited > *d) {
-            replies[k] = Some(error(
-                m.id,
-                ErrorCode::DeadlineExceeded,
-                format!(
-                    "{}: its deadline of {} ms passed after {} ms in the queue of device {}",
-                    who(k),
-                    deadline.as_millis(),
-                    waited.as_millis(),
-                    device.id
-                ),
-            ));
-            continue;
-        }
-        match parse_npy(&m.input, Path::new("the input frame")) {
-            Ok(t) => ready.push((k, t)),
-            Err(e) => {
+        match m.deadline.filter(|d| waited > *d) {
+            None => ready.push(k),
+            Some(deadline) => {
                 replies[k] = Some(error(
                     m.id,
-                    ErrorCode::BadRequest,
-                    format!("{}: {e}", who(k)),
+                    ErrorCode::DeadlineExceeded,
+                    format!(
+                        "{}: its deadline of {} ms passed after {} ms in the queue of device {}",
+                        who(k),
+                        deadline.as_millis(),
+                        waited.as_millis(),
+                        device.id
+                    ),
                 ))
             }
         }
@@ -554,14 +552,14 @@ fn serve(core: &Core, index: usize, job: &Job, train_yield: Duration) -> (Vec<Ou
     (replies, work)
 }
 
-/// Runs the requests of `job` whose inputs are `ready` (index into the
-/// job's requests, parsed input) as one batch and fills in their replies;
+/// Runs the requests of `job` whose indices are `ready` as one batch and
+/// fills in their replies;
 /// returns the device's own time in the run ([`device_work`]).
 fn run_batch(
     core: &Core,
     index: usize,
     job: &Job,
-    mut ready: Vec<(usize, HostTensor)>,
+    mut ready: Vec<usize>,
     train_yield: Duration,
     who: &dyn Fn(usize) -> String,
     replies: &mut [Option<Outgoing>],
@@ -571,20 +569,20 @@ fn run_batch(
     let resolved = match core.catalog.resolve(&job.model) {
         Ok(r) => r,
         Err(e) => {
-            for (k, _) in &ready {
-                replies[*k] = Some(error(id_of(*k), e.code, e.message.clone()));
+            for &k in &ready {
+                replies[k] = Some(error(id_of(k), e.code, e.message.clone()));
             }
             return Duration::ZERO;
         }
     };
     let m = &resolved.manifest;
-    ready.retain(|(k, t)| match check_input(m, t) {
+    ready.retain(|&k| match check_input(m, &job.requests[k].input) {
         Ok(()) => true,
         Err(why) => {
-            replies[*k] = Some(error(
-                id_of(*k),
+            replies[k] = Some(error(
+                id_of(k),
                 ErrorCode::BadRequest,
-                format!("{}: {why}", who(*k)),
+                format!("{}: {why}", who(k)),
             ));
             false
         }
@@ -592,10 +590,10 @@ fn run_batch(
     if ready.is_empty() {
         return Duration::ZERO;
     }
-    let (members, tensors): (Vec<usize>, Vec<HostTensor>) = ready.into_iter().unzip();
-    let rows: Vec<usize> = tensors
+    let members = ready;
+    let rows: Vec<usize> = members
         .iter()
-        .map(|t| t.shape.first().copied().unwrap_or(1))
+        .map(|&k| job.requests[k].input.shape.first().copied().unwrap_or(1))
         .collect();
     let fail_all =
         |replies: &mut [Option<Outgoing>], code: ErrorCode, why: &dyn Fn(u64) -> String| {
@@ -603,11 +601,13 @@ fn run_batch(
                 replies[k] = Some(error(id_of(k), code, why(id_of(k))));
             }
         };
-    let input = if tensors.len() == 1 {
-        tensors.into_iter().next().expect("one tensor")
+    // A request alone runs on its own input, uncopied.
+    let batched = if members.len() == 1 {
+        None
     } else {
-        match batch::concat_rows(&tensors) {
-            Ok(t) => t,
+        let parts: Vec<&HostTensor> = members.iter().map(|&k| &job.requests[k].input).collect();
+        match batch::concat_rows(&parts) {
+            Ok(t) => Some(t),
             Err(why) => {
                 fail_all(replies, ErrorCode::BadRequest, &|id| {
                     format!(
@@ -619,16 +619,19 @@ fn run_batch(
             }
         }
     };
+    let inputs = match &batched {
+        Some(t) => std::slice::from_ref(t),
+        None => std::slice::from_ref(&job.requests[members[0]].input),
+    };
     let stages = Stages {
         cache: &core.cache,
         executor: &*core.executor,
         residency: &device.residency,
     };
-    let inputs = [input];
     let request = Request {
         entry: &resolved.entry,
         manifest: m,
-        inputs: &inputs,
+        inputs,
         arrived: job.arrived,
     };
     let busy = Instant::now();
@@ -699,25 +702,25 @@ fn run_batch(
     timing.batch_requests = members.len() as u32;
     let names: Vec<String> = m.outputs.iter().map(|o| o.name.clone()).collect();
     let resident = device.residency.resident_mru();
-    for (j, &k) in members.iter().enumerate() {
+    let mut per_output: Vec<std::vec::IntoIter<HostTensor>> =
+        per_output.into_iter().map(Vec::into_iter).collect();
+    for &k in &members {
         let id = id_of(k);
-        let mut frames = Vec::with_capacity(per_output.len());
-        let mut too_big = None;
-        for (parts, spec) in per_output.iter().zip(&m.outputs) {
-            let t = &parts[j];
-            let bytes = encode_npy(t);
-            if bytes.len() > CONTROL_FRAME_BYTES_MAX as usize {
-                too_big = Some(format!(
-                    "model {} output {} ({}) is {} bytes as .npy, more than a frame's {CONTROL_FRAME_BYTES_MAX}: use a smaller batch",
+        let frames: Vec<HostTensor> = per_output
+            .iter_mut()
+            .map(|parts| parts.next().expect("one part per request"))
+            .collect();
+        let too_big = frames.iter().zip(&m.outputs).find_map(|(t, spec)| {
+            let len = encoded_len(t);
+            (len > CONTROL_FRAME_BYTES_MAX as usize).then(|| {
+                format!(
+                    "model {} output {} ({}) is {len} bytes as .npy, more than a frame's {CONTROL_FRAME_BYTES_MAX}: use a smaller batch",
                     m.name,
                     spec.name,
                     t.describe(),
-                    bytes.len()
-                ));
-                break;
-            }
-            frames.push(bytes);
-        }
+                )
+            })
+        });
         replies[k] = Some(match too_big {
             Some(why) => error(id, ErrorCode::Internal, why),
             None => Outgoing {
