@@ -88,6 +88,9 @@ pub struct InferOptions {
     pub trace: bool,
     /// Run on the device with this ordinal (default: the server's choice).
     pub device: Option<u32>,
+    /// The catalog version of the model the sender resolved; a runtime
+    /// whose plan is older refreshes it first (default: its own view).
+    pub catalog_version: Option<u64>,
 }
 
 /// One request of a batch sent with [`RuntimeSender::send_infer_batch`].
@@ -482,7 +485,7 @@ impl RuntimeSender {
             trace: opts.trace,
             device: opts.device,
             batch: Vec::new(),
-            catalog_version: None,
+            catalog_version: opts.catalog_version,
         };
         wire::send_message_sync(&mut self.w, &req)
             .and_then(|()| wire::write_frame_sync(&mut self.w, FrameKind::WriteChunk, &[&bytes]))

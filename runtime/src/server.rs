@@ -31,8 +31,13 @@
 //!   most one iteration (`TimingMsg.train_yield_ms` says how long).
 //! * [`conn`]: one task per connection; requests are pipelined and replies
 //!   carry the request id, in completion order.
-//! * [`worker`]: resolves the model through the controller's catalog (cached
-//!   per name), runs [`pipeline::cold_start`](crate::pipeline::cold_start)
+//! * [`plan`]: one compiled `ModelPlan` per model (typed manifest, layout
+//!   checked once) and catalog version. The connection attaches it to the
+//!   job; a model new to the runtime, forgotten, or older than the request's
+//!   `catalog_version` is refreshed on a blocking thread, one controller call
+//!   per model however many requests wait for it, never on a device's serial
+//!   path.
+//! * [`worker`]: runs [`pipeline::cold_start`](crate::pipeline::cold_start)
 //!   ([`pipeline::sequential`](crate::pipeline::sequential) with
 //!   `whole_model`, the baselines' whole-model loads; [`pipeline::load`](crate::pipeline::load)
 //!   for a prefetch), runs the
@@ -47,6 +52,7 @@
 mod batch;
 mod conn;
 mod metrics;
+mod plan;
 mod preload;
 mod register;
 mod worker;
@@ -296,7 +302,7 @@ pub(crate) struct Core {
     pub executor: Arc<dyn Executor>,
     pub cache: HostCache,
     pub devices: Vec<DeviceState>,
-    pub catalog: worker::Catalog,
+    pub catalog: plan::Catalog,
     pub pipeline: PipelineOptions,
     /// Load whole models, stages one after the other (the baselines).
     pub whole_model: bool,
@@ -543,6 +549,12 @@ impl RuntimeMonitor {
         ))
     }
 
+    /// Times this runtime asked the controller for a model's catalog entry
+    /// (each compiled one plan).
+    pub fn catalog_refreshes(&self) -> u64 {
+        self.core.catalog.refreshes()
+    }
+
     /// The Prometheus metrics in the OpenMetrics text format (what
     /// `GET /metrics` serves).
     pub fn render_metrics(&self) -> String {
@@ -646,7 +658,7 @@ impl RuntimeServer {
                     training: Mutex::new(TrainingStatus::default()),
                 })
                 .collect(),
-            catalog: worker::Catalog::new(config.controller.clone(), config.key.clone()),
+            catalog: plan::Catalog::new(config.controller.clone(), config.key.clone()),
             pipeline: config.pipeline,
             whole_model: config.whole_model,
             served: AtomicU64::new(0),

@@ -1,5 +1,10 @@
-//! Batched `Infer` on a runtime in-process (a controller, a memory server
-//! and a runtime on 127.0.0.1 ephemeral ports, the cpu executor): a batch
+//! The runtime's request path in-process (a controller, a memory server
+//! and a runtime on 127.0.0.1 ephemeral ports, the cpu executor).
+//!
+//! Catalog plans: requests for a model new to the runtime share one
+//! catalog call, and one naming a newer catalog version refreshes it once.
+//!
+//! Batched `Infer`: a batch
 //! answers every request under its own id with the rows it gets alone
 //! (to float rounding, see [`ROW_TOLERANCE`]); a request whose input does not fit, or whose deadline passed,
 //! is answered with its error while the rest of its batch still runs.
@@ -23,7 +28,7 @@ use distmind_runtime::client::{BatchInput, InferOptions, Response, RuntimeClient
 use distmind_runtime::exec::cpu::CpuExecutor;
 use distmind_runtime::exec::{HostTensor, TensorData};
 use distmind_runtime::npy::encode_npy;
-use distmind_runtime::server::{RuntimeConfig, RuntimeServer};
+use distmind_runtime::server::{RuntimeConfig, RuntimeMonitor, RuntimeServer};
 use tokio::sync::watch;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -37,7 +42,10 @@ fn key() -> ClusterKey {
 /// runtime with the cpu executor, all in this process.
 struct Cluster {
     stop: watch::Sender<bool>,
+    controller: String,
     runtime: String,
+    monitor: RuntimeMonitor,
+    memserver: String,
     package: Package,
     _dir: tempfile::TempDir,
     /// Last: dropped after `stop` told the servers to finish.
@@ -92,7 +100,7 @@ impl Cluster {
         let mut config = RuntimeConfig::new(
             "127.0.0.1:0".parse().unwrap(),
             key(),
-            controller,
+            controller.clone(),
             Arc::new(CpuExecutor::new()),
         );
         config.cache_bytes = 32 << 20;
@@ -101,10 +109,14 @@ impl Cluster {
         config.huge_pages = false;
         let server = rt.block_on(RuntimeServer::bind(config)).unwrap();
         let runtime = server.local_addr().to_string();
+        let monitor = server.monitor();
         rt.spawn(server.serve(shutdown()));
         Cluster {
             stop,
+            controller,
             runtime,
+            monitor,
+            memserver,
             package,
             _dir: dir,
             _rt: rt,
@@ -460,4 +472,68 @@ fn a_full_batch_runs_and_one_over_the_bound_is_refused_whole() {
         refused,
         (1..=BATCH_MEMBERS_MAX as u64 + 2).collect::<Vec<_>>()
     );
+}
+
+#[test]
+fn requests_share_one_catalog_refresh_and_a_newer_version_refreshes_once() {
+    let c = Cluster::start();
+    let x = c.input(1, 10);
+    assert_eq!(c.monitor.catalog_refreshes(), 0);
+    // Four connections, two requests each in flight, for a model the
+    // runtime has never resolved.
+    let run = |opts: InferOptions| {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..4)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut client = c.client();
+                        let ids = [
+                            client.send_infer(c.model(), &x, opts).unwrap(),
+                            client.send_infer(c.model(), &x, opts).unwrap(),
+                        ];
+                        for _ in ids {
+                            let r = client.recv().unwrap();
+                            assert!(ids.contains(&r.id()));
+                            output(&r);
+                        }
+                    })
+                })
+                .collect();
+            for h in handles {
+                h.join().unwrap();
+            }
+        })
+    };
+    run(InferOptions::default());
+    assert_eq!(
+        c.monitor.catalog_refreshes(),
+        1,
+        "one catalog call for 8 requests"
+    );
+    let mut cc = ControllerClient::connect(&c.controller, &key(), TIMEOUT).unwrap();
+    let v0 = cc.get_model(c.model()).unwrap().version;
+    run(InferOptions {
+        catalog_version: Some(v0),
+        ..InferOptions::default()
+    });
+    assert_eq!(
+        c.monitor.catalog_refreshes(),
+        1,
+        "the plan serves its own version"
+    );
+    // Deployed again: the catalog's version grows.
+    deploy(&mut cc, &c.memserver, &c.package);
+    let v1 = cc.get_model(c.model()).unwrap().version;
+    assert!(v1 > v0, "versions {v0} then {v1}");
+    run(InferOptions {
+        catalog_version: Some(v1),
+        ..InferOptions::default()
+    });
+    assert_eq!(
+        c.monitor.catalog_refreshes(),
+        2,
+        "one refresh for the newer version"
+    );
+    run(InferOptions::default());
+    assert_eq!(c.monitor.catalog_refreshes(), 2);
 }

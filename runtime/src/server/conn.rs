@@ -28,6 +28,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 
+use super::plan::ModelPlan;
 use super::worker::{self, encode_frames, Job, Member, Outgoing, PrefetchJob, Task, TrainControl};
 use crate::npy::parse_npy;
 
@@ -214,7 +215,7 @@ fn error_reply(
 /// Reads requests until the peer closes; returns the read half and whether
 /// the connection must close after a framing error.
 async fn read_loop(
-    shared: &Shared,
+    shared: &Arc<Shared>,
     mut rd: OwnedReadHalf,
     tx: mpsc::Sender<Outgoing>,
     peer: SocketAddr,
@@ -309,7 +310,7 @@ async fn read_loop(
                         trace,
                         device,
                         batch,
-                        catalog_version: _,
+                        catalog_version,
                     }) => {
                         let arrived = Instant::now();
                         let head = BatchMember {
@@ -387,6 +388,7 @@ async fn read_loop(
                             Infer {
                                 model,
                                 device,
+                                catalog_version,
                                 arrived,
                                 members,
                             },
@@ -412,6 +414,9 @@ async fn read_loop(
 struct Infer {
     model: String,
     device: Option<u32>,
+    /// The catalog version the sender resolved the model at (`None`: the
+    /// runtime's own view serves).
+    catalog_version: Option<u64>,
     arrived: Instant,
     members: Vec<Member>,
 }
@@ -537,44 +542,118 @@ fn check_model_name(model: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// Answers each of `members` with the error `why(id)` (the request
+/// metrics count them).
+fn refuse(
+    shared: &Shared,
+    model: &str,
+    arrived: Instant,
+    members: Vec<Member>,
+    code: ErrorCode,
+    why: &dyn Fn(u64) -> String,
+) -> Vec<Outgoing> {
+    members
+        .into_iter()
+        .map(|mut m| {
+            shared
+                .core
+                .metrics
+                .observe_request(model, Some(code), arrived.elapsed());
+            let permit = m.permit.take().expect("a queued request holds its permit");
+            error_reply(m.id, code, why(m.id), permit)
+        })
+        .collect()
+}
+
 /// Queues an inference (on the device it names, else where dispatch puts
-/// it); returns the replies to send at once (one per request) when it was
-/// not queued.
-fn infer(shared: &Shared, tx: &mpsc::Sender<Outgoing>, req: Infer) -> Vec<Outgoing> {
-    let metrics = &shared.core.metrics;
-    let model = req.model;
-    let arrived = req.arrived;
-    let refuse = |members: Vec<Member>, code: ErrorCode, why: &dyn Fn(u64) -> String| {
-        members
-            .into_iter()
-            .map(|mut m| {
-                metrics.observe_request(&model, Some(code), arrived.elapsed());
-                let permit = m.permit.take().expect("a queued request holds its permit");
-                error_reply(m.id, code, why(m.id), permit)
-            })
-            .collect::<Vec<_>>()
-    };
-    if let Err(why) = check_model_name(&model) {
-        return refuse(req.members, ErrorCode::BadRequest, &|id| {
-            format!("request {id}: {why}")
-        });
+/// it) with the model's compiled plan; returns the replies to send at once
+/// (one per request) when it was not queued. A model whose plan is missing
+/// or older than `catalog_version` is resolved first on a blocking thread
+/// (one controller call per model however many requests wait for it),
+/// never on the device's serial path; the reader goes on meanwhile.
+fn infer(shared: &Arc<Shared>, tx: &mpsc::Sender<Outgoing>, req: Infer) -> Vec<Outgoing> {
+    if let Err(why) = check_model_name(&req.model) {
+        return refuse(
+            shared,
+            &req.model,
+            req.arrived,
+            req.members,
+            ErrorCode::BadRequest,
+            &|id| format!("request {id}: {why}"),
+        );
     }
     let index = match req.device.map(|d| shared.core.device_index(d)) {
         None => None,
         Some(Ok(i)) => Some(i),
         Some(Err(why)) => {
-            return refuse(req.members, ErrorCode::BadRequest, &|id| {
-                format!("request {id} for {model}: {why}")
-            })
+            let model = req.model.clone();
+            return refuse(
+                shared,
+                &req.model,
+                req.arrived,
+                req.members,
+                ErrorCode::BadRequest,
+                &|id| format!("request {id} for {model}: {why}"),
+            );
         }
     };
+    if let Some(plan) = shared.core.catalog.cached(&req.model, req.catalog_version) {
+        return queue(shared, tx, req, index, plan);
+    }
+    let shared = shared.clone();
+    let tx = tx.clone();
+    tokio::spawn(async move {
+        let core = shared.core.clone();
+        let (model, version) = (req.model.clone(), req.catalog_version);
+        let resolved =
+            tokio::task::spawn_blocking(move || core.catalog.resolve(&model, version)).await;
+        let replies = match resolved {
+            Ok(Ok(plan)) => queue(&shared, &tx, req, index, plan),
+            Ok(Err(e)) => refuse(
+                &shared,
+                &req.model,
+                req.arrived,
+                req.members,
+                e.code,
+                &|id| format!("request {id}: {}", e.message),
+            ),
+            Err(e) => refuse(
+                &shared,
+                &req.model,
+                req.arrived,
+                req.members,
+                ErrorCode::Internal,
+                &|id| format!("request {id}: resolving the model failed: {e}"),
+            ),
+        };
+        for out in replies {
+            // The connection may be gone; its replies go nowhere then.
+            if tx.send(out).await.is_err() {
+                break;
+            }
+        }
+    });
+    Vec::new()
+}
+
+/// Queues a checked inference with its plan on device `index` (else where
+/// dispatch puts it); the refusals when it was not queued.
+fn queue(
+    shared: &Shared,
+    tx: &mpsc::Sender<Outgoing>,
+    req: Infer,
+    index: Option<usize>,
+    plan: Arc<ModelPlan>,
+) -> Vec<Outgoing> {
+    let model = req.model;
     let job = Job {
         model: model.clone(),
         requests: req.members,
-        arrived,
+        arrived: req.arrived,
         device: 0,
-        queued_at: arrived,
+        queued_at: req.arrived,
         reply: tx.clone(),
+        plan,
     };
     let queued = match index {
         Some(i) => shared.dispatch_to(i, Task::Infer(job)),
@@ -589,15 +668,24 @@ fn infer(shared: &Shared, tx: &mpsc::Sender<Outgoing>, req: Infer) -> Vec<Outgoi
         unreachable!("an inference was queued")
     };
     let devices = shared.core.devices.len();
-    refuse(job.requests, code, &|id| match (code, req.device) {
-        (ErrorCode::ShuttingDown, _) => format!("request {id}: the runtime is shutting down"),
-        (_, Some(d)) => {
-            format!("request {id} for {model}: the queue of device {d} is full; retry later")
+    refuse(
+        shared,
+        &model,
+        req.arrived,
+        job.requests,
+        code,
+        &|id| {
+            match (code, req.device) {
+            (ErrorCode::ShuttingDown, _) => format!("request {id}: the runtime is shutting down"),
+            (_, Some(d)) => {
+                format!("request {id} for {model}: the queue of device {d} is full; retry later")
+            }
+            (_, None) => format!(
+                "request {id} for {model}: every device queue is full ({devices} devices); retry later"
+            ),
         }
-        (_, None) => format!(
-            "request {id} for {model}: every device queue is full ({devices} devices); retry later"
-        ),
-    })
+        },
+    )
 }
 
 /// Cache-in without running. With a device: queued there (ordered with

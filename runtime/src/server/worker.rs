@@ -1,7 +1,9 @@
-//! One device's worker thread: takes tasks (inference, prefetch) from the
-//! device's bounded queue, resolves the model through the controller's
-//! catalog, runs the pipeline and sends the reply (message and output
-//! frames, already encoded) back to the connection that asked.
+//! One device's worker thread: takes tasks (inference with its model's
+//! compiled plan, prefetch) from the device's bounded queue, runs the
+//! pipeline and sends the replies (messages and output tensors, which the
+//! connection encodes) back to the connection that asked. Its time on each
+//! task beyond the executor's compute and copies is the device's
+//! serial-path overhead.
 //!
 //! Between tasks it runs the device's background training job, if one is
 //! set: ONE iteration whenever the queue is empty, then it looks at the
@@ -13,23 +15,21 @@
 //! every boundary (before the queue), so they never wait behind the
 //! background loop or behind queued inference.
 
-use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam::channel::{self, TryRecvError};
-use distmind_common::handshake::ClusterKey;
 use distmind_common::limits::CONTROL_FRAME_BYTES_MAX;
 use distmind_common::proto::{
-    ErrorCode, ErrorReply, ModelEntry, RuntimeReply, ServePath, TimingMsg, TraceEntry,
-    RUNTIME_OUTPUTS_MAX, TRACE_ENTRIES_MAX,
+    ErrorCode, ErrorReply, RuntimeReply, ServePath, TimingMsg, TraceEntry, RUNTIME_OUTPUTS_MAX,
+    TRACE_ENTRIES_MAX,
 };
-use distmind_controller::{ClientError, ControllerClient};
 use distmind_models::{Dtype, Manifest};
 use rand::Rng;
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
+use super::plan::ModelPlan;
 use super::{batch, Core, TrainingStatus, TRAIN_ITERATION_EWMA_WEIGHT};
 use crate::cache::CacheError;
 use crate::device::DeviceError;
@@ -70,6 +70,9 @@ pub struct Job {
     /// When it entered the device queue (its arrival at the worker), set by dispatch.
     pub(crate) queued_at: Instant,
     pub(crate) reply: mpsc::Sender<Outgoing>,
+    /// The model as compiled from the catalog (resolved by the connection,
+    /// so the worker never asks the controller for an inference).
+    pub(crate) plan: Arc<ModelPlan>,
 }
 
 /// One request of a [`Job`].
@@ -143,128 +146,10 @@ pub(crate) struct TrainControl {
     pub permit: Option<OwnedSemaphorePermit>,
 }
 
-/// Most catalog entries kept resolved; the table is cleared when full.
-const RESOLVED_MODELS_MAX: usize = 4096;
-/// Bounds the connect to the controller and each of its replies.
-const CONTROLLER_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// A catalog entry with its manifest parsed.
-pub(crate) struct Resolved {
-    pub entry: ModelEntry,
-    pub manifest: Manifest,
-}
-
-/// The controller's catalog as the workers see it: entries cached per model
-/// name, one blocking controller connection shared (and reopened) by all.
-pub(crate) struct Catalog {
-    controller: String,
-    key: ClusterKey,
-    client: Mutex<Option<ControllerClient>>,
-    models: Mutex<HashMap<String, Arc<Resolved>>>,
-}
-
-impl Catalog {
-    pub fn new(controller: String, key: ClusterKey) -> Self {
-        Catalog {
-            controller,
-            key,
-            client: Mutex::new(None),
-            models: Mutex::new(HashMap::new()),
-        }
-    }
-
-    fn models(&self) -> MutexGuard<'_, HashMap<String, Arc<Resolved>>> {
-        self.models.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Forgets a cached entry (after an eviction or a failed fetch: the
-    /// model may have been deployed again elsewhere).
-    pub fn forget(&self, model: &str) {
-        self.models().remove(model);
-    }
-
-    pub fn resolve(&self, model: &str) -> Result<Arc<Resolved>, ErrorReply> {
-        if let Some(r) = self.models().get(model) {
-            return Ok(r.clone());
-        }
-        let entry = self.fetch_entry(model)?;
-        let manifest: Manifest = serde_json::from_value(entry.manifest.clone()).map_err(|e| {
-            ErrorReply::new(
-                ErrorCode::Internal,
-                format!("model {model}: the catalog's manifest does not parse: {e}"),
-            )
-        })?;
-        let resolved = Arc::new(Resolved { entry, manifest });
-        let mut models = self.models();
-        if models.len() >= RESOLVED_MODELS_MAX {
-            models.clear();
-        }
-        models.insert(model.to_string(), resolved.clone());
-        Ok(resolved)
-    }
-
-    /// `GetModel`, reconnecting once if the shared connection broke.
-    fn fetch_entry(&self, model: &str) -> Result<ModelEntry, ErrorReply> {
-        match self.call(|c| c.get_model(model)) {
-            Ok(entry) => Ok(entry),
-            Err(e @ ClientError::Server { .. }) => {
-                let reply = e.error_reply().cloned().expect("a server error");
-                Err(match reply.code {
-                    ErrorCode::UnknownModel => ErrorReply::new(
-                        ErrorCode::UnknownModel,
-                        format!("unknown model {model:?}: it is not in the controller's catalog (deploy it first)"),
-                    ),
-                    _ => reply,
-                })
-            }
-            Err(e) => Err(ErrorReply::new(
-                ErrorCode::Internal,
-                format!("model {model}: cannot ask the catalog: {e}"),
-            )),
-        }
-    }
-
-    /// Every model name in the catalog (`ListModels`).
-    pub fn list(&self) -> Result<Vec<String>, ClientError> {
-        self.call(|c| c.list_models())
-            .map(|models| models.into_iter().map(|m| m.name).collect())
-    }
-
-    /// One request on the shared controller connection, reconnecting once
-    /// if it broke (a server's error reply is returned as is).
-    fn call<T>(
-        &self,
-        mut f: impl FnMut(&mut ControllerClient) -> Result<T, ClientError>,
-    ) -> Result<T, ClientError> {
-        let mut client = self.client.lock().unwrap_or_else(|p| p.into_inner());
-        let mut last = None;
-        for _ in 0..2 {
-            if client.is_none() {
-                match ControllerClient::connect(&self.controller, &self.key, CONTROLLER_TIMEOUT) {
-                    Ok(c) => *client = Some(c),
-                    Err(e) => {
-                        last = Some(e);
-                        continue;
-                    }
-                }
-            }
-            match f(client.as_mut().expect("connected above")) {
-                Ok(v) => return Ok(v),
-                Err(e @ ClientError::Server { .. }) => return Err(e),
-                Err(e) => {
-                    *client = None;
-                    last = Some(e);
-                }
-            }
-        }
-        Err(last.expect("each attempt failed with an error"))
-    }
-}
-
 /// A device's background training job; what an iteration is was chosen
 /// once, when the job started, by the executor.
 struct Trainer {
-    resolved: Arc<Resolved>,
+    resolved: Arc<ModelPlan>,
     work: Work,
     iterations: u64,
 }
@@ -566,15 +451,7 @@ fn run_batch(
 ) -> Duration {
     let device = &core.devices[index];
     let id_of = |k: usize| job.requests[k].id;
-    let resolved = match core.catalog.resolve(&job.model) {
-        Ok(r) => r,
-        Err(e) => {
-            for &k in &ready {
-                replies[k] = Some(error(id_of(k), e.code, e.message.clone()));
-            }
-            return Duration::ZERO;
-        }
-    };
+    let resolved = &job.plan;
     let m = &resolved.manifest;
     ready.retain(|&k| match check_input(m, &job.requests[k].input) {
         Ok(()) => true,
@@ -757,7 +634,7 @@ fn serve_path(p: LoadPath) -> ServePath {
 /// upload, leave the model resident; nothing runs.
 fn prefetch_device(core: &Core, index: usize, p: &PrefetchJob) -> (Outgoing, Duration) {
     let device = &core.devices[index];
-    let resolved = match core.catalog.resolve(&p.model) {
+    let resolved = match core.catalog.resolve(&p.model, None) {
         Ok(r) => r,
         Err(e) => return (error(p.id, e.code, e.message), Duration::ZERO),
     };
@@ -806,7 +683,7 @@ fn prefetch_device(core: &Core, index: usize, p: &PrefetchJob) -> (Outgoing, Dur
 /// `Cold` when this fetched it, `HostCached` when it was there already (or
 /// being filled by another request, which it waited for).
 pub(crate) fn prefetch_host(core: &Core, id: u64, model: &str, arrived: Instant) -> Outgoing {
-    let resolved = match core.catalog.resolve(model) {
+    let resolved = match core.catalog.resolve(model, None) {
         Ok(r) => r,
         Err(e) => return error(id, e.code, e.message),
     };
@@ -911,7 +788,7 @@ fn stop(core: &Core, index: usize, trainer: Option<Trainer>) -> u64 {
 /// iteration.
 fn start(core: &Core, index: usize, id: u64, model: &str) -> Result<Trainer, ErrorReply> {
     let device = &core.devices[index];
-    let resolved = core.catalog.resolve(model)?;
+    let resolved = core.catalog.resolve(model, None)?;
     let m = &resolved.manifest;
     let refuse = |why: String| {
         ErrorReply::new(
