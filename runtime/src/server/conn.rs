@@ -146,6 +146,7 @@ async fn write_loop(
             break;
         }
         drop(out.permit);
+        drop(out.spent);
     }
     w.into_inner()
 }
@@ -209,6 +210,7 @@ fn error_reply(
         },
         frames: Vec::new(),
         permit: Some(permit),
+        spent: None,
     }
 }
 
@@ -285,6 +287,7 @@ async fn read_loop(
                         },
                         frames: Vec::new(),
                         permit: Some(permit),
+                        spent: None,
                     },
                     Ok(RuntimeRequest::Evict {
                         id,
@@ -335,6 +338,7 @@ async fn read_loop(
                                 },
                                 frames: Vec::new(),
                                 permit: None,
+                                spent: None,
                             });
                             for out in std::iter::once(first).chain(rest) {
                                 if tx.send(out).await.is_err() {
@@ -869,6 +873,7 @@ fn evict(
         },
         frames: Vec::new(),
         permit: Some(permit),
+        spent: None,
     }
 }
 

@@ -49,6 +49,10 @@ pub(crate) struct Outgoing {
     pub reply: RuntimeReply,
     pub frames: Vec<HostTensor>,
     pub permit: Option<OwnedSemaphorePermit>,
+    /// The request's input, freed by the writer: freeing hundreds of
+    /// kilobytes returns pages to the kernel, which is kept off the
+    /// device's serial path.
+    pub spent: Option<HostTensor>,
 }
 
 /// The output frames of a reply, as `.npy` bytes.
@@ -303,7 +307,7 @@ fn handle(core: &Core, index: usize, task: Task, last: Option<Iteration>) -> Dur
             let train_yield = yield_of(job.queued_at);
             let (outs, work) = serve(core, index, &job, train_yield);
             device.queued.fetch_sub(job.len() as u64, Ordering::Relaxed);
-            for (out, m) in outs.into_iter().zip(job.requests.iter_mut()) {
+            for (out, mut m) in outs.into_iter().zip(job.requests.drain(..)) {
                 let status = match &out.reply {
                     RuntimeReply::Output { timing, .. } => {
                         core.served.fetch_add(1, Ordering::Relaxed);
@@ -322,9 +326,11 @@ fn handle(core: &Core, index: usize, task: Task, last: Option<Iteration>) -> Dur
                     .observe_request(&job.model, status, job.arrived.elapsed());
                 let out = Outgoing {
                     permit: m.permit.take(),
+                    spent: Some(m.input),
                     ..out
                 };
-                // The connection may be gone; its reply goes nowhere then.
+                // The connection may be gone; its reply goes nowhere then
+                // (and the input is freed here).
                 let _ = job.reply.blocking_send(out);
             }
             work
@@ -366,6 +372,7 @@ pub(crate) fn error(id: u64, code: ErrorCode, message: String) -> Outgoing {
         },
         frames: Vec::new(),
         permit: None,
+        spent: None,
     }
 }
 
@@ -616,6 +623,7 @@ fn run_batch(
                 },
                 frames,
                 permit: None,
+                spent: None,
             },
         });
     }
@@ -671,6 +679,7 @@ fn prefetch_device(core: &Core, index: usize, p: &PrefetchJob) -> (Outgoing, Dur
                 },
                 frames: Vec::new(),
                 permit: None,
+                spent: None,
             };
             // A load overlaps its fetch and copies (never whole-model).
             (out, device_work(&timing, false))
@@ -702,6 +711,7 @@ pub(crate) fn prefetch_host(core: &Core, id: u64, model: &str, arrived: Instant)
             },
             frames: Vec::new(),
             permit: None,
+            spent: None,
         },
         Err(e) => pipeline_error(core, id, model, &e),
     }
@@ -761,6 +771,7 @@ fn training_reply(id: u64, device: u32, model: Option<String>, iterations: u64) 
         },
         frames: Vec::new(),
         permit: None,
+        spent: None,
     }
 }
 
