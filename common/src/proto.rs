@@ -579,6 +579,11 @@ pub struct DeviceStats {
     /// Moving average of the current job's iteration time (0: none yet).
     #[serde(default)]
     pub train_iteration_ms: f64,
+    /// Time the device's serial path (its worker) spent on requests and
+    /// prefetches beyond the executor's compute and copy time: parsing,
+    /// resolving, batching, encoding and handing over replies.
+    #[serde(default)]
+    pub serial_overhead_ms: f64,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

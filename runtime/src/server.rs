@@ -13,6 +13,14 @@
 //!   that has its model resident, else to the least-loaded queue. The
 //!   `Output` reply lists the models resident on that device afterwards,
 //!   most recently used first.
+//! * A batched `Infer` (its `batch` members, one input frame per request)
+//!   is one device job: the worker leaves out requests whose deadline passed
+//!   or whose input does not fit the model (each answered with its error),
+//!   concatenates the others' inputs along dimension 0, runs the model once
+//!   and answers each request under its own id with its own rows
+//!   (`timing.batch_requests`: how many ran together). Bounded by
+//!   [`BATCH_MEMBERS_MAX`](distmind_common::proto::BATCH_MEMBERS_MAX)
+//!   members and [`BATCH_INPUT_BYTES_MAX`] input bytes.
 //! * `Prefetch` caches a model in without running it: with a device, through
 //!   that device's queue (ordered with its inference) into the host cache and
 //!   onto the device; without, into the host cache only, on a blocking
@@ -23,8 +31,13 @@
 //!   most one iteration (`TimingMsg.train_yield_ms` says how long).
 //! * [`conn`]: one task per connection; requests are pipelined and replies
 //!   carry the request id, in completion order.
-//! * [`worker`]: resolves the model through the controller's catalog (cached
-//!   per name), runs [`pipeline::cold_start`](crate::pipeline::cold_start)
+//! * [`plan`]: one compiled `ModelPlan` per model (typed manifest, layout
+//!   checked once) and catalog version. The connection attaches it to the
+//!   job; a model new to the runtime, forgotten, or older than the request's
+//!   `catalog_version` is refreshed on a blocking thread, one controller call
+//!   per model however many requests wait for it, never on a device's serial
+//!   path.
+//! * [`worker`]: runs [`pipeline::cold_start`](crate::pipeline::cold_start)
 //!   ([`pipeline::sequential`](crate::pipeline::sequential) with
 //!   `whole_model`, the baselines' whole-model loads; [`pipeline::load`](crate::pipeline::load)
 //!   for a prefetch), runs the
@@ -36,8 +49,10 @@
 //! * [`metrics`]: Prometheus metrics ([`RuntimeMonitor::render_metrics`]),
 //!   served over HTTP at `metrics_listen` when set.
 
+mod batch;
 mod conn;
 mod metrics;
+mod plan;
 mod preload;
 mod register;
 mod worker;
@@ -76,8 +91,16 @@ pub const CONNECTIONS_MAX_DEFAULT: usize = 256;
 /// Default bound on requests waiting in one device's queue.
 pub const QUEUE_DEPTH_MAX_DEFAULT: usize = 64;
 /// Requests one connection may have outstanding (sent, not yet answered);
-/// the server stops reading from a connection at this bound.
+/// the server stops reading from a connection at this bound. A batched
+/// `Infer` holds one slot per request, so it fits a whole batch of
+/// 1 + [`BATCH_MEMBERS_MAX`](distmind_common::proto::BATCH_MEMBERS_MAX).
 pub const REQUESTS_IN_FLIGHT_PER_CONNECTION_MAX: usize = 64;
+/// Most input bytes (the `.npy` frames of every request together) one
+/// batched `Infer` may carry; each frame is bounded on its own by the
+/// control-frame bound. Over it, every request of the batch is refused.
+pub const BATCH_INPUT_BYTES_MAX: usize = 64 << 20;
+const _: () =
+    assert!(REQUESTS_IN_FLIGHT_PER_CONNECTION_MAX > distmind_common::proto::BATCH_MEMBERS_MAX);
 /// Most devices one runtime serves.
 pub const DEVICES_MAX: usize = 64;
 /// How long in-flight requests get to finish once shutdown starts.
@@ -243,6 +266,13 @@ pub(crate) struct DeviceState {
     /// Nanoseconds spent loading or computing: requests, prefetches,
     /// starting training jobs and training iterations.
     pub busy_ns: AtomicU64,
+    /// Nanoseconds the worker (the device's serial path) spent on queued
+    /// tasks, from taking one off the queue to handing its last reply to
+    /// the connection.
+    pub serial_ns: AtomicU64,
+    /// The part of `serial_ns` that was neither the executor's compute nor
+    /// its copies: parsing, resolving, batching, encoding, replying.
+    pub serial_overhead_ns: AtomicU64,
     pub training: Mutex<TrainingStatus>,
 }
 
@@ -256,6 +286,15 @@ impl DeviceState {
         let ns = u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.busy_ns.fetch_add(ns, Ordering::Relaxed);
     }
+
+    /// One task on the serial path: `took` in all, `work` of it the
+    /// executor's compute and copies.
+    pub fn add_serial(&self, took: Duration, work: Duration) {
+        let ns = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.serial_ns.fetch_add(ns(took), Ordering::Relaxed);
+        self.serial_overhead_ns
+            .fetch_add(ns(took.saturating_sub(work)), Ordering::Relaxed);
+    }
 }
 
 /// What workers and connections share.
@@ -263,7 +302,7 @@ pub(crate) struct Core {
     pub executor: Arc<dyn Executor>,
     pub cache: HostCache,
     pub devices: Vec<DeviceState>,
-    pub catalog: worker::Catalog,
+    pub catalog: plan::Catalog,
     pub pipeline: PipelineOptions,
     /// Load whole models, stages one after the other (the baselines).
     pub whole_model: bool,
@@ -319,6 +358,8 @@ impl Core {
                     let t = d.training.lock().unwrap_or_else(|p| p.into_inner()).clone();
                     DeviceStats {
                         busy_ms: d.busy_ns.load(Ordering::Relaxed) as f64 / 1e6,
+                        serial_overhead_ms: d.serial_overhead_ns.load(Ordering::Relaxed) as f64
+                            / 1e6,
                         training: t.model,
                         train_iterations: t.total_iterations,
                         train_iteration_ms: t.iteration_ms_ewma,
@@ -438,12 +479,13 @@ impl Shared {
         d: usize,
         mut task: worker::Task,
     ) -> Result<(), Box<worker::Task>> {
-        devices[d].queued.fetch_add(1, Ordering::Relaxed);
+        let requests = task.requests();
+        devices[d].queued.fetch_add(requests, Ordering::Relaxed);
         task.set_queued(d, Instant::now());
         match queues[d].tasks.try_send(task) {
             Ok(()) => Ok(()),
             Err(e) => {
-                devices[d].queued.fetch_sub(1, Ordering::Relaxed);
+                devices[d].queued.fetch_sub(requests, Ordering::Relaxed);
                 Err(Box::new(e.into_inner()))
             }
         }
@@ -505,6 +547,12 @@ impl RuntimeMonitor {
         Some(Duration::from_nanos(
             self.core.devices[i].busy_ns.load(Ordering::Relaxed),
         ))
+    }
+
+    /// Times this runtime asked the controller for a model's catalog entry
+    /// (each compiled one plan).
+    pub fn catalog_refreshes(&self) -> u64 {
+        self.core.catalog.refreshes()
     }
 
     /// The Prometheus metrics in the OpenMetrics text format (what
@@ -605,10 +653,12 @@ impl RuntimeServer {
                     queued: AtomicU64::new(0),
                     served: AtomicU64::new(0),
                     busy_ns: AtomicU64::new(0),
+                    serial_ns: AtomicU64::new(0),
+                    serial_overhead_ns: AtomicU64::new(0),
                     training: Mutex::new(TrainingStatus::default()),
                 })
                 .collect(),
-            catalog: worker::Catalog::new(config.controller.clone(), config.key.clone()),
+            catalog: plan::Catalog::new(config.controller.clone(), config.key.clone()),
             pipeline: config.pipeline,
             whole_model: config.whole_model,
             served: AtomicU64::new(0),

@@ -596,6 +596,7 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<Outcome> {
             dilation: 1.0,
             loopback: "-".into(),
             source: "simulator".into(),
+            serial_overhead_ms: None,
         };
         crate::up::results::append(path, &row, &report)?;
         println!("simulate: results appended to {}", path.display());

@@ -869,6 +869,23 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
     }
     // The GPU server's host memory, measured before it stops (figure 10).
     let runtime_rss = rss_bytes(runtime_pid);
+    // Wall time on the runtime's clock; the row holds the run's time (emulated: / K).
+    let serial_overhead_wall_ms =
+        match distmind_common::metrics::scrape(&runtime_metrics, "/metrics", scrape_timeout) {
+            Ok((200, text)) => results::serial_overhead_ms(&text),
+            _ => None,
+        };
+    let serial_overhead_ms = serial_overhead_wall_ms.map(|ms| ms / k);
+    if let Some(ms) = serial_overhead_wall_ms {
+        println!(
+            "up: the GPU server's serial path: {ms:.4} ms of wall time per request beyond compute and copy{}",
+            if k == 1.0 {
+                String::new()
+            } else {
+                format!(" ({:.4} ms emulated)", ms / k)
+            }
+        );
+    }
     let died = cluster.exited();
     println!();
     for (name, pid, what) in cluster.stop_all() {
@@ -947,6 +964,7 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
                 distmind_common::emulate::format_rate(e.loopback_bytes_per_s())
             }),
             source: "processes".into(),
+            serial_overhead_ms,
         };
         results::append(path, &row, &report)?;
         println!("up: results appended to {}", path.display());

@@ -13,7 +13,7 @@ use crate::loadgen::Report;
 pub const HEADER: &str = "test,system,family,models,devices,zipf,period_s,cache_mib,mode,concurrency,rate_rps,duration_s,\
 sent,ok,rejected,deadline_exceeded,busy,other_errors,throughput_rps,lat_mean_ms,lat_p50_ms,lat_p90_ms,lat_p95_ms,\
 lat_p99_ms,slo_attainment,goodput_rps,runtime_rss_mib,executor,profile,batch,link,dilation,loopback,source,\
-served_resident,served_host_cached,served_cold,lat_cold_mean_ms";
+served_resident,served_host_cached,served_cold,lat_cold_mean_ms,serial_overhead_ms";
 
 /// What the run was (the report says what happened).
 #[derive(Debug, Clone)]
@@ -45,6 +45,37 @@ pub struct Row {
     /// sockets; GPU time per the executor column) or `simulated`
     /// (`distmind simulate`).
     pub source: String,
+    /// Per request the GPU server answered with outputs, the time its
+    /// devices' serial paths spent beyond the executor's compute and copy
+    /// time ([`serial_overhead_ms`]), in the run's time like every time of
+    /// the row (emulated: wall time / K); `None` (an empty cell) when not
+    /// measured (the simulator has no serial path of its own).
+    pub serial_overhead_ms: Option<f64>,
+}
+
+/// Milliseconds of serial-path overhead per request served, from a
+/// runtime's `/metrics` text: `device_serial_overhead_seconds_total` summed
+/// over its devices, over `requests_total{status="ok"}` summed over its
+/// models. `None` when it served nothing or the text lacks either.
+pub fn serial_overhead_ms(metrics_text: &str) -> Option<f64> {
+    let samples = super::metrics::parse_samples(metrics_text);
+    let sum = |name: &str, pred: &dyn Fn(&str) -> bool| {
+        samples
+            .iter()
+            .filter(|s| s.name == name && pred(&s.labels))
+            .map(|s| s.value)
+            .fold(None, |acc: Option<f64>, v| Some(acc.unwrap_or(0.0) + v))
+    };
+    let overhead = sum(
+        "distmind_runtime_device_serial_overhead_seconds_total",
+        &|_| true,
+    )?;
+    let served = sum("distmind_runtime_requests_total", &|labels| {
+        super::metrics::split_labels(labels)
+            .iter()
+            .any(|(k, v)| k == "status" && v == "ok")
+    })?;
+    (served > 0.0).then(|| overhead * 1e3 / served)
 }
 
 /// Refuses text that would break the row (commas, quotes, newlines).
@@ -107,6 +138,8 @@ pub fn format(row: &Row, r: &Report) -> anyhow::Result<String> {
         r.paths
             .cold_mean_ms()
             .map_or(String::new(), |m| format!("{m:.3}")),
+        row.serial_overhead_ms
+            .map_or(String::new(), |m| format!("{m:.4}")),
     ];
     Ok(cols.join(","))
 }
@@ -169,6 +202,7 @@ mod tests {
             dilation: 12.5,
             loopback: "1.000GB/s".into(),
             source: "processes".into(),
+            serial_overhead_ms: Some(0.05),
         }
     }
 
@@ -201,6 +235,27 @@ mod tests {
         bad.system = "a,b".into();
         let e = format(&bad, &report()).unwrap_err().to_string();
         assert!(e.contains("system"), "{e}");
+    }
+
+    #[test]
+    fn serial_overhead_is_per_request_served_over_every_device() {
+        let text = "# TYPE distmind_runtime_device_serial_overhead_seconds counter\n\
+distmind_runtime_device_serial_overhead_seconds_total{device=\"0\"} 0.25\n\
+distmind_runtime_device_serial_overhead_seconds_total{device=\"1\"} 0.05\n\
+distmind_runtime_requests_total{model=\"a\",status=\"ok\"} 1000\n\
+distmind_runtime_requests_total{model=\"b\",status=\"ok\"} 500\n\
+distmind_runtime_requests_total{model=\"b\",status=\"busy\"} 700\n";
+        let ms = serial_overhead_ms(text).unwrap();
+        assert!((ms - 0.2).abs() < 1e-12, "{ms}");
+        assert_eq!(
+            serial_overhead_ms("distmind_runtime_requests_total{status=\"ok\"} 3\n"),
+            None
+        );
+        let idle = "distmind_runtime_device_serial_overhead_seconds_total{device=\"0\"} 0\n\
+distmind_runtime_requests_total{model=\"a\",status=\"busy\"} 2\n";
+        assert_eq!(serial_overhead_ms(idle), None, "nothing served");
+        let line = format(&row(), &report()).unwrap();
+        assert!(line.ends_with(",0.0500"), "{line}");
     }
 
     #[test]

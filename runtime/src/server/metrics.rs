@@ -11,7 +11,11 @@
 //!   `host_cache_capacity_bytes`, `fetched_bytes_total` (bytes read from
 //!   memory servers);
 //! * per `device`: `device_busy_seconds_total` (loading or computing:
-//!   requests, prefetches, training), `device_train_iterations_total`,
+//!   requests, prefetches, training), `device_serial_seconds_total` (the
+//!   worker's time on queued requests and prefetches, dequeue to replies
+//!   handed over), `device_serial_overhead_seconds_total` (the part of it
+//!   that was neither the executor's compute nor its copies),
+//!   `device_train_iterations_total`,
 //!   `device_queue_depth` (queued or running), `device_training` (1 while a
 //!   job is set), `device_train_iteration_seconds` (the EWMA).
 //!
@@ -226,6 +230,27 @@ impl Collector for Sampled {
             MetricType::Counter,
             devices.iter().map(|d| {
                 let ns = d.busy_ns.load(Ordering::Relaxed);
+                (d.id, ConstCounter::new(ns as f64 / 1e9))
+            }),
+        )?;
+        encode_per_device(
+            e,
+            "device_serial_seconds",
+            "Time the device's worker (its serial path) spent on queued requests and prefetches",
+            MetricType::Counter,
+            devices.iter().map(|d| {
+                let ns = d.serial_ns.load(Ordering::Relaxed);
+                (d.id, ConstCounter::new(ns as f64 / 1e9))
+            }),
+        )?;
+        encode_per_device(
+            e,
+            "device_serial_overhead_seconds",
+            "Time the device's worker spent on queued requests and prefetches beyond the \
+             executor's compute and copy time",
+            MetricType::Counter,
+            devices.iter().map(|d| {
+                let ns = d.serial_overhead_ns.load(Ordering::Relaxed);
                 (d.id, ConstCounter::new(ns as f64 / 1e9))
             }),
         )?;

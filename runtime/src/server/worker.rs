@@ -1,7 +1,9 @@
-//! One device's worker thread: takes tasks (inference, prefetch) from the
-//! device's bounded queue, resolves the model through the controller's
-//! catalog, runs the pipeline and sends the reply (message and output
-//! frames, already encoded) back to the connection that asked.
+//! One device's worker thread: takes tasks (inference with its model's
+//! compiled plan, prefetch) from the device's bounded queue, runs the
+//! pipeline and sends the replies (messages and output tensors, which the
+//! connection encodes) back to the connection that asked. Its time on each
+//! task beyond the executor's compute and copies is the device's
+//! serial-path overhead.
 //!
 //! Between tasks it runs the device's background training job, if one is
 //! set: ONE iteration whenever the queue is empty, then it looks at the
@@ -13,58 +15,86 @@
 //! every boundary (before the queue), so they never wait behind the
 //! background loop or behind queued inference.
 
-use std::collections::HashMap;
-use std::path::Path;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam::channel::{self, TryRecvError};
-use distmind_common::handshake::ClusterKey;
 use distmind_common::limits::CONTROL_FRAME_BYTES_MAX;
 use distmind_common::proto::{
-    ErrorCode, ErrorReply, ModelEntry, RuntimeReply, ServePath, TimingMsg, TraceEntry,
-    RUNTIME_OUTPUTS_MAX, TRACE_ENTRIES_MAX,
+    ErrorCode, ErrorReply, RuntimeReply, ServePath, TimingMsg, TraceEntry, RUNTIME_OUTPUTS_MAX,
+    TRACE_ENTRIES_MAX,
 };
-use distmind_controller::{ClientError, ControllerClient};
 use distmind_models::{Dtype, Manifest};
 use rand::Rng;
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
-use super::{Core, TrainingStatus, TRAIN_ITERATION_EWMA_WEIGHT};
+use super::plan::ModelPlan;
+use super::{batch, Core, TrainingStatus, TRAIN_ITERATION_EWMA_WEIGHT};
 use crate::cache::CacheError;
 use crate::device::DeviceError;
 use crate::exec::{ExecError, HostTensor, TraceEvent};
-use crate::npy::{encode_npy, parse_npy};
+use crate::npy::{encode_npy, encoded_len};
 use crate::pipeline::{
     cache_in, cold_start, load, sequential, LoadPath, MergedTrace, PipelineError,
 };
 use crate::pipeline::{PipelineEvent, Request, Stages, Timing};
 use crate::train::{check_trainable, sgd_step_with_state, SgdState};
 
-/// A reply ready to write: the message and the frames that follow it. The
-/// permit is the connection's in-flight slot, released once written.
+/// A reply ready to write: the message and the outputs that follow it, one
+/// `.npy` frame each (encoded by the connection's writer, off the device's
+/// serial path; each was checked to fit a frame). The permit is the
+/// connection's in-flight slot, released once written.
 pub(crate) struct Outgoing {
     pub reply: RuntimeReply,
-    pub frames: Vec<Vec<u8>>,
+    pub frames: Vec<HostTensor>,
     pub permit: Option<OwnedSemaphorePermit>,
+    /// The request's input, freed by the writer: freeing hundreds of
+    /// kilobytes returns pages to the kernel, which is kept off the
+    /// device's serial path.
+    pub spent: Option<HostTensor>,
 }
 
-/// One queued inference request.
+/// The output frames of a reply, as `.npy` bytes.
+pub(crate) fn encode_frames(outputs: &[HostTensor]) -> Vec<Vec<u8>> {
+    outputs.iter().map(encode_npy).collect()
+}
+
+/// One queued inference: a request alone, or a batch of requests for the
+/// same model that run as one (rows concatenated along dimension 0) and are
+/// answered one by one.
 pub struct Job {
-    pub(crate) id: u64,
     pub(crate) model: String,
-    /// The input frame, `.npy` bytes (parsed by the worker, off the async threads).
-    pub(crate) input: Vec<u8>,
-    pub(crate) deadline: Option<Duration>,
-    pub(crate) trace: bool,
+    /// The requests, in the order their input frames came: at least one,
+    /// at most 1 + [`BATCH_MEMBERS_MAX`](distmind_common::proto::BATCH_MEMBERS_MAX).
+    pub(crate) requests: Vec<Member>,
     pub(crate) arrived: Instant,
     /// Index into the runtime's devices, set by dispatch.
     pub(crate) device: usize,
     /// When it entered the device queue (its arrival at the worker), set by dispatch.
     pub(crate) queued_at: Instant,
     pub(crate) reply: mpsc::Sender<Outgoing>,
-    pub(crate) permit: Option<OwnedSemaphorePermit>,
+    /// The model as compiled from the catalog (resolved by the connection,
+    /// so the worker never asks the controller for an inference).
+    pub(crate) plan: Arc<ModelPlan>,
+}
+
+/// One request of a [`Job`].
+pub(crate) struct Member {
+    pub id: u64,
+    /// The input frame, parsed by the connection.
+    pub input: HostTensor,
+    pub deadline: Option<Duration>,
+    pub trace: bool,
+    /// The connection's in-flight slot, released once the reply is written.
+    pub permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Job {
+    /// Requests this job answers.
+    pub(crate) fn len(&self) -> usize {
+        self.requests.len()
+    }
 }
 
 /// A prefetch to a device: cache-in and upload, no compute.
@@ -91,10 +121,11 @@ impl Task {
         }
     }
 
-    pub fn take_permit(&mut self) -> Option<OwnedSemaphorePermit> {
+    /// Requests the task answers (a batch counts each of its requests).
+    pub fn requests(&self) -> u64 {
         match self {
-            Task::Infer(j) => j.permit.take(),
-            Task::Prefetch(p) => p.permit.take(),
+            Task::Infer(j) => j.len() as u64,
+            Task::Prefetch(_) => 1,
         }
     }
 
@@ -119,128 +150,10 @@ pub(crate) struct TrainControl {
     pub permit: Option<OwnedSemaphorePermit>,
 }
 
-/// Most catalog entries kept resolved; the table is cleared when full.
-const RESOLVED_MODELS_MAX: usize = 4096;
-/// Bounds the connect to the controller and each of its replies.
-const CONTROLLER_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// A catalog entry with its manifest parsed.
-pub(crate) struct Resolved {
-    pub entry: ModelEntry,
-    pub manifest: Manifest,
-}
-
-/// The controller's catalog as the workers see it: entries cached per model
-/// name, one blocking controller connection shared (and reopened) by all.
-pub(crate) struct Catalog {
-    controller: String,
-    key: ClusterKey,
-    client: Mutex<Option<ControllerClient>>,
-    models: Mutex<HashMap<String, Arc<Resolved>>>,
-}
-
-impl Catalog {
-    pub fn new(controller: String, key: ClusterKey) -> Self {
-        Catalog {
-            controller,
-            key,
-            client: Mutex::new(None),
-            models: Mutex::new(HashMap::new()),
-        }
-    }
-
-    fn models(&self) -> MutexGuard<'_, HashMap<String, Arc<Resolved>>> {
-        self.models.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Forgets a cached entry (after an eviction or a failed fetch: the
-    /// model may have been deployed again elsewhere).
-    pub fn forget(&self, model: &str) {
-        self.models().remove(model);
-    }
-
-    pub fn resolve(&self, model: &str) -> Result<Arc<Resolved>, ErrorReply> {
-        if let Some(r) = self.models().get(model) {
-            return Ok(r.clone());
-        }
-        let entry = self.fetch_entry(model)?;
-        let manifest: Manifest = serde_json::from_value(entry.manifest.clone()).map_err(|e| {
-            ErrorReply::new(
-                ErrorCode::Internal,
-                format!("model {model}: the catalog's manifest does not parse: {e}"),
-            )
-        })?;
-        let resolved = Arc::new(Resolved { entry, manifest });
-        let mut models = self.models();
-        if models.len() >= RESOLVED_MODELS_MAX {
-            models.clear();
-        }
-        models.insert(model.to_string(), resolved.clone());
-        Ok(resolved)
-    }
-
-    /// `GetModel`, reconnecting once if the shared connection broke.
-    fn fetch_entry(&self, model: &str) -> Result<ModelEntry, ErrorReply> {
-        match self.call(|c| c.get_model(model)) {
-            Ok(entry) => Ok(entry),
-            Err(e @ ClientError::Server { .. }) => {
-                let reply = e.error_reply().cloned().expect("a server error");
-                Err(match reply.code {
-                    ErrorCode::UnknownModel => ErrorReply::new(
-                        ErrorCode::UnknownModel,
-                        format!("unknown model {model:?}: it is not in the controller's catalog (deploy it first)"),
-                    ),
-                    _ => reply,
-                })
-            }
-            Err(e) => Err(ErrorReply::new(
-                ErrorCode::Internal,
-                format!("model {model}: cannot ask the catalog: {e}"),
-            )),
-        }
-    }
-
-    /// Every model name in the catalog (`ListModels`).
-    pub fn list(&self) -> Result<Vec<String>, ClientError> {
-        self.call(|c| c.list_models())
-            .map(|models| models.into_iter().map(|m| m.name).collect())
-    }
-
-    /// One request on the shared controller connection, reconnecting once
-    /// if it broke (a server's error reply is returned as is).
-    fn call<T>(
-        &self,
-        mut f: impl FnMut(&mut ControllerClient) -> Result<T, ClientError>,
-    ) -> Result<T, ClientError> {
-        let mut client = self.client.lock().unwrap_or_else(|p| p.into_inner());
-        let mut last = None;
-        for _ in 0..2 {
-            if client.is_none() {
-                match ControllerClient::connect(&self.controller, &self.key, CONTROLLER_TIMEOUT) {
-                    Ok(c) => *client = Some(c),
-                    Err(e) => {
-                        last = Some(e);
-                        continue;
-                    }
-                }
-            }
-            match f(client.as_mut().expect("connected above")) {
-                Ok(v) => return Ok(v),
-                Err(e @ ClientError::Server { .. }) => return Err(e),
-                Err(e) => {
-                    *client = None;
-                    last = Some(e);
-                }
-            }
-        }
-        Err(last.expect("each attempt failed with an error"))
-    }
-}
-
 /// A device's background training job; what an iteration is was chosen
 /// once, when the job started, by the executor.
 struct Trainer {
-    resolved: Arc<Resolved>,
+    resolved: Arc<ModelPlan>,
     work: Work,
     iterations: u64,
 }
@@ -361,7 +274,9 @@ pub(crate) fn run(
                 Err(_) => break,
             }
         };
-        handle(core, index, task, last);
+        let taken = Instant::now();
+        let work = handle(core, index, task, last);
+        device.add_serial(taken.elapsed(), work);
     }
     if let Some(t) = trainer.take() {
         log::info!(
@@ -377,8 +292,9 @@ pub(crate) fn run(
     log::debug!("device {} worker stopped", device.id);
 }
 
-/// Serves one queued task and sends its reply.
-fn handle(core: &Core, index: usize, task: Task, last: Option<Iteration>) {
+/// Serves one queued task and sends its replies; returns the device's own
+/// time in it (see [`device_work`]).
+fn handle(core: &Core, index: usize, task: Task, last: Option<Iteration>) -> Duration {
     let device = &core.devices[index];
     // Time from its arrival at the worker until the iteration it found
     // running ended; 0 when it arrived while no iteration ran.
@@ -386,43 +302,66 @@ fn handle(core: &Core, index: usize, task: Task, last: Option<Iteration>) {
         Some(it) if queued_at >= it.start && queued_at <= it.end => it.end - queued_at,
         _ => Duration::ZERO,
     };
-    let (out, mut permit, reply) = match task {
+    match task {
         Task::Infer(mut job) => {
             let train_yield = yield_of(job.queued_at);
-            let out = serve(core, index, &job, train_yield);
-            let status = match &out.reply {
-                RuntimeReply::Output { timing, .. } => {
-                    core.served.fetch_add(1, Ordering::Relaxed);
-                    device.served.fetch_add(1, Ordering::Relaxed);
-                    core.metrics.observe_path(timing.path);
-                    None
-                }
-                RuntimeReply::Error { error, .. } => {
-                    core.errors.fetch_add(1, Ordering::Relaxed);
-                    log::debug!("device {}: request {} failed: {error}", device.id, job.id);
-                    Some(error.code)
-                }
-                _ => None,
-            };
-            core.metrics
-                .observe_request(&job.model, status, job.arrived.elapsed());
-            (out, job.permit.take(), job.reply)
+            let (outs, work) = serve(core, index, &job, train_yield);
+            device.queued.fetch_sub(job.len() as u64, Ordering::Relaxed);
+            for (out, mut m) in outs.into_iter().zip(job.requests.drain(..)) {
+                let status = match &out.reply {
+                    RuntimeReply::Output { timing, .. } => {
+                        core.served.fetch_add(1, Ordering::Relaxed);
+                        device.served.fetch_add(1, Ordering::Relaxed);
+                        core.metrics.observe_path(timing.path);
+                        None
+                    }
+                    RuntimeReply::Error { error, .. } => {
+                        core.errors.fetch_add(1, Ordering::Relaxed);
+                        log::debug!("device {}: request {} failed: {error}", device.id, m.id);
+                        Some(error.code)
+                    }
+                    _ => None,
+                };
+                core.metrics
+                    .observe_request(&job.model, status, job.arrived.elapsed());
+                let out = Outgoing {
+                    permit: m.permit.take(),
+                    spent: Some(m.input),
+                    ..out
+                };
+                // The connection may be gone; its reply goes nowhere then
+                // (and the input is freed here).
+                let _ = job.reply.blocking_send(out);
+            }
+            work
         }
         Task::Prefetch(mut p) => {
-            let out = prefetch_device(core, index, &p);
+            let (out, work) = prefetch_device(core, index, &p);
             if let RuntimeReply::Error { error, .. } = &out.reply {
                 log::debug!("device {}: prefetch {} failed: {error}", device.id, p.id);
             }
-            (out, p.permit.take(), p.reply)
+            device.queued.fetch_sub(1, Ordering::Relaxed);
+            let out = Outgoing {
+                permit: p.permit.take(),
+                ..out
+            };
+            let _ = p.reply.blocking_send(out);
+            work
         }
-    };
-    device.queued.fetch_sub(1, Ordering::Relaxed);
-    let out = Outgoing {
-        permit: permit.take(),
-        ..out
-    };
-    // The connection may be gone; its reply goes nowhere then.
-    let _ = reply.blocking_send(out);
+    }
+}
+
+/// The device's own time in a pipeline run: its compute and its
+/// host-to-device copies. Overlapped, they run at once (the copies under
+/// the compute's gate waits); a whole-model load runs the fetch, the copies
+/// and the compute one after the other, and its fetch counts too (it is
+/// the network's time, not the server's).
+fn device_work(t: &Timing, whole_model: bool) -> Duration {
+    if whole_model {
+        t.fetch + t.h2d + t.compute
+    } else {
+        t.compute.max(t.h2d)
+    }
 }
 
 pub(crate) fn error(id: u64, code: ErrorCode, message: String) -> Outgoing {
@@ -433,6 +372,7 @@ pub(crate) fn error(id: u64, code: ErrorCode, message: String) -> Outgoing {
         },
         frames: Vec::new(),
         permit: None,
+        spent: None,
     }
 }
 
@@ -451,51 +391,131 @@ fn pipeline_error_reply(core: &Core, id: u64, model: &str, e: &PipelineError) ->
     ErrorReply::new(code, format!("request {id}: {e}"))
 }
 
-fn serve(core: &Core, index: usize, job: &Job, train_yield: Duration) -> Outgoing {
+/// Serves an inference job: one reply per request, in the job's order. A
+/// request whose deadline passed in the queue, or whose input does not fit
+/// the model, is answered with its error and left out; the others run as
+/// one batch.
+fn serve(core: &Core, index: usize, job: &Job, train_yield: Duration) -> (Vec<Outgoing>, Duration) {
     let device = &core.devices[index];
-    let waited = job.arrived.elapsed();
-    if let Some(deadline) = job.deadline.filter(|d| waited > *d) {
-        return error(
-            job.id,
-            ErrorCode::DeadlineExceeded,
+    let n = job.len();
+    let mut replies: Vec<Option<Outgoing>> = (0..n).map(|_| None).collect();
+    // Names a request of a batch in its errors.
+    let who = |k: usize| {
+        let id = job.requests[k].id;
+        if n == 1 {
+            format!("request {id} for {}", job.model)
+        } else {
             format!(
-                "request {} for {}: its deadline of {} ms passed after {} ms in the queue of device {}",
-                job.id,
+                "request {id} for {} (request {} of a batch of {n})",
                 job.model,
-                deadline.as_millis(),
-                waited.as_millis(),
-                device.id
-            ),
-        );
-    }
-    let input = match parse_npy(&job.input, Path::new("the input frame")) {
-        Ok(t) => t,
-        Err(e) => {
-            return error(
-                job.id,
-                ErrorCode::BadRequest,
-                format!("request {} for {}: {e}", job.id, job.model),
+                k + 1
             )
         }
     };
-    let resolved = match core.catalog.resolve(&job.model) {
-        Ok(r) => r,
-        Err(e) => return error(job.id, e.code, e.message),
-    };
-    let m = &resolved.manifest;
-    if let Err(why) = check_input(m, &input) {
-        return error(job.id, ErrorCode::BadRequest, why);
+    let waited = job.arrived.elapsed();
+    let mut ready: Vec<usize> = Vec::with_capacity(n);
+    for (k, m) in job.requests.iter().enumerate() {
+        match m.deadline.filter(|d| waited > *d) {
+            None => ready.push(k),
+            Some(deadline) => {
+                replies[k] = Some(error(
+                    m.id,
+                    ErrorCode::DeadlineExceeded,
+                    format!(
+                        "{}: its deadline of {} ms passed after {} ms in the queue of device {}",
+                        who(k),
+                        deadline.as_millis(),
+                        waited.as_millis(),
+                        device.id
+                    ),
+                ))
+            }
+        }
     }
+    let work = if ready.is_empty() {
+        Duration::ZERO
+    } else {
+        run_batch(core, index, job, ready, train_yield, &who, &mut replies)
+    };
+    let replies = replies
+        .into_iter()
+        .map(|r| r.expect("every request of a job is answered"))
+        .collect();
+    (replies, work)
+}
+
+/// Runs the requests of `job` whose indices are `ready` as one batch and
+/// fills in their replies;
+/// returns the device's own time in the run ([`device_work`]).
+fn run_batch(
+    core: &Core,
+    index: usize,
+    job: &Job,
+    mut ready: Vec<usize>,
+    train_yield: Duration,
+    who: &dyn Fn(usize) -> String,
+    replies: &mut [Option<Outgoing>],
+) -> Duration {
+    let device = &core.devices[index];
+    let id_of = |k: usize| job.requests[k].id;
+    let resolved = &job.plan;
+    let m = &resolved.manifest;
+    ready.retain(|&k| match check_input(m, &job.requests[k].input) {
+        Ok(()) => true,
+        Err(why) => {
+            replies[k] = Some(error(
+                id_of(k),
+                ErrorCode::BadRequest,
+                format!("{}: {why}", who(k)),
+            ));
+            false
+        }
+    });
+    if ready.is_empty() {
+        return Duration::ZERO;
+    }
+    let members = ready;
+    let rows: Vec<usize> = members
+        .iter()
+        .map(|&k| job.requests[k].input.shape.first().copied().unwrap_or(1))
+        .collect();
+    let fail_all =
+        |replies: &mut [Option<Outgoing>], code: ErrorCode, why: &dyn Fn(u64) -> String| {
+            for &k in &members {
+                replies[k] = Some(error(id_of(k), code, why(id_of(k))));
+            }
+        };
+    // A request alone runs on its own input, uncopied.
+    let batched = if members.len() == 1 {
+        None
+    } else {
+        let parts: Vec<&HostTensor> = members.iter().map(|&k| &job.requests[k].input).collect();
+        match batch::concat_rows(&parts) {
+            Ok(t) => Some(t),
+            Err(why) => {
+                fail_all(replies, ErrorCode::BadRequest, &|id| {
+                    format!(
+                        "request {id} for {}: cannot batch its inputs: {why}",
+                        job.model
+                    )
+                });
+                return Duration::ZERO;
+            }
+        }
+    };
+    let inputs = match &batched {
+        Some(t) => std::slice::from_ref(t),
+        None => std::slice::from_ref(&job.requests[members[0]].input),
+    };
     let stages = Stages {
         cache: &core.cache,
         executor: &*core.executor,
         residency: &device.residency,
     };
-    let inputs = [input];
     let request = Request {
         entry: &resolved.entry,
         manifest: m,
-        inputs: &inputs,
+        inputs,
         arrived: job.arrived,
     };
     let busy = Instant::now();
@@ -504,42 +524,58 @@ fn serve(core: &Core, index: usize, job: &Job, train_yield: Duration) -> Outgoin
     } else {
         cold_start(&stages, &request, &core.pipeline)
     };
+    let ran = busy.elapsed();
     device.add_busy(busy);
     let (outputs, timing, trace) = match served {
         Ok(v) => v,
-        Err(e) => return pipeline_error(core, job.id, &job.model, &e),
+        Err(e) => {
+            let code = error_code(&e);
+            if code == ErrorCode::Internal {
+                // A stale entry (the model moved) is re-read next time.
+                core.catalog.forget(&job.model);
+            }
+            fail_all(replies, code, &|id| format!("request {id}: {e}"));
+            // No breakdown: the whole failed run counts as the device's.
+            return ran;
+        }
     };
+    let work = device_work(&timing, core.whole_model);
     if outputs.len() > RUNTIME_OUTPUTS_MAX || outputs.len() != m.outputs.len() {
-        return error(
-            job.id,
-            ErrorCode::Internal,
+        fail_all(replies, ErrorCode::Internal, &|_| {
             format!(
                 "model {}: {} outputs (the manifest names {}, at most {RUNTIME_OUTPUTS_MAX} per reply)",
                 m.name,
                 outputs.len(),
                 m.outputs.len()
-            ),
-        );
+            )
+        });
+        return work;
     }
-    let mut frames = Vec::with_capacity(outputs.len());
-    for (t, spec) in outputs.iter().zip(&m.outputs) {
-        let bytes = encode_npy(t);
-        if bytes.len() > CONTROL_FRAME_BYTES_MAX as usize {
-            return error(
-                job.id,
-                ErrorCode::Internal,
-                format!(
-                    "model {} output {} ({}) is {} bytes as .npy, more than a frame's {CONTROL_FRAME_BYTES_MAX}: use a smaller batch",
-                    m.name,
-                    spec.name,
-                    t.describe(),
-                    bytes.len()
-                ),
-            );
+    // Per output, each request's rows (a request alone keeps the tensor).
+    let per_output: Vec<Vec<HostTensor>> = if members.len() == 1 {
+        outputs.into_iter().map(|t| vec![t]).collect()
+    } else {
+        let mut split = Vec::with_capacity(outputs.len());
+        for (t, spec) in outputs.iter().zip(&m.outputs) {
+            match batch::split_rows(t, &rows) {
+                Ok(parts) => split.push(parts),
+                Err(why) => {
+                    fail_all(replies, ErrorCode::Internal, &|_| {
+                        format!(
+                            "model {} output {} cannot be split back over a batch of {} requests: {why}",
+                            m.name,
+                            spec.name,
+                            members.len()
+                        )
+                    });
+                    return work;
+                }
+            }
         }
-        frames.push(bytes);
-    }
-    let (trace, trace_truncated) = if job.trace {
+        split
+    };
+    let traced = members.iter().any(|&k| job.requests[k].trace);
+    let (trace, trace_truncated) = if traced {
         let (t, cut) = trace_entries(&trace);
         (Some(t), cut)
     } else {
@@ -547,19 +583,51 @@ fn serve(core: &Core, index: usize, job: &Job, train_yield: Duration) -> Outgoin
     };
     let mut timing = timing_msg(&timing, device.id);
     timing.train_yield_ms = ms(train_yield);
-    Outgoing {
-        reply: RuntimeReply::Output {
-            id: job.id,
-            timing,
-            outputs: m.outputs.iter().map(|o| o.name.clone()).collect(),
-            trace,
-            trace_truncated,
-            resident: device.residency.resident_mru(),
-            dispatch: None,
-        },
-        frames,
-        permit: None,
+    timing.batch_requests = members.len() as u32;
+    let names: Vec<String> = m.outputs.iter().map(|o| o.name.clone()).collect();
+    let resident = device.residency.resident_mru();
+    let mut per_output: Vec<std::vec::IntoIter<HostTensor>> =
+        per_output.into_iter().map(Vec::into_iter).collect();
+    for &k in &members {
+        let id = id_of(k);
+        let frames: Vec<HostTensor> = per_output
+            .iter_mut()
+            .map(|parts| parts.next().expect("one part per request"))
+            .collect();
+        let too_big = frames.iter().zip(&m.outputs).find_map(|(t, spec)| {
+            let len = encoded_len(t);
+            (len > CONTROL_FRAME_BYTES_MAX as usize).then(|| {
+                format!(
+                    "model {} output {} ({}) is {len} bytes as .npy, more than a frame's {CONTROL_FRAME_BYTES_MAX}: use a smaller batch",
+                    m.name,
+                    spec.name,
+                    t.describe(),
+                )
+            })
+        });
+        replies[k] = Some(match too_big {
+            Some(why) => error(id, ErrorCode::Internal, why),
+            None => Outgoing {
+                reply: RuntimeReply::Output {
+                    id,
+                    timing: timing.clone(),
+                    outputs: names.clone(),
+                    trace: if job.requests[k].trace {
+                        trace.clone()
+                    } else {
+                        None
+                    },
+                    trace_truncated: trace_truncated && job.requests[k].trace,
+                    resident: resident.clone(),
+                    dispatch: None,
+                },
+                frames,
+                permit: None,
+                spent: None,
+            },
+        });
     }
+    work
 }
 
 fn serve_path(p: LoadPath) -> ServePath {
@@ -572,11 +640,11 @@ fn serve_path(p: LoadPath) -> ServePath {
 
 /// A prefetch to device `index`: fetch into the host cache if missing,
 /// upload, leave the model resident; nothing runs.
-fn prefetch_device(core: &Core, index: usize, p: &PrefetchJob) -> Outgoing {
+fn prefetch_device(core: &Core, index: usize, p: &PrefetchJob) -> (Outgoing, Duration) {
     let device = &core.devices[index];
-    let resolved = match core.catalog.resolve(&p.model) {
+    let resolved = match core.catalog.resolve(&p.model, None) {
         Ok(r) => r,
-        Err(e) => return error(p.id, e.code, e.message),
+        Err(e) => return (error(p.id, e.code, e.message), Duration::ZERO),
     };
     let stages = Stages {
         cache: &core.cache,
@@ -591,6 +659,7 @@ fn prefetch_device(core: &Core, index: usize, p: &PrefetchJob) -> Outgoing {
     };
     let busy = Instant::now();
     let loaded = load(&stages, &request, &core.pipeline);
+    let ran = busy.elapsed();
     device.add_busy(busy);
     match loaded {
         Ok(timing) => {
@@ -601,7 +670,7 @@ fn prefetch_device(core: &Core, index: usize, p: &PrefetchJob) -> Outgoing {
                 timing.path,
                 timing.total
             );
-            Outgoing {
+            let out = Outgoing {
                 reply: RuntimeReply::Prefetched {
                     id: p.id,
                     model: p.model.clone(),
@@ -610,9 +679,12 @@ fn prefetch_device(core: &Core, index: usize, p: &PrefetchJob) -> Outgoing {
                 },
                 frames: Vec::new(),
                 permit: None,
-            }
+                spent: None,
+            };
+            // A load overlaps its fetch and copies (never whole-model).
+            (out, device_work(&timing, false))
         }
-        Err(e) => pipeline_error(core, p.id, &p.model, &e),
+        Err(e) => (pipeline_error(core, p.id, &p.model, &e), ran),
     }
 }
 
@@ -620,7 +692,7 @@ fn prefetch_device(core: &Core, index: usize, p: &PrefetchJob) -> Outgoing {
 /// `Cold` when this fetched it, `HostCached` when it was there already (or
 /// being filled by another request, which it waited for).
 pub(crate) fn prefetch_host(core: &Core, id: u64, model: &str, arrived: Instant) -> Outgoing {
-    let resolved = match core.catalog.resolve(model) {
+    let resolved = match core.catalog.resolve(model, None) {
         Ok(r) => r,
         Err(e) => return error(id, e.code, e.message),
     };
@@ -639,6 +711,7 @@ pub(crate) fn prefetch_host(core: &Core, id: u64, model: &str, arrived: Instant)
             },
             frames: Vec::new(),
             permit: None,
+            spent: None,
         },
         Err(e) => pipeline_error(core, id, model, &e),
     }
@@ -698,6 +771,7 @@ fn training_reply(id: u64, device: u32, model: Option<String>, iterations: u64) 
         },
         frames: Vec::new(),
         permit: None,
+        spent: None,
     }
 }
 
@@ -725,7 +799,7 @@ fn stop(core: &Core, index: usize, trainer: Option<Trainer>) -> u64 {
 /// iteration.
 fn start(core: &Core, index: usize, id: u64, model: &str) -> Result<Trainer, ErrorReply> {
     let device = &core.devices[index];
-    let resolved = core.catalog.resolve(model)?;
+    let resolved = core.catalog.resolve(model, None)?;
     let m = &resolved.manifest;
     let refuse = |why: String| {
         ErrorReply::new(
