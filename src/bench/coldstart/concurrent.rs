@@ -110,6 +110,7 @@ pub fn run(
             scale: args.scale,
             seed: 11,
             group_bytes,
+            dtype: distmind_models::ParamDtype::F32,
         };
         let pkgs = distmind_models::generate(&opts)?
             .iter()
