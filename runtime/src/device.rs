@@ -409,7 +409,8 @@ mod tests {
         fn len(&self) -> u64 {
             self.0
         }
-        fn upload(&self, _: usize, _: u64, _: &[u8]) -> Result<(), ExecError> {
+        #[allow(unsafe_code)]
+        unsafe fn upload_async(&self, _: usize, _: u64, _: &[u8]) -> Result<(), ExecError> {
             Ok(())
         }
     }

@@ -5,8 +5,12 @@
 //!    per-group flag set, waiters woken) as soon as all its slices verified.
 //! 2. **host -> arena** (an upload thread, the H2D copy stream on CUDA): in
 //!    group order, waits for group g in host memory, calls
-//!    `arena.upload(g, manifest.groups[g].offset, group_bytes)` with the
-//!    group's bytes straight from the cache blocks, then opens gate g.
+//!    `arena.upload_async(g, manifest.groups[g].offset, group_bytes)` with
+//!    the group's bytes straight from the cache blocks, then opens gate g.
+//!    It holds the model's host-cache pin until every copy it started
+//!    completed ([`Arena::wait_uploaded`]), so no eviction or reservation
+//!    reuses those blocks while a DMA engine still reads them: a prefetch
+//!    ([`load`]) returns only then.
 //! 3. **compute** (the calling thread): `program.run(inputs, gate, trace)`
 //!    where `gate(g)` waits on [`GroupGates`] for stage 2 of group g, with a
 //!    timeout, and fails at once with the reason when an earlier stage failed.
@@ -663,8 +667,14 @@ fn join<T>(
 }
 
 /// Stage 2: uploads every group in order as it becomes visible in the host
-/// cache, opening its gate; on any failure fails every gate still pending
-/// with the reason, so compute never waits for a group that will not come.
+/// cache, opening its gate as soon as its copy is enqueued (compute's own
+/// gate on the device orders it after the copy); on any failure fails every
+/// gate still pending with the reason, so compute never waits for a group
+/// that will not come.
+///
+/// Returns only once every copy it started stopped reading host memory
+/// ([`Arena::wait_uploaded`]): `cached`, the pin on the model's host-cache
+/// blocks, outlives the DMA that reads them, whatever happened.
 fn upload_groups(
     cached: &CachedModel,
     resident: &Resident,
@@ -672,6 +682,43 @@ fn upload_groups(
     timeout: Duration,
     cancel: &AtomicBool,
     events: &channel::Sender<UploadEvent>,
+) -> Result<(), PipelineError> {
+    let arena: &dyn Arena = &**resident.arena();
+    let mut started = 0;
+    let enqueued = enqueue_uploads(
+        cached,
+        resident,
+        manifest,
+        timeout,
+        cancel,
+        events,
+        &mut started,
+    );
+    // Every group whose copy was started, the failed one included (it may
+    // have enqueued part of its copy).
+    let waited = (0..started).try_for_each(|g| arena.wait_uploaded(g));
+    enqueued?;
+    waited.map_err(|e| {
+        resident
+            .gates()
+            .fail_pending(&format!("waiting for an upload to complete: {e}"));
+        PipelineError::Exec {
+            model: cached.name().into(),
+            error: Box::new(e),
+        }
+    })
+}
+
+/// The loop of [`upload_groups`]; `started` counts the groups whose copy it
+/// started, for the caller to wait on.
+fn enqueue_uploads(
+    cached: &CachedModel,
+    resident: &Resident,
+    manifest: &Manifest,
+    timeout: Duration,
+    cancel: &AtomicBool,
+    events: &channel::Sender<UploadEvent>,
+    started: &mut usize,
 ) -> Result<(), PipelineError> {
     let gates = resident.gates();
     let arena: &dyn Arena = &**resident.arena();
@@ -690,7 +737,14 @@ fn upload_groups(
         };
         // The channel holds two events per group: sends never block.
         let _ = events.try_send((Instant::now(), PipelineEvent::UploadStart { group: g }));
-        if let Err(e) = arena.upload(g, manifest.groups[g].offset, bytes) {
+        *started = g + 1;
+        #[allow(unsafe_code)]
+        // SAFETY: `bytes` are the group's blocks in the host cache, which
+        // stay allocated and unchanged while `cached` pins the model; the
+        // caller, `upload_groups`, holds that pin until `wait_uploaded`
+        // returned for every group started here (this one included).
+        let enqueued = unsafe { arena.upload_async(g, manifest.groups[g].offset, bytes) };
+        if let Err(e) = enqueued {
             gates.fail_pending(&format!("upload of group {g} failed: {e}"));
             return Err(PipelineError::Exec {
                 model: model.into(),

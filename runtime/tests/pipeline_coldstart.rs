@@ -62,7 +62,12 @@ impl Arena for VecArena {
         self.bytes.lock().unwrap().len() as u64
     }
 
-    fn upload(&self, _group: usize, offset: u64, bytes: &[u8]) -> Result<(), ExecError> {
+    unsafe fn upload_async(
+        &self,
+        _group: usize,
+        offset: u64,
+        bytes: &[u8],
+    ) -> Result<(), ExecError> {
         let mut b = self.bytes.lock().unwrap();
         let end = offset as usize + bytes.len();
         if end > b.len() {

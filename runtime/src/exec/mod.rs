@@ -139,6 +139,11 @@ impl HostTensor {
 /// memory for `cuda`): ONE contiguous allocation in the packed layout of the
 /// manifest, so parameter `p` lives at `p.offset` bytes past the start of its
 /// group, which starts at `manifest.groups[g].offset`.
+///
+/// Two ways in: [`Arena::upload`] (safe: the copy is done reading the host
+/// bytes when it returns) and [`Arena::upload_async`] (unsafe: the copy may
+/// go on reading them until [`Arena::wait_uploaded`]), which lets a host-side
+/// stage move on while a DMA engine copies.
 pub trait Arena: std::any::Any + Send + Sync {
     fn len(&self) -> u64;
 
@@ -146,13 +151,45 @@ pub trait Arena: std::any::Any + Send + Sync {
         self.len() == 0
     }
 
-    /// Copies one group's bytes to `offset`. When it returns, a later
-    /// `Program::run` that gates on `group` sees the bytes: on `cpu` the copy
-    /// is done; on `cuda` it is enqueued on the copy stream and an event is
-    /// recorded that the compute stream waits for. Groups may be uploaded
-    /// from another thread than the one running the program, but each group
-    /// is uploaded by one thread at a time.
-    fn upload(&self, group: usize, offset: u64, bytes: &[u8]) -> Result<(), ExecError>;
+    /// Starts copying one group's bytes to `offset`. When it returns, a
+    /// later `Program::run` that gates on `group` sees the bytes: on `cpu`
+    /// and `sim` the copy is done; on `cuda` it is enqueued on the copy
+    /// stream and an event is recorded that the compute stream waits for.
+    /// Groups may be uploaded from another thread than the one running the
+    /// program, but each group is uploaded by one thread at a time.
+    ///
+    /// # Safety
+    ///
+    /// The copy may still be reading `bytes` after this returns (`cuda`,
+    /// from page-locked memory: the DMA engine reads the host bytes until
+    /// the copy completes). The caller must keep `bytes` allocated and
+    /// unchanged until [`Arena::wait_uploaded`] for `group` returned, whether
+    /// this call succeeded or not (a failed call may have enqueued part of
+    /// the copy), and must call it before letting the memory go: for bytes
+    /// in the host cache, hold the model's pin (a
+    /// [`CachedModel`](crate::cache::CachedModel)) until then, so that no
+    /// eviction or new reservation reuses the blocks under the DMA.
+    #[allow(unsafe_code)]
+    unsafe fn upload_async(&self, group: usize, offset: u64, bytes: &[u8])
+        -> Result<(), ExecError>;
+
+    /// Blocks until every copy [`Arena::upload_async`] started for `group`
+    /// stopped reading its host bytes (a `cuda` copy's completion event).
+    /// Synchronous arenas (`cpu`, `sim`) return at once.
+    fn wait_uploaded(&self, _group: usize) -> Result<(), ExecError> {
+        Ok(())
+    }
+
+    /// [`Arena::upload_async`] and [`Arena::wait_uploaded`]: when it
+    /// returns, `bytes` may be dropped or reused.
+    fn upload(&self, group: usize, offset: u64, bytes: &[u8]) -> Result<(), ExecError> {
+        #[allow(unsafe_code)]
+        // SAFETY: `bytes` is borrowed for this whole call, and the call
+        // waits for the copy to stop reading it, failed or not.
+        let started = unsafe { self.upload_async(group, offset, bytes) };
+        let done = self.wait_uploaded(group);
+        started.and(done)
+    }
 }
 
 /// What happened when, for pipeline traces and the timing breakdown.

@@ -330,7 +330,14 @@ impl Arena for SimArena {
         self.len
     }
 
-    fn upload(&self, _group: usize, offset: u64, bytes: &[u8]) -> Result<(), ExecError> {
+    /// Synchronous: it takes the copy's time and returns when it is done.
+    #[allow(unsafe_code)]
+    unsafe fn upload_async(
+        &self,
+        _group: usize,
+        offset: u64,
+        bytes: &[u8],
+    ) -> Result<(), ExecError> {
         let len = bytes.len() as u64;
         if offset.checked_add(len).is_none_or(|end| end > self.len) {
             return Err(ExecError::UploadOutOfRange {

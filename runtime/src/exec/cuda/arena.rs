@@ -8,13 +8,15 @@ use cudarc::driver::CudaEvent;
 use super::driver::{cuda_err, ArenaMemory, Gpu};
 use crate::exec::{Arena, ExecError};
 
-/// One `cuMemAlloc` of the model's packed bytes. `upload` enqueues
-/// `cuMemcpyHtoDAsync` on the copy stream and records the group's event.
+/// One `cuMemAlloc` of the model's packed bytes. `upload_async` enqueues
+/// `cuMemcpyHtoDAsync` on the copy stream and records the group's event;
+/// `wait_uploaded` synchronises with that event.
 ///
-/// The host bytes passed to `upload` must stay unchanged until the copy
-/// completed when they are pinned (the host cache's are, through
-/// [`super::pin_hook`], and it keeps them while the model is cached); from
-/// pageable memory the driver has staged them when `upload` returns.
+/// From page-locked memory (the host cache's, through [`super::pin_hook`])
+/// the DMA engine reads the host bytes until the event completes: the
+/// caller keeps them (the cache pin) until `wait_uploaded` returned, as
+/// [`Arena::upload_async`]'s contract says. From pageable memory the
+/// driver has staged them when `upload_async` returns.
 pub struct CudaArena {
     mem: ArenaMemory,
     gpu: Arc<Gpu>,
@@ -66,7 +68,13 @@ impl Arena for CudaArena {
         self.mem.len() as u64
     }
 
-    fn upload(&self, group: usize, offset: u64, bytes: &[u8]) -> Result<(), ExecError> {
+    #[allow(unsafe_code)]
+    unsafe fn upload_async(
+        &self,
+        group: usize,
+        offset: u64,
+        bytes: &[u8],
+    ) -> Result<(), ExecError> {
         let arena = self.len();
         let len = bytes.len() as u64;
         match offset.checked_add(len) {
@@ -97,8 +105,23 @@ impl Arena for CudaArena {
         self.gpu
             .htod_async(self.device_ptr(offset), bytes, &self.gpu.copy)
             .map_err(gate_err)?;
-        event
-            .record(&self.gpu.copy)
-            .map_err(|e| gate_err(cuda_err("cuEventRecord", e)))
+        event.record(&self.gpu.copy).map_err(|e| {
+            // No event stands behind the copy: wait for it here, so that
+            // `wait_uploaded` may return at once and the host bytes go.
+            let _ = self.gpu.copy.synchronize();
+            gate_err(cuda_err("cuEventRecord", e))
+        })
+    }
+
+    fn wait_uploaded(&self, group: usize) -> Result<(), ExecError> {
+        let Some(event) = self.group_event(group) else {
+            // Never enqueued (the first upload failed before its copy).
+            return Ok(());
+        };
+        self.gpu.bind().map_err(|why| ExecError::Gate { group, why })?;
+        event.synchronize().map_err(|e| ExecError::Gate {
+            group,
+            why: cuda_err("cuEventSynchronize", e),
+        })
     }
 }
