@@ -92,6 +92,10 @@ impl Executor for DoubleExecutor {
         "test double".into()
     }
 
+    fn for_device(&self, _ordinal: u32) -> Result<Arc<dyn Executor>, ExecError> {
+        Ok(Arc::new(DoubleExecutor::new(self.layer_delay)))
+    }
+
     fn alloc_arena(&self, bytes: u64) -> Result<Arc<dyn Arena>, ExecError> {
         let a = Arc::new(VecArena {
             bytes: Mutex::new(vec![0; bytes as usize]),

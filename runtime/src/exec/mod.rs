@@ -236,6 +236,18 @@ pub trait Executor: Send + Sync {
     /// One line for logs and bench headers, e.g. `cpu (candle, 2 threads)`.
     fn describe(&self) -> String;
 
+    /// A new executor of this one's kind and settings for device
+    /// `ordinal`, sharing no state with this one (pools, streams, queues): a
+    /// runtime runs one per device. `cuda` opens GPU `ordinal` (an error
+    /// names the ordinal when there is none); `cpu` and `sim` have no
+    /// hardware behind the ordinal: every call makes an independent device.
+    fn for_device(&self, ordinal: u32) -> Result<Arc<dyn Executor>, ExecError>;
+
+    /// The device this executor runs on, when it is bound to one (`cuda`).
+    fn ordinal(&self) -> Option<u32> {
+        None
+    }
+
     /// One contiguous parameter arena of `bytes`.
     fn alloc_arena(&self, bytes: u64) -> Result<Arc<dyn Arena>, ExecError>;
 
@@ -259,6 +271,34 @@ pub trait Executor: Send + Sync {
     ) -> Option<Result<Duration, ExecError>> {
         None
     }
+}
+
+/// One executor per device of `devices` (the runtime's device ids, which
+/// are the executors' ordinals: CUDA device numbers for `cuda`), in order:
+/// `template` itself for the device it is bound to, if any, and
+/// [`Executor::for_device`] of it for every other. The first failure is
+/// returned naming its device.
+pub fn per_device(
+    template: &Arc<dyn Executor>,
+    devices: &[u32],
+) -> Result<Vec<Arc<dyn Executor>>, ExecError> {
+    devices
+        .iter()
+        .map(|&ordinal| {
+            if template.ordinal() == Some(ordinal) {
+                return Ok(template.clone());
+            }
+            template.for_device(ordinal).map_err(|e| match e {
+                ExecError::Unavailable { executor, why } if !why.contains("device") => {
+                    ExecError::Unavailable {
+                        executor,
+                        why: format!("device {ordinal}: {why}"),
+                    }
+                }
+                e => e,
+            })
+        })
+        .collect()
 }
 
 /// The concrete arena behind `arena`, if it is a `T`: how an executor gets

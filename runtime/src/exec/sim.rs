@@ -137,6 +137,15 @@ impl Executor for SimExecutor {
         )
     }
 
+    /// Another simulated GPU of the same profile and dilation.
+    fn for_device(&self, _ordinal: u32) -> Result<Arc<dyn Executor>, ExecError> {
+        Ok(Arc::new(SimExecutor {
+            profile: self.profile.clone(),
+            dilation: self.dilation,
+            interpolated: Arc::default(),
+        }))
+    }
+
     fn alloc_arena(&self, bytes: u64) -> Result<Arc<dyn Arena>, ExecError> {
         Ok(Arc::new(SimArena {
             len: bytes,

@@ -488,7 +488,7 @@ fn serve(core: &Core, index: usize, job: &Job, train_yield: Duration) -> Outgoin
     }
     let stages = Stages {
         cache: &core.cache,
-        executor: &*core.executor,
+        executor: &*device.executor,
         residency: &device.residency,
     };
     let inputs = [input];
@@ -580,7 +580,7 @@ fn prefetch_device(core: &Core, index: usize, p: &PrefetchJob) -> Outgoing {
     };
     let stages = Stages {
         cache: &core.cache,
-        executor: &*core.executor,
+        executor: &*device.executor,
         residency: &device.residency,
     };
     let request = Request {
@@ -756,7 +756,7 @@ fn start(core: &Core, index: usize, id: u64, model: &str) -> Result<Trainer, Err
     }
     let batch = core.train_batch;
     // Chosen once for the job's lifetime.
-    let simulated = core
+    let simulated = device
         .executor
         .simulated_train_iteration(m, batch)
         .transpose()
@@ -766,7 +766,7 @@ fn start(core: &Core, index: usize, id: u64, model: &str) -> Result<Trainer, Err
                 format!(
                     "request {id}: model {model} cannot train on device {} with the {} executor: {e}",
                     device.id,
-                    core.executor.kind()
+                    device.executor.kind()
                 ),
             )
         })?;

@@ -104,6 +104,11 @@ impl Executor for CpuExecutor {
         )
     }
 
+    /// A new cpu executor: its own arena pool.
+    fn for_device(&self, _ordinal: u32) -> Result<Arc<dyn Executor>, ExecError> {
+        Ok(Arc::new(CpuExecutor::new()))
+    }
+
     fn alloc_arena(&self, bytes: u64) -> Result<Arc<dyn Arena>, ExecError> {
         let pooled = self
             .pool
@@ -236,7 +241,11 @@ impl Arena for CpuArena {
         bytes: &[u8],
     ) -> Result<(), ExecError> {
         let range = self.check_range(offset, bytes.len() as u64)?;
-        let params = self.params.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let params = self
+            .params
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
         if let Some(p) = params {
             // The program reads only prepared params: converting straight
             // from the host bytes is the whole upload (one pass over them).

@@ -118,7 +118,9 @@ impl Arena for CudaArena {
             // Never enqueued (the first upload failed before its copy).
             return Ok(());
         };
-        self.gpu.bind().map_err(|why| ExecError::Gate { group, why })?;
+        self.gpu
+            .bind()
+            .map_err(|why| ExecError::Gate { group, why })?;
         event.synchronize().map_err(|e| ExecError::Gate {
             group,
             why: cuda_err("cuEventSynchronize", e),
