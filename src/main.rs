@@ -203,6 +203,10 @@ struct GenCmd {
     /// Largest parameter group in bytes (1 = one group per layer; a layer larger than this is a group of its own).
     #[arg(long, default_value_t = distmind_common::limits::GROUP_BYTES_DEFAULT)]
     group_bytes: u64,
+    /// How the weights are stored: f32, or f16 / bf16 (the same seeded values rounded to
+    /// nearest; half the bytes to store and move, widened to f32 exactly on the device).
+    #[arg(long, default_value = "f32")]
+    dtype: distmind_models::ParamDtype,
 }
 
 #[derive(Args)]
@@ -211,7 +215,9 @@ Names: torchvision `state_dict` names (resnet152, inception_v3, densenet201) and
 `BertModel` / `GPT2Model` names (bert_base, gpt2); a `module.`, `model.`, `bert.` or
 `transformer.` prefix is stripped. Buffers inference does not read (num_batches_tracked,
 Inception's AuxLogits, attention mask buffers) are left out and listed by `model inspect`.
-F16 and BF16 checkpoints are widened to f32 exactly (every executor computes in f32).
+An all-F16 or all-BF16 checkpoint gives a package stored in that dtype (half the bytes to store
+and move; devices widen to f32 exactly on upload); --widen stores f32 instead. A checkpoint
+mixing dtypes is stored as f32, every value widened exactly.
 
 Hyper-parameters: for bert_base and gpt2 from Hugging Face's config.json (--config, required);
 for the CNNs from the tensor shapes (stage and block counts, widths, classes; BatchNorm eps
@@ -250,6 +256,9 @@ struct ImportCmd {
     /// `cls.*` or `lm_head.weight`) instead of failing on them.
     #[arg(long)]
     ignore_extra: bool,
+    /// Store f32 even when the checkpoint is all f16 or all bf16 (values widened exactly).
+    #[arg(long)]
+    widen: bool,
 }
 
 #[derive(Args)]
@@ -414,6 +423,7 @@ fn run(command: Command) -> anyhow::Result<()> {
                 scale: g.scale,
                 seed: g.seed,
                 group_bytes: g.group_bytes,
+                dtype: g.dtype,
             };
             for dir in distmind_models::generate(&opts)? {
                 println!("{}", dir.display());
@@ -431,15 +441,25 @@ fn run(command: Command) -> anyhow::Result<()> {
                 seq_len: c.seq_len,
                 group_bytes: c.group_bytes,
                 ignore_extra: c.ignore_extra,
+                widen: c.widen,
             })?;
-            let dropped = m.origin.as_ref().map_or(0, |o| o.dropped.len());
+            let origin = m.origin.as_ref();
+            let widened = if origin.is_some_and(|o| o.converted_to_f32) {
+                let from = origin.map_or(String::new(), |o| o.checkpoint_dtypes.join(" + "));
+                let why = if c.widen { "--widen" } else { "mixed dtypes" };
+                format!(" (from {from}, widened exactly: {why})")
+            } else {
+                String::new()
+            };
             eprintln!(
-                "imported {} {} params ({} values) into {} groups; {} checkpoint tensors left out",
+                "imported {} {} params ({} values) into {} groups, stored as {}{widened}; \
+                 {} checkpoint tensors left out",
                 m.family,
                 m.params.len(),
-                m.params.iter().map(|p| p.nbytes / 4).sum::<u64>(),
+                m.params.iter().map(|p| p.numel()).sum::<u64>(),
                 m.groups.len(),
-                dropped
+                m.param_dtype,
+                origin.map_or(0, |o| o.dropped.len())
             );
             println!("{}", c.out.display());
             Ok(())

@@ -48,6 +48,8 @@ pub enum ModelError {
     UnknownFamily(String),
     #[error("unknown scale `{0}`; expected full or tiny")]
     UnknownScale(String),
+    #[error("unknown parameter dtype `{0}`; expected f32, f16 or bf16")]
+    UnknownDtype(String),
     #[error("{}: {what}", path.display())]
     ImportConfig { path: PathBuf, what: String },
     #[error(

@@ -6,6 +6,7 @@ use distmind_common::checksum::checksum;
 use distmind_common::limits::GROUP_BYTES_DEFAULT;
 
 use crate::config::{Family, ModelConfig, Scale};
+use crate::dtype::ParamDtype;
 use crate::graph::{Architecture, Init, ParamDecl};
 use crate::package::{write_package, PackageSpec};
 use crate::{ModelError, Result};
@@ -20,10 +21,13 @@ pub struct GenOptions {
     pub scale: Scale,
     pub seed: u64,
     pub group_bytes: u64,
+    /// How the weights are stored: the same seeded f32 values, rounded to
+    /// nearest (ties to even) for f16 and bf16.
+    pub dtype: ParamDtype,
 }
 
 impl GenOptions {
-    /// One full-scale variant, seed 0, the default group size.
+    /// One full-scale variant, seed 0, the default group size, f32.
     pub fn new(family: Family, out_dir: impl Into<PathBuf>) -> Self {
         GenOptions {
             family,
@@ -32,6 +36,7 @@ impl GenOptions {
             scale: Scale::Full,
             seed: 0,
             group_bytes: GROUP_BYTES_DEFAULT,
+            dtype: ParamDtype::F32,
         }
     }
 }
@@ -79,7 +84,11 @@ fn write_variant(
     name: String,
     seed: u64,
 ) -> Result<PathBuf> {
-    let data: Vec<Vec<u8>> = arch.params.iter().map(|p| random_param(p, seed)).collect();
+    let data: Vec<Vec<u8>> = arch
+        .params
+        .iter()
+        .map(|p| random_param(p, seed, opts.dtype))
+        .collect();
     let spec = PackageSpec {
         name,
         config: config.clone(),
@@ -87,6 +96,7 @@ fn write_variant(
         seed: Some(seed),
         origin: None,
         group_bytes: opts.group_bytes,
+        dtype: opts.dtype,
     };
     write_package(&opts.out_dir, &spec, arch, &data)?;
     Ok(opts.out_dir.join(&spec.name))
@@ -110,9 +120,10 @@ impl SplitMix64 {
     }
 }
 
-/// The little-endian f32 bytes of one param. A param's values depend only on
-/// the seed and its name.
-pub(crate) fn random_param(p: &ParamDecl, seed: u64) -> Vec<u8> {
+/// The little-endian bytes of one param stored as `dtype`. A param's values
+/// depend only on the seed and its name; a half-precision package holds the
+/// f32 package's values rounded to nearest, ties to even.
+pub(crate) fn random_param(p: &ParamDecl, seed: u64, dtype: ParamDtype) -> Vec<u8> {
     let mut rng = SplitMix64(seed ^ checksum(p.name.as_bytes()));
     let (lo, hi) = match p.init {
         Init::FanIn(fan_in) => {
@@ -123,10 +134,9 @@ pub(crate) fn random_param(p: &ParamDecl, seed: u64) -> Vec<u8> {
         Init::AroundOne => (0.9, 1.1),
     };
     let n = p.numel();
-    let mut out = Vec::with_capacity(n * 4);
+    let mut out = Vec::with_capacity(n * dtype.size_bytes() as usize);
     for _ in 0..n {
-        let v = lo + (hi - lo) * rng.unit();
-        out.extend_from_slice(&v.to_le_bytes());
+        dtype.push_narrowed(lo + (hi - lo) * rng.unit(), &mut out);
     }
     out
 }

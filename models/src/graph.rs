@@ -4,7 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
-/// Element type of a tensor. Parameters are always `F32`; token ids are `I64`.
+/// Element type of a tensor as executors compute it. Parameters are `F32`
+/// (however a package stores them: see [`crate::ParamDtype`]); token ids are `I64`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Dtype {
     F32,

@@ -18,8 +18,13 @@
 //! all problems are reported at once (a missing, an extra, a renamed or a
 //! misshaped tensor, each named). Buffers inference does not use
 //! (`num_batches_tracked`, Inception's `AuxLogits`, attention mask buffers)
-//! are left out and listed in the manifest's `origin`. F16 and BF16 values
-//! are widened to f32 exactly (every executor computes in f32).
+//! are left out and listed in the manifest's `origin`.
+//!
+//! The package keeps the checkpoint's dtype: an all-F16 or all-BF16
+//! checkpoint gives a half-precision package (half the bytes to store and
+//! move; devices widen on upload, exactly). A checkpoint mixing dtypes, or
+//! `--widen`, gives an f32 package, every value widened exactly, and the
+//! manifest's `origin` says so.
 
 use std::collections::{BTreeSet, HashMap};
 use std::os::unix::fs::FileExt;
@@ -30,6 +35,7 @@ use distmind_common::limits::NAME_BYTES_MAX;
 use crate::config::{
     BertConfig, DensenetConfig, Family, Gpt2Config, InceptionConfig, ModelConfig, ResnetConfig,
 };
+use crate::dtype::{self, ParamDtype};
 use crate::graph::{Architecture, GeluApprox};
 use crate::package::{
     read_safetensors_header, write_package, Manifest, Origin, Package, PackageSpec,
@@ -68,6 +74,8 @@ pub struct ImportOptions {
     /// Leave out tensors that are not part of the base model (task heads)
     /// instead of failing on them.
     pub ignore_extra: bool,
+    /// Store f32 even when the checkpoint is all half precision.
+    pub widen: bool,
 }
 
 /// The default input shape of imports: the evaluation's (`model gen --scale full`).
@@ -97,15 +105,16 @@ pub fn import(opts: &ImportOptions) -> Result<Manifest> {
     let arch = config.build();
     check_shapes(&arch, &config, &opts.weights)?;
     let matched = match_tensors(opts, &ck, &arch, &config_source)?;
-    let data = ck.read_params(&matched.sources)?;
-    check_finite(&ck.path, &arch, &data)?;
     let dtypes: BTreeSet<&str> = matched.sources.iter().map(|e| e.dtype.as_str()).collect();
+    let stored = storage_dtype(&dtypes, opts.widen);
+    let data = ck.read_params(&matched.sources, stored)?;
+    check_finite(&ck.path, &arch, &data, stored)?;
     let origin = Origin {
         checkpoint: opts
             .weights
             .file_name()
             .map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
-        converted_to_f32: dtypes.iter().any(|&d| d != "F32"),
+        converted_to_f32: stored == ParamDtype::F32 && dtypes.iter().any(|&d| d != "F32"),
         checkpoint_dtypes: dtypes.into_iter().map(str::to_string).collect(),
         stripped_prefix: ck.prefix.clone(),
         dropped: matched.dropped,
@@ -118,6 +127,7 @@ pub fn import(opts: &ImportOptions) -> Result<Manifest> {
         seed: None,
         origin: Some(origin),
         group_bytes: opts.group_bytes,
+        dtype: stored,
     };
     let written = write_package(&out_dir, &spec, &arch, &data).and_then(|_| {
         // The package must open and verify like any other before it counts.
@@ -129,6 +139,19 @@ pub fn import(opts: &ImportOptions) -> Result<Manifest> {
         let _ = std::fs::remove_dir_all(&opts.out);
     }
     written
+}
+
+/// How the package stores a checkpoint whose parameters have `dtypes`
+/// (safetensors names, all valid float dtypes): the one dtype they share,
+/// else f32 (a mix); f32 with `widen`.
+fn storage_dtype(dtypes: &BTreeSet<&str>, widen: bool) -> ParamDtype {
+    match (widen, dtypes.len()) {
+        (false, 1) => dtypes
+            .first()
+            .and_then(|d| ParamDtype::from_safetensors(d))
+            .unwrap_or(ParamDtype::F32),
+        _ => ParamDtype::F32,
+    }
 }
 
 /// The last component of `--out`, checked against the model-name rules.
@@ -219,8 +242,13 @@ impl Checkpoint {
         }
     }
 
-    /// Reads each tensor and widens it to little-endian f32 bytes.
-    fn read_params(&self, sources: &[SafetensorsEntry]) -> Result<Vec<Vec<u8>>> {
+    /// Reads each tensor as little-endian bytes of `stored`: unchanged when
+    /// it is already in that dtype, else (`stored` is then f32) widened exactly.
+    fn read_params(
+        &self,
+        sources: &[SafetensorsEntry],
+        stored: ParamDtype,
+    ) -> Result<Vec<Vec<u8>>> {
         sources
             .iter()
             .map(|e| {
@@ -229,7 +257,15 @@ impl Checkpoint {
                 self.file
                     .read_exact_at(&mut raw, self.data_start + s)
                     .map_err(ModelError::io(&self.path, "cannot read tensor bytes"))?;
-                Ok(widen_to_f32(&e.dtype, raw))
+                let from = ParamDtype::from_safetensors(&e.dtype)
+                    .expect("match_tensors admits only float dtypes");
+                if from == stored {
+                    return Ok(raw);
+                }
+                assert_eq!(stored, ParamDtype::F32, "only widening converts");
+                let mut out = vec![0u8; raw.len() * 4 / from.size_bytes() as usize];
+                dtype::widen_to_le_bytes(from, &raw, &mut out);
+                Ok(out)
             })
             .collect()
     }
@@ -248,35 +284,7 @@ fn anchor_tensor(family: Family) -> &'static str {
 
 /// Bytes per element of the float dtypes a parameter may have.
 fn float_size(dtype: &str) -> Option<u64> {
-    match dtype {
-        "F32" => Some(4),
-        "F16" | "BF16" => Some(2),
-        _ => None,
-    }
-}
-
-/// Little-endian values of `dtype` (F32, F16 or BF16) as f32 bytes; the
-/// half-precision formats widen exactly.
-fn widen_to_f32(dtype: &str, raw: Vec<u8>) -> Vec<u8> {
-    match dtype {
-        "F16" => raw
-            .chunks_exact(2)
-            .flat_map(|c| {
-                half::f16::from_le_bytes([c[0], c[1]])
-                    .to_f32()
-                    .to_le_bytes()
-            })
-            .collect(),
-        "BF16" => raw
-            .chunks_exact(2)
-            .flat_map(|c| {
-                half::bf16::from_le_bytes([c[0], c[1]])
-                    .to_f32()
-                    .to_le_bytes()
-            })
-            .collect(),
-        _ => raw,
-    }
+    ParamDtype::from_safetensors(dtype).map(ParamDtype::size_bytes)
 }
 
 /// Checkpoint tensors inference never reads: left out, not errors.
@@ -981,16 +989,19 @@ fn match_tensors(
 }
 
 /// A checkpoint with NaN or infinite parameters would serve garbage: refused.
-fn check_finite(path: &Path, arch: &Architecture, data: &[Vec<u8>]) -> Result<()> {
+/// `data` holds the values as stored (`stored`).
+fn check_finite(
+    path: &Path,
+    arch: &Architecture,
+    data: &[Vec<u8>],
+    stored: ParamDtype,
+) -> Result<()> {
     let problems: Vec<String> = arch
         .params
         .iter()
         .zip(data)
         .filter_map(|(p, d)| {
-            let bad = d
-                .chunks_exact(4)
-                .filter(|c| !f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite())
-                .count();
+            let bad = stored.count_non_finite(d);
             (bad > 0).then(|| format!("tensor `{}` holds {bad} NaN or infinite values", p.name))
         })
         .collect();
@@ -1061,27 +1072,17 @@ mod tests {
     }
 
     #[test]
-    fn half_precision_widens_exactly() {
-        let vals = [1.0f32, -2.5, 0.333_251_95, 65504.0];
-        let f16: Vec<u8> = vals
-            .iter()
-            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
-            .collect();
-        let back: Vec<f32> = widen_to_f32("F16", f16)
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        assert_eq!(back, vals);
-        let bf16: Vec<u8> = [1.0f32, -3.0, 1.5e38]
-            .iter()
-            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-            .collect();
-        let back: Vec<f32> = widen_to_f32("BF16", bf16)
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        assert_eq!(back[..2], [1.0, -3.0]);
-        assert_eq!(back[2], half::bf16::from_f32(1.5e38).to_f32());
+    fn the_package_keeps_one_checkpoint_dtype_and_widens_a_mix() {
+        let set = |d: &[&'static str]| d.iter().copied().collect::<BTreeSet<&str>>();
+        assert_eq!(storage_dtype(&set(&["BF16"]), false), ParamDtype::BF16);
+        assert_eq!(storage_dtype(&set(&["F16"]), false), ParamDtype::F16);
+        assert_eq!(storage_dtype(&set(&["F32"]), false), ParamDtype::F32);
+        assert_eq!(storage_dtype(&set(&["BF16"]), true), ParamDtype::F32);
+        assert_eq!(storage_dtype(&set(&["F16", "F32"]), false), ParamDtype::F32);
+        assert_eq!(
+            storage_dtype(&set(&["BF16", "F16"]), false),
+            ParamDtype::F32
+        );
     }
 
     #[test]

@@ -28,8 +28,7 @@ pub fn inspect(pkg: &Package) -> String {
         if o.converted_to_f32 {
             let _ = writeln!(
                 s,
-                "stored as F32: the half-precision values were widened exactly at import \
-                 (every executor computes in f32)"
+                "stored as F32: the half-precision values were widened exactly at import"
             );
         }
         if !o.stripped_prefix.is_empty() {
@@ -63,8 +62,7 @@ pub fn inspect(pkg: &Package) -> String {
     );
     for l in &m.layers {
         let params = m.params.iter().filter(|p| p.layer == l.id);
-        let (count, bytes) =
-            params.fold((0u64, 0u64), |(c, b), p| (c + p.nbytes / 4, b + p.nbytes));
+        let (count, bytes) = params.fold((0u64, 0u64), |(c, b), p| (c + p.numel(), b + p.nbytes));
         let group = l.group.map_or("-".to_string(), |g| g.to_string());
         let _ = writeln!(
             s,
@@ -90,16 +88,19 @@ pub fn inspect(pkg: &Package) -> String {
             g.index, g.offset, g.bytes, layers, g.checksum
         );
     }
-    let all: u64 = m.params.iter().map(|p| p.nbytes / 4).sum();
+    let all: u64 = m.params.iter().map(|p| p.numel()).sum();
     let _ = writeln!(
         s,
-        "\ntotal: {} layers, {} params ({} values, {} learnable), {} groups, {} stored bytes (group_bytes {}, alignment {})",
+        "\ntotal: {} layers, {} params ({} values, {} learnable), {} groups, {} stored bytes as {} \
+         ({} on a device as f32; group_bytes {}, alignment {})",
         m.layers.len(),
         m.params.len(),
         all,
         m.learnable_param_count,
         m.groups.len(),
         m.stored_bytes,
+        m.param_dtype.safetensors_name(),
+        m.device_bytes(),
         m.group_bytes,
         m.alignment
     );

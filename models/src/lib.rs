@@ -7,6 +7,9 @@
 //!   architecture is built from.
 //! - [`graph`]: layers and ops (semantics in `OPS.md`); [`shape`]: shape rules.
 //! - [`layout`]: params in layer order, 512-byte aligned, grouped at layer boundaries.
+//! - [`dtype`]: the storage dtype of a package's params ([`ParamDtype`]: f32,
+//!   f16 or bf16), the stored-to-device layout mapping and the exact,
+//!   fast widening of half precision to f32 that uploads use.
 //! - [`package`]: [`Package::open`], [`Package::group_bytes`], [`Package::verify`].
 //! - [`generate()`]: seeded packages; [`import()`]: packages from PyTorch /
 //!   Hugging Face safetensors checkpoints; [`inspect()`]: a readable table.
@@ -16,6 +19,7 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod dtype;
 mod error;
 mod families;
 pub mod generate;
@@ -30,6 +34,7 @@ pub use config::{
     BertConfig, DensenetConfig, Family, Gpt2Config, InceptionConfig, ModelConfig, ResnetConfig,
     Scale,
 };
+pub use dtype::ParamDtype;
 pub use error::{ModelError, Result};
 pub use generate::{generate, generate_named, variant_name, GenOptions};
 pub use graph::{Architecture, Dtype, Layer, Op, OutputSpec, TensorSpec};

@@ -1,8 +1,14 @@
 //! The package on disk: `DIR/<name>/manifest.json` + `DIR/<name>/weights.safetensors`.
 //!
-//! `weights.safetensors` is a standard safetensors file (f32, the framework's
+//! `weights.safetensors` is a standard safetensors file (every parameter in
+//! the package's storage dtype, f32, f16 or bf16, with the framework's
 //! names), loadable by any reader. The manifest adds the layer graph and the
 //! packed layout (see [`crate::layout`]) with a checksum per group.
+//!
+//! Offsets and sizes in the manifest are in stored bytes. A device holds
+//! every parameter as f32: its layout is the stored one scaled by
+//! [`ParamDtype::widen_factor`] (see [`crate::dtype`]), given by the
+//! `device_*` methods of [`Manifest`], [`ParamEntry`] and [`GroupEntry`].
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -15,6 +21,7 @@ use distmind_common::limits::PARAM_ALIGN_BYTES;
 use serde::{Deserialize, Serialize};
 
 use crate::config::{Family, ModelConfig, Scale};
+use crate::dtype::ParamDtype;
 use crate::graph::{Architecture, Dtype, Layer, OutputSpec, TensorSpec};
 use crate::layout::{self, align_up, Layout};
 use crate::{shape, ModelError, Result};
@@ -31,16 +38,36 @@ const SAFETENSORS_HEADER_BYTES_MAX: u64 = 100 << 20;
 pub struct ParamEntry {
     pub name: String,
     pub shape: Vec<usize>,
+    /// The element type executors compute it in: always `F32`. How it is
+    /// stored is the package's [`Manifest::param_dtype`].
     pub dtype: Dtype,
     /// Id of the layer that uses it.
     pub layer: usize,
     pub group: usize,
-    /// Byte offset within the group (a multiple of `alignment`).
+    /// Stored byte offset within the group (a multiple of `alignment`).
     pub offset: u64,
-    /// Unpadded size in bytes.
+    /// Unpadded stored size in bytes (elements x the storage dtype's size).
     pub nbytes: u64,
     /// False for BatchNorm running statistics.
     pub learnable: bool,
+}
+
+impl ParamEntry {
+    /// Number of elements.
+    pub fn numel(&self) -> u64 {
+        self.shape.iter().product::<usize>() as u64
+    }
+
+    /// Byte offset within its group on a device (f32), for a package stored
+    /// as `stored` ([`Manifest::param_dtype`]).
+    pub fn device_offset(&self, stored: ParamDtype) -> u64 {
+        stored.device_bytes(self.offset)
+    }
+
+    /// Unpadded size on a device: `4 * numel`.
+    pub fn device_nbytes(&self, stored: ParamDtype) -> u64 {
+        stored.device_bytes(self.nbytes)
+    }
 }
 
 /// One group of the packed layout.
@@ -53,8 +80,21 @@ pub struct GroupEntry {
     pub bytes: u64,
     pub first_layer: usize,
     pub last_layer: usize,
-    /// `to_hex(checksum(padded group bytes))` (xxh3-64).
+    /// `to_hex(checksum(padded group bytes))` (xxh3-64) of the stored bytes.
     pub checksum: String,
+}
+
+impl GroupEntry {
+    /// Byte offset of the group in the whole model on a device (f32), for a
+    /// package stored as `stored` ([`Manifest::param_dtype`]).
+    pub fn device_offset(&self, stored: ParamDtype) -> u64 {
+        stored.device_bytes(self.offset)
+    }
+
+    /// Padded length on a device: the stored group widened element by element.
+    pub fn device_bytes(&self, stored: ParamDtype) -> u64 {
+        stored.device_bytes(self.bytes)
+    }
 }
 
 /// Everything about a package except the weights themselves.
@@ -74,10 +114,15 @@ pub struct Manifest {
     pub config: ModelConfig,
     pub inputs: Vec<TensorSpec>,
     pub outputs: Vec<OutputSpec>,
+    /// How every parameter is stored (weights file, memory servers, host
+    /// caches); `F32` when absent (packages written before half precision).
+    #[serde(default)]
+    pub param_dtype: ParamDtype,
+    /// Largest group, in stored bytes.
     pub group_bytes: u64,
     pub alignment: u64,
     pub learnable_param_count: u64,
-    /// Sum of the group lengths: the bytes a memory server stores.
+    /// Sum of the group lengths: the bytes a memory server stores and sends.
     pub stored_bytes: u64,
     pub layers: Vec<Layer>,
     /// In layer order (the packed order).
@@ -90,6 +135,22 @@ impl Manifest {
     pub fn group_params(&self, g: usize) -> impl Iterator<Item = &ParamEntry> {
         self.params.iter().filter(move |p| p.group == g)
     }
+
+    /// Device bytes per stored byte (2 for half precision, 1 for f32).
+    pub fn widen_factor(&self) -> u64 {
+        self.param_dtype.widen_factor()
+    }
+
+    /// The bytes the whole model takes on a device, every parameter f32:
+    /// `stored_bytes` times [`Manifest::widen_factor`].
+    pub fn device_bytes(&self) -> u64 {
+        self.param_dtype.device_bytes(self.stored_bytes)
+    }
+
+    /// Byte offset of param `p` in the whole model on a device.
+    pub fn device_param_offset(&self, p: &ParamEntry) -> u64 {
+        self.groups[p.group].device_offset(self.param_dtype) + p.device_offset(self.param_dtype)
+    }
 }
 
 /// The checkpoint an imported package was made from (`distmind model import`).
@@ -99,8 +160,9 @@ pub struct Origin {
     pub checkpoint: String,
     /// The checkpoint's parameter dtypes (safetensors spelling: `F32`, `F16`, `BF16`).
     pub checkpoint_dtypes: Vec<String>,
-    /// Parameters are stored as f32: half-precision values were widened
-    /// exactly at import (every executor computes in f32).
+    /// Parameters are stored as f32 although the checkpoint held half
+    /// precision: widened exactly at import (`--widen`, or a checkpoint
+    /// mixing dtypes).
     pub converted_to_f32: bool,
     /// The key prefix stripped from every name (`bert.`, `module.`, ...), if any.
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -122,17 +184,25 @@ pub struct PackageSpec {
     pub seed: Option<u64>,
     pub origin: Option<Origin>,
     pub group_bytes: u64,
+    /// How the parameters are stored; the bytes given to [`write_package`]
+    /// are in this dtype.
+    pub dtype: ParamDtype,
 }
 
-/// Borrowed f32 bytes as a safetensors view.
-struct F32View<'a> {
+/// Borrowed stored bytes as a safetensors view.
+struct StoredView<'a> {
+    dtype: ParamDtype,
     shape: &'a [usize],
     data: &'a [u8],
 }
 
-impl safetensors::View for F32View<'_> {
+impl safetensors::View for StoredView<'_> {
     fn dtype(&self) -> safetensors::Dtype {
-        safetensors::Dtype::F32
+        match self.dtype {
+            ParamDtype::F32 => safetensors::Dtype::F32,
+            ParamDtype::F16 => safetensors::Dtype::F16,
+            ParamDtype::BF16 => safetensors::Dtype::BF16,
+        }
     }
     fn shape(&self) -> &[usize] {
         self.shape
@@ -160,7 +230,8 @@ fn layout_of(
 }
 
 /// Writes `dir/<name>/` from an architecture's params and their bytes
-/// (`data[i]`: little-endian f32 of `arch.params[i]`). Returns the manifest.
+/// (`data[i]`: the little-endian values of `arch.params[i]` in `spec.dtype`).
+/// Returns the manifest.
 pub fn write_package(
     out_dir: &Path,
     spec: &PackageSpec,
@@ -178,7 +249,7 @@ pub fn write_package(
         .map_err(ModelError::io(&dir, "cannot create package directory"))?;
     let mut names = HashMap::new();
     for (i, (p, d)) in arch.params.iter().zip(data).enumerate() {
-        let nbytes = (p.numel() * 4) as u64;
+        let nbytes = p.numel() as u64 * spec.dtype.size_bytes();
         assert_eq!(
             d.len() as u64,
             nbytes,
@@ -212,7 +283,8 @@ pub fn write_package(
     let views = arch.params.iter().zip(data).map(|(p, d)| {
         (
             p.name.clone(),
-            F32View {
+            StoredView {
+                dtype: spec.dtype,
                 shape: &p.shape,
                 data: d,
             },
@@ -259,6 +331,7 @@ pub fn write_package(
         config: spec.config.clone(),
         inputs: arch.inputs.clone(),
         outputs: arch.outputs.clone(),
+        param_dtype: spec.dtype,
         group_bytes: spec.group_bytes,
         alignment: PARAM_ALIGN_BYTES,
         learnable_param_count: arch.learnable_param_count(),
@@ -428,7 +501,8 @@ impl Package {
             .collect()
     }
 
-    /// Little-endian f32 bytes of one param, by name.
+    /// The stored bytes of one param, by name: little-endian values of
+    /// [`Manifest::param_dtype`].
     pub fn param_bytes(&self, name: &str) -> Result<Vec<u8>> {
         let i = self
             .manifest
@@ -447,6 +521,15 @@ impl Package {
                 "cannot read parameter bytes",
             ))?;
         Ok(buf)
+    }
+
+    /// One param's values, widened to f32 (exactly).
+    pub fn param_f32(&self, name: &str) -> Result<Vec<f32>> {
+        let bytes = self.param_bytes(name)?;
+        Ok(crate::dtype::widen_to_vec(
+            self.manifest.param_dtype,
+            &bytes,
+        ))
     }
 
     /// Recomputes every group's checksum and compares it with the manifest.
@@ -495,15 +578,18 @@ fn check_manifest(m: &Manifest) -> Result<Vec<std::ops::Range<usize>>, String> {
     for (i, p) in m.params.iter().enumerate() {
         if p.dtype != Dtype::F32 {
             return Err(format!(
-                "param {} has dtype {:?}, expected F32",
+                "param {} has dtype {:?}, expected F32 (the storage dtype is param_dtype)",
                 p.name, p.dtype
             ));
         }
-        let want = p.shape.iter().product::<usize>() as u64 * 4;
+        let want = p.numel() * m.param_dtype.size_bytes();
         if p.nbytes != want {
             return Err(format!(
-                "param {} has nbytes {} but shape {:?} needs {want}",
-                p.name, p.nbytes, p.shape
+                "param {} has nbytes {} but shape {:?} stored as {} needs {want}",
+                p.name,
+                p.nbytes,
+                p.shape,
+                m.param_dtype.safetensors_name()
             ));
         }
         if names.insert(&p.name, (i, p.nbytes)).is_some() {
@@ -590,7 +676,7 @@ fn check_manifest(m: &Manifest) -> Result<Vec<std::ops::Range<usize>>, String> {
         .params
         .iter()
         .filter(|p| p.learnable)
-        .map(|p| p.nbytes / 4)
+        .map(ParamEntry::numel)
         .sum();
     if m.learnable_param_count != learnable {
         return Err(format!(
@@ -629,9 +715,10 @@ fn check_weights(path: &Path, m: &Manifest) -> Result<(File, Vec<u64>)> {
         let e = tensors
             .remove(&p.name)
             .ok_or_else(|| bad(format!("tensor {} is missing", p.name)))?;
-        if e.dtype != "F32" || e.shape != p.shape {
+        let want = m.param_dtype.safetensors_name();
+        if e.dtype != want || e.shape != p.shape {
             return Err(bad(format!(
-                "tensor {} is {} {:?}, expected F32 {:?}",
+                "tensor {} is {} {:?}, expected {want} {:?} (the manifest's param_dtype)",
                 p.name, e.dtype, e.shape, p.shape
             )));
         }

@@ -7,7 +7,7 @@ use crate::config::{Family, Scale};
 use crate::graph::{Architecture, Dtype};
 use crate::layout::{align_up, plan};
 use crate::package::{Package, MANIFEST_FILE, WEIGHTS_FILE};
-use crate::{generate, inspect, shape, GenOptions, ModelError};
+use crate::{generate, inspect, shape, GenOptions, ModelError, ParamDtype};
 
 const SCALES: [Scale; 2] = [Scale::Full, Scale::Tiny];
 
@@ -19,6 +19,7 @@ fn tiny_opts(family: Family, dir: &Path) -> GenOptions {
         scale: Scale::Tiny,
         seed: 7,
         group_bytes: 4096,
+        dtype: ParamDtype::F32,
     }
 }
 
@@ -370,6 +371,170 @@ fn corrupted_manifests_are_detected() {
     std::fs::write(&path, m.to_string()).unwrap();
     let err = open_err(&pkg_dir).to_string();
     assert!(err.contains("features.conv0"), "{err}");
+}
+
+/// Half-precision packages: the f32 package's values rounded to nearest,
+/// half the value bytes, one storage dtype checked everywhere.
+#[test]
+fn half_precision_packages_hold_the_rounded_f32_values() {
+    let dir = tempfile::tempdir().unwrap();
+    for family in [Family::Resnet152, Family::Gpt2] {
+        let f32_opts = tiny_opts(family, &dir.path().join("f32"));
+        let f32_pkg = Package::open(&generate(&f32_opts).unwrap()[0]).unwrap();
+        for dtype in [ParamDtype::F16, ParamDtype::BF16] {
+            let opts = GenOptions {
+                out_dir: dir.path().join(dtype.as_str()),
+                dtype,
+                ..f32_opts.clone()
+            };
+            let pkg = Package::open(&generate(&opts).unwrap()[0]).unwrap();
+            pkg.verify().unwrap();
+            let m = &pkg.manifest;
+            assert_eq!(m.param_dtype, dtype);
+            assert_eq!(
+                m.learnable_param_count,
+                f32_pkg.manifest.learnable_param_count
+            );
+            let value_bytes = |m: &crate::Manifest| m.params.iter().map(|p| p.nbytes).sum::<u64>();
+            assert_eq!(
+                2 * value_bytes(m),
+                value_bytes(&f32_pkg.manifest),
+                "{family} {dtype}"
+            );
+            assert!(m.stored_bytes < f32_pkg.manifest.stored_bytes);
+            println!(
+                "{family} tiny {dtype}: {} stored bytes, f32 {} (ratio {:.3}; padding to 512 \
+                 bytes keeps small params from halving)",
+                m.stored_bytes,
+                f32_pkg.manifest.stored_bytes,
+                m.stored_bytes as f64 / f32_pkg.manifest.stored_bytes as f64
+            );
+            // The weights file is standard safetensors in the storage dtype.
+            let raw = std::fs::read(pkg.dir.join(WEIGHTS_FILE)).unwrap();
+            let st = safetensors::SafeTensors::deserialize(&raw).unwrap();
+            let want = match dtype {
+                ParamDtype::F16 => safetensors::Dtype::F16,
+                _ => safetensors::Dtype::BF16,
+            };
+            assert!(st.tensors().iter().all(|(_, v)| v.dtype() == want));
+            for p in &m.params {
+                let exact = f32_pkg.param_f32(&p.name).unwrap();
+                let mut rounded = Vec::new();
+                for v in &exact {
+                    dtype.push_narrowed(*v, &mut rounded);
+                }
+                assert_eq!(pkg.param_bytes(&p.name).unwrap(), rounded, "{}", p.name);
+            }
+            assert!(
+                inspect(&pkg).contains(&format!("stored bytes as {}", dtype.safetensors_name()))
+            );
+        }
+    }
+}
+
+/// The device layout of a half package is its stored layout doubled, and
+/// widening a whole stored group gives the device group: every param's f32
+/// values at its device offset, zeros in the padding.
+#[test]
+fn widening_a_stored_group_gives_the_device_group() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = GenOptions {
+        dtype: ParamDtype::BF16,
+        ..tiny_opts(Family::InceptionV3, dir.path())
+    };
+    let pkg = Package::open(&generate(&opts).unwrap()[0]).unwrap();
+    let m = &pkg.manifest;
+    assert_eq!(m.widen_factor(), 2);
+    assert_eq!(m.device_bytes(), 2 * m.stored_bytes);
+    let mut device_total = 0;
+    for (g, entry) in m.groups.iter().enumerate() {
+        assert_eq!(entry.device_offset(m.param_dtype), device_total);
+        device_total += entry.device_bytes(m.param_dtype);
+        let stored = pkg.group_bytes(g).unwrap();
+        let mut device = vec![0u8; entry.device_bytes(m.param_dtype) as usize];
+        crate::dtype::widen_to_le_bytes(m.param_dtype, &stored, &mut device);
+        let mut covered = vec![false; device.len()];
+        for p in m.group_params(g) {
+            let (off, len) = (
+                p.device_offset(m.param_dtype),
+                p.device_nbytes(m.param_dtype),
+            );
+            assert_eq!(off % m.alignment, 0, "{}: device offset {off}", p.name);
+            assert_eq!(len, 4 * p.numel(), "{}", p.name);
+            assert_eq!(
+                m.device_param_offset(p),
+                entry.device_offset(m.param_dtype) + off
+            );
+            let values: Vec<f32> = device[off as usize..(off + len) as usize]
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            assert_eq!(values, pkg.param_f32(&p.name).unwrap(), "{}", p.name);
+            covered[off as usize..(off + len) as usize].fill(true);
+        }
+        assert!(
+            device.iter().zip(&covered).all(|(b, c)| *c || *b == 0),
+            "group {g}: padding must widen to zeros"
+        );
+    }
+    assert_eq!(device_total, m.device_bytes());
+    // An f32 package's device layout is its stored layout.
+    let f32_pkg = Package::open(
+        &generate(&tiny_opts(Family::InceptionV3, &dir.path().join("f"))).unwrap()[0],
+    )
+    .unwrap();
+    assert_eq!(
+        f32_pkg.manifest.device_bytes(),
+        f32_pkg.manifest.stored_bytes
+    );
+}
+
+/// `Package::open` checks sizes against the storage dtype and names the
+/// param; a manifest without `param_dtype` (written before half precision)
+/// opens as f32.
+#[test]
+fn the_storage_dtype_is_validated() {
+    let dir = tempfile::tempdir().unwrap();
+    let f32_dir = generate(&tiny_opts(Family::Resnet152, &dir.path().join("a")))
+        .unwrap()
+        .remove(0);
+    let path = f32_dir.join(MANIFEST_FILE);
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut m: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(m["param_dtype"], "F32");
+    m.as_object_mut().unwrap().remove("param_dtype");
+    std::fs::write(&path, m.to_string()).unwrap();
+    let old = Package::open(&f32_dir).unwrap();
+    assert_eq!(old.manifest.param_dtype, ParamDtype::F32);
+    old.verify().unwrap();
+    // An f32 manifest claiming bf16: the sizes name the first param.
+    m["param_dtype"] = serde_json::json!("BF16");
+    std::fs::write(&path, m.to_string()).unwrap();
+    let err = open_err(&f32_dir).to_string();
+    assert!(
+        err.contains("param conv1.weight has nbytes") && err.contains("stored as BF16"),
+        "{err}"
+    );
+    // A bf16 manifest over an f16 weights file: the tensor is named.
+    let bf16_dir = generate(&GenOptions {
+        dtype: ParamDtype::BF16,
+        ..tiny_opts(Family::Resnet152, &dir.path().join("b"))
+    })
+    .unwrap()
+    .remove(0);
+    let f16_dir = generate(&GenOptions {
+        dtype: ParamDtype::F16,
+        ..tiny_opts(Family::Resnet152, &dir.path().join("c"))
+    })
+    .unwrap()
+    .remove(0);
+    std::fs::copy(f16_dir.join(WEIGHTS_FILE), bf16_dir.join(WEIGHTS_FILE)).unwrap();
+    let err = open_err(&bf16_dir);
+    assert!(matches!(err, ModelError::BadWeights { .. }), "{err}");
+    assert!(err.to_string().contains("is F16"), "{err}");
+    assert!(err.to_string().contains("expected BF16"), "{err}");
+    let err = "double".parse::<ParamDtype>().unwrap_err().to_string();
+    assert!(err.contains("f32, f16 or bf16"), "{err}");
 }
 
 #[test]

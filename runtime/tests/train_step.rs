@@ -434,6 +434,7 @@ fn train_step_changes_inference_and_groups() {
         seed: None,
         origin: None,
         group_bytes: m.group_bytes,
+        dtype: distmind_models::ParamDtype::F32,
     };
     let out_dir = tempfile::tempdir().unwrap();
     write_package(out_dir.path(), &spec, &arch, &data).unwrap();

@@ -165,6 +165,7 @@ pub fn run(args: &ColdstartArgs) -> anyhow::Result<()> {
                     scale: args.scale,
                     seed: 11,
                     group_bytes,
+                    dtype: distmind_models::ParamDtype::F32,
                 };
                 Ok(Package::open(distmind_models::generate(&opts)?.remove(0))?)
             })

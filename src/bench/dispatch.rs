@@ -263,6 +263,7 @@ fn added_latency(a: &DispatchArgs) -> anyhow::Result<()> {
         scale: Scale::Tiny,
         seed: 5,
         group_bytes: distmind_common::limits::GROUP_BYTES_DEFAULT,
+        dtype: distmind_models::ParamDtype::F32,
     })?
     .remove(0);
     let pkg = Package::open(&pkg)?;

@@ -114,6 +114,7 @@ pub fn run(args: &LoadArgs) -> anyhow::Result<()> {
                 scale: args.scale,
                 seed: 11,
                 group_bytes: distmind_common::limits::GROUP_BYTES_DEFAULT,
+                dtype: distmind_models::ParamDtype::F32,
             })?
             .remove(0),
         )?;

@@ -311,6 +311,7 @@ fn sources(args: &TransferArgs) -> anyhow::Result<Vec<Source>> {
                 scale: Scale::Full,
                 seed: 1,
                 group_bytes: group,
+                dtype: distmind_models::ParamDtype::F32,
             };
             let path = distmind_models::generate(&opts)?.remove(0);
             let pkg = Package::open(&path)?;

@@ -1017,6 +1017,7 @@ fn generate(dir: &Path, m: &Models, stop: &AtomicBool) -> anyhow::Result<Vec<Pat
             scale: m.scale,
             seed,
             group_bytes: m.group_bytes,
+            dtype: distmind_models::ParamDtype::F32,
         };
         per_family.push(
             distmind_models::generate(&opts)

@@ -183,6 +183,7 @@ pub fn generate(
             scale,
             seed,
             group_bytes,
+            dtype: distmind_models::ParamDtype::F32,
         };
         distmind_models::generate_named(&opts, name)
             .with_context(|| format!("generating the training package {name}"))?;

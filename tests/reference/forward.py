@@ -29,6 +29,9 @@ _ST_DTYPES = {
     "F32": np.dtype("<f4"),
     "F64": np.dtype("<f8"),
     "F16": np.dtype("<f2"),
+    # NumPy has no bfloat16: read the bits, widened below (exactly: a bf16
+    # is the top half of a float32).
+    "BF16": np.dtype("<u2"),
     "I64": np.dtype("<i8"),
     "I32": np.dtype("<i4"),
 }
@@ -61,7 +64,10 @@ def load_safetensors(path):
         n = int(np.prod(shape, dtype=np.int64)) if shape else 1
         if not (0 <= begin <= end <= len(body)) or end - begin != n * dt.itemsize:
             raise ValueError(f"{path}: tensor {name}: bad data_offsets {begin}..{end}")
-        out[name] = np.frombuffer(body[begin:end], dtype=dt).reshape(shape).copy()
+        arr = np.frombuffer(body[begin:end], dtype=dt).reshape(shape)
+        if info["dtype"] == "BF16":
+            arr = (arr.astype("<u4") << 16).view("<f4")
+        out[name] = arr.copy()
     return out
 
 

@@ -304,6 +304,25 @@ def safetensors_roundtrip_and_bounds():
 
 
 @case
+def safetensors_half_precision_widens_exactly():
+    # f16: 1, -2, the smallest subnormal 2^-24, 65504; bf16: 1, -3, 2^-133 (an f32 subnormal), -inf.
+    f16 = np.array([1.0, -2.0, 2.0 ** -24, 65504.0], dtype="<f2")
+    bf16_bits = np.array([0x3F80, 0xC040, 0x0001, 0xFF80], dtype="<u2")
+    header = {"h": {"dtype": "F16", "shape": [4], "data_offsets": [0, 8]},
+              "b": {"dtype": "BF16", "shape": [2, 2], "data_offsets": [8, 16]}}
+    h = json.dumps(header).encode()
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "w.safetensors")
+        with open(p, "wb") as f:
+            f.write(struct.pack("<Q", len(h)) + h + f16.tobytes() + bf16_bits.tobytes())
+        got = F.load_safetensors(p)
+    assert got["h"].astype(np.float64).tolist() == [1.0, -2.0, 2.0 ** -24, 65504.0]
+    assert got["b"].dtype == np.float32 and got["b"].shape == (2, 2)
+    want = [1.0, -3.0, 2.0 ** -133, -np.inf]
+    assert got["b"].astype(np.float64).ravel().tolist() == want, got["b"]
+
+
+@case
 def graph_runs_in_order_with_model_inputs():
     manifest = {
         "inputs": [{"name": "images", "shape": [1, 1, 2, 2], "dtype": "F32"}],
