@@ -431,7 +431,13 @@ mod tests {
             self.0
         }
         #[allow(unsafe_code)]
-        unsafe fn upload_async(&self, _: usize, _: u64, _: &[u8]) -> Result<(), ExecError> {
+        unsafe fn upload_async(
+            &self,
+            _: usize,
+            _: u64,
+            _: distmind_models::ParamDtype,
+            _: &[u8],
+        ) -> Result<(), ExecError> {
             Ok(())
         }
     }

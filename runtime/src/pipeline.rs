@@ -5,8 +5,10 @@
 //!    per-group flag set, waiters woken) as soon as all its slices verified.
 //! 2. **host -> arena** (a stage thread, the H2D copy stream on CUDA): in
 //!    group order, waits for group g in host memory, calls
-//!    `arena.upload_async(g, manifest.groups[g].offset, group_bytes)` with
-//!    the group's bytes straight from the cache blocks, then opens gate g.
+//!    `arena.upload_async(g, device_offset, param_dtype, group_bytes)` with
+//!    the group's stored bytes straight from the cache blocks (a
+//!    half-precision group is widened to f32 on the way: the arena holds
+//!    `manifest.device_bytes()`), then opens gate g.
 //!    It holds the model's host-cache pin until every copy it started
 //!    completed ([`Arena::wait_uploaded`]), so no eviction or reservation
 //!    reuses those blocks while a DMA engine still reads them: a prefetch
@@ -543,7 +545,9 @@ fn serve(
     let manifest = req.manifest;
     let sizes = group_layout(req.entry, manifest)?;
     let groups = sizes.len();
-    let arena_bytes: u64 = sizes.iter().sum();
+    // Every parameter is f32 on the device: twice the stored bytes for a
+    // half-precision package (group_layout checked the stored layout).
+    let arena_bytes = manifest.device_bytes();
     let exec_err = |error: ExecError| PipelineError::Exec {
         model: model.into(),
         error: Box::new(error),
@@ -810,6 +814,8 @@ fn enqueue_uploads(
     let gates = resident.gates();
     let arena: &dyn Arena = &**resident.arena();
     let model = cached.name();
+    let stored = manifest.param_dtype;
+    let offset = |g: usize| manifest.groups[g].device_offset(stored);
     for g in 0..manifest.groups.len() {
         if cancel.load(Ordering::Acquire) {
             gates.fail_pending("the request was abandoned before this group was uploaded");
@@ -830,7 +836,7 @@ fn enqueue_uploads(
         // stay allocated and unchanged while `cached` pins the model; the
         // caller, `upload_groups`, holds that pin until `wait_uploaded`
         // returned for every group started here (this one included).
-        let enqueued = unsafe { arena.upload_async(g, manifest.groups[g].offset, bytes) };
+        let enqueued = unsafe { arena.upload_async(g, offset(g), stored, bytes) };
         if let Err(e) = enqueued {
             gates.fail_pending(&format!("upload of group {g} failed: {e}"));
             return Err(PipelineError::Exec {

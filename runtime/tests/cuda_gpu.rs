@@ -10,7 +10,9 @@ use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
 use distmind_models::graph::EmbeddingIds;
-use distmind_models::{generate, Dtype, Family, GenOptions, Manifest, Op, Package, Scale};
+use distmind_models::{
+    generate, Dtype, Family, GenOptions, Manifest, Op, Package, ParamDtype, Scale,
+};
 use distmind_runtime::cache::PinHook;
 use distmind_runtime::exec::cpu::CpuExecutor;
 use distmind_runtime::exec::cuda::{h2d_bench, pin_hook, CudaExecutor, CudaOptions};
@@ -232,7 +234,7 @@ fn cuda_resnet152_full_scale_batch8_cold_vs_warm() {
                 started = g.index + 1;
                 // SAFETY: `host` (an Arc this thread holds) stays allocated
                 // and unchanged until the waits below returned.
-                unsafe { arena.upload_async(g.index, g.offset, bytes) }.unwrap();
+                unsafe { arena.upload_async(g.index, g.offset, ParamDtype::F32, bytes) }.unwrap();
                 if tx.send(g.index).is_err() {
                     break;
                 }

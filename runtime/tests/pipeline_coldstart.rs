@@ -68,6 +68,7 @@ impl Arena for VecArena {
         &self,
         _group: usize,
         offset: u64,
+        _stored: distmind_models::ParamDtype,
         bytes: &[u8],
     ) -> Result<(), ExecError> {
         let mut b = self.bytes.lock().unwrap();

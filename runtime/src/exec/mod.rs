@@ -20,7 +20,7 @@ pub mod sim;
 use std::sync::Arc;
 use std::time::Duration;
 
-use distmind_models::Manifest;
+use distmind_models::{Manifest, ParamDtype};
 
 /// Which backend, as named on the command line (`--executor`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -151,12 +151,19 @@ pub trait Arena: std::any::Any + Send + Sync {
         self.len() == 0
     }
 
-    /// Starts copying one group's bytes to `offset`. When it returns, a
-    /// later `Program::run` that gates on `group` sees the bytes: on `cpu`
-    /// and `sim` the copy is done; on `cuda` it is enqueued on the copy
-    /// stream and an event is recorded that the compute stream waits for.
-    /// Groups may be uploaded from another thread than the one running the
-    /// program, but each group is uploaded by one thread at a time.
+    /// Starts copying one group's bytes to `offset`: `bytes` are the
+    /// group's stored bytes, little-endian values of `stored` (the
+    /// manifest's `param_dtype`), and the arena receives them as f32
+    /// (`stored.device_bytes(bytes.len())` bytes at the device offset
+    /// `offset`, see `distmind_models::dtype`): half precision is widened on
+    /// the way (`cpu`: in this call; `cuda`: by a kernel after the copy;
+    /// `sim` takes the time of the stored bytes, the bytes that cross the
+    /// link). When it returns, a later `Program::run` that gates on `group`
+    /// sees the values: on `cpu` and `sim` the copy is done; on `cuda` it is
+    /// enqueued on the copy stream and an event is recorded that the
+    /// compute stream waits for. Groups may be uploaded from another thread
+    /// than the one running the program, but each group is uploaded by one
+    /// thread at a time.
     ///
     /// # Safety
     ///
@@ -170,8 +177,13 @@ pub trait Arena: std::any::Any + Send + Sync {
     /// [`CachedModel`](crate::cache::CachedModel)) until then, so that no
     /// eviction or new reservation reuses the blocks under the DMA.
     #[allow(unsafe_code)]
-    unsafe fn upload_async(&self, group: usize, offset: u64, bytes: &[u8])
-        -> Result<(), ExecError>;
+    unsafe fn upload_async(
+        &self,
+        group: usize,
+        offset: u64,
+        stored: ParamDtype,
+        bytes: &[u8],
+    ) -> Result<(), ExecError>;
 
     /// Blocks until every copy [`Arena::upload_async`] started for `group`
     /// stopped reading its host bytes (a `cuda` copy's completion event).
@@ -182,14 +194,58 @@ pub trait Arena: std::any::Any + Send + Sync {
 
     /// [`Arena::upload_async`] and [`Arena::wait_uploaded`]: when it
     /// returns, `bytes` may be dropped or reused.
-    fn upload(&self, group: usize, offset: u64, bytes: &[u8]) -> Result<(), ExecError> {
+    fn upload_stored(
+        &self,
+        group: usize,
+        offset: u64,
+        stored: ParamDtype,
+        bytes: &[u8],
+    ) -> Result<(), ExecError> {
         #[allow(unsafe_code)]
         // SAFETY: `bytes` is borrowed for this whole call, and the call
         // waits for the copy to stop reading it, failed or not.
-        let started = unsafe { self.upload_async(group, offset, bytes) };
+        let started = unsafe { self.upload_async(group, offset, stored, bytes) };
         let done = self.wait_uploaded(group);
         started.and(done)
     }
+
+    /// [`Arena::upload_stored`] of f32 bytes (a package stored as f32,
+    /// whose device and stored layouts are the same).
+    fn upload(&self, group: usize, offset: u64, bytes: &[u8]) -> Result<(), ExecError> {
+        self.upload_stored(group, offset, ParamDtype::F32, bytes)
+    }
+}
+
+/// The device bytes `bytes` stored bytes of `stored` take at `offset`, as
+/// the range an upload writes; an error when they do not fit an arena of
+/// `arena` bytes, or are not whole half-precision values.
+pub fn device_range(
+    group: usize,
+    offset: u64,
+    stored: ParamDtype,
+    bytes: &[u8],
+    arena: u64,
+) -> Result<std::ops::Range<u64>, ExecError> {
+    let len = bytes.len() as u64;
+    let device_len = stored.device_bytes(len);
+    let range = match offset.checked_add(device_len) {
+        Some(end) if end <= arena => offset..end,
+        _ => {
+            return Err(ExecError::UploadOutOfRange {
+                offset,
+                len: device_len,
+                arena,
+            })
+        }
+    };
+    // f32 bytes are copied as they are; half values are widened in pairs.
+    if stored.is_half() && !len.is_multiple_of(stored.size_bytes()) {
+        return Err(ExecError::Gate {
+            group,
+            why: format!("{len} bytes are not whole {stored} values"),
+        });
+    }
+    Ok(range)
 }
 
 /// What happened when, for pipeline traces and the timing breakdown.

@@ -34,7 +34,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
-use distmind_models::{Layer, Manifest};
+use distmind_models::dtype::{widen_to_le_bytes, widen_to_vec};
+use distmind_models::{Layer, Manifest, ParamDtype};
 use distmind_transport::memory::{HostBuffer, HugePages};
 
 use super::plan::{self, ParamLoc};
@@ -232,15 +233,18 @@ impl Arena for CpuArena {
         self.len
     }
 
-    /// Synchronous: the bytes are copied (or converted) when it returns.
+    /// Synchronous: the bytes are converted (widened, for half precision)
+    /// when it returns.
     #[allow(unsafe_code)]
     unsafe fn upload_async(
         &self,
         group: usize,
         offset: u64,
+        stored: ParamDtype,
         bytes: &[u8],
     ) -> Result<(), ExecError> {
-        let range = self.check_range(offset, bytes.len() as u64)?;
+        let range = super::device_range(group, offset, stored, bytes, self.len)?;
+        let range = range.start as usize..range.end as usize;
         let params = self
             .params
             .lock()
@@ -250,14 +254,17 @@ impl Arena for CpuArena {
             // The program reads only prepared params: converting straight
             // from the host bytes is the whole upload (one pass over them).
             self.set_held(group, false);
-            return p.prepare_group(group, offset, bytes);
+            return p.prepare_group(group, offset, stored, bytes);
         }
         // SAFETY: in bounds (checked). The range is one group's, uploaded by
         // one thread at a time (the `Arena::upload_async` contract), and no
         // program reads a group before its gate, which opens after this copy
         // returned.
         let dst = unsafe { self.buf().slice_mut(range) };
-        dst.copy_from_slice(bytes);
+        match stored {
+            ParamDtype::F32 => dst.copy_from_slice(bytes),
+            _ => widen_to_le_bytes(stored, bytes, dst),
+        }
         self.set_held(group, true);
         Ok(())
     }
@@ -324,21 +331,31 @@ impl LayerParams {
         Ok(p)
     }
 
-    /// Prepares every layer of `group` from `bytes`, the group's packed
-    /// bytes, which start at arena offset `offset` (an upload: a second one
-    /// replaces what the first prepared).
-    fn prepare_group(&self, group: usize, offset: u64, bytes: &[u8]) -> Result<(), ExecError> {
+    /// Prepares every layer of `group` from `bytes`, the group's stored
+    /// bytes (values of `stored`), which go to arena offset `offset` (an
+    /// upload: a second one replaces what the first prepared).
+    fn prepare_group(
+        &self,
+        group: usize,
+        offset: u64,
+        stored: ParamDtype,
+        bytes: &[u8],
+    ) -> Result<(), ExecError> {
+        // Device offsets and sizes are the stored ones times this.
+        let factor = stored.widen_factor() as usize;
         for &i in self.by_group.get(group).map_or(&[][..], Vec::as_slice) {
             let p = self.prepare(i, |loc| {
-                let start = loc.offset.checked_sub(offset).map(|s| s as usize);
-                let end = start.and_then(|s| s.checked_add(loc.nbytes as usize));
+                let start = loc.offset.checked_sub(offset).map(|s| s as usize / factor);
+                let end = start.and_then(|s| s.checked_add(loc.nbytes as usize / factor));
                 match (start, end) {
-                    (Some(s), Some(e)) if e <= bytes.len() => Ok(f32_from_le(&bytes[s..e])),
+                    (Some(s), Some(e)) if e <= bytes.len() => {
+                        Ok(widen_to_vec(stored, &bytes[s..e]))
+                    }
                     _ => Err(ExecError::Gate {
                         group,
                         why: format!(
-                            "param {} ({} bytes at arena offset {}) is outside the {} bytes \
-                             uploaded at offset {offset}",
+                            "param {} ({} bytes at arena offset {}) is outside the {} {stored} \
+                             bytes uploaded at offset {offset}",
                             loc.name,
                             loc.nbytes,
                             loc.offset,

@@ -7,9 +7,12 @@ use cudarc::driver::CudaEvent;
 
 use super::driver::{cuda_err, ArenaMemory, Gpu};
 use crate::exec::{Arena, ExecError};
+use distmind_models::ParamDtype;
 
-/// One `cuMemAlloc` of the model's packed bytes. `upload_async` enqueues
-/// `cuMemcpyHtoDAsync` on the copy stream and records the group's event;
+/// One `cuMemAlloc` of the model's device bytes (every parameter f32).
+/// `upload_async` enqueues `cuMemcpyHtoDAsync` on the copy stream (for a
+/// half-precision package into a staging buffer, then the widening kernel of
+/// `widen.rs` into the arena) and records the group's event;
 /// `wait_uploaded` synchronises with that event.
 ///
 /// From page-locked memory (the host cache's, through [`super::pin_hook`])
@@ -73,14 +76,10 @@ impl Arena for CudaArena {
         &self,
         group: usize,
         offset: u64,
+        stored: ParamDtype,
         bytes: &[u8],
     ) -> Result<(), ExecError> {
-        let arena = self.len();
-        let len = bytes.len() as u64;
-        match offset.checked_add(len) {
-            Some(end) if end <= arena => {}
-            _ => return Err(ExecError::UploadOutOfRange { offset, len, arena }),
-        }
+        crate::exec::device_range(group, offset, stored, bytes, self.len())?;
         let gate_err = |why: String| ExecError::Gate { group, why };
         self.gpu.bind().map_err(gate_err)?;
         // Hold the lock across copy + record so that the event a program
@@ -102,9 +101,15 @@ impl Arena for CudaArena {
                 e
             }
         };
-        self.gpu
-            .htod_async(self.device_ptr(offset), bytes, &self.gpu.copy)
-            .map_err(gate_err)?;
+        let dst = self.device_ptr(offset);
+        match stored {
+            ParamDtype::F32 => self.gpu.htod_async(dst, bytes, &self.gpu.copy),
+            // Half precision: the stored bytes cross PCIe, a kernel widens.
+            _ => self
+                .gpu
+                .widen_htod_async(stored, dst, bytes, &self.gpu.copy),
+        }
+        .map_err(gate_err)?;
         event.record(&self.gpu.copy).map_err(|e| {
             // No event stands behind the copy: wait for it here, so that
             // `wait_uploaded` may return at once and the host bytes go.

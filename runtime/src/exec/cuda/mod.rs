@@ -47,6 +47,7 @@
 
 pub mod geometry;
 pub mod kernels;
+pub mod widen;
 
 #[cfg(feature = "cuda")]
 mod arena;
