@@ -369,3 +369,105 @@ pub fn downcast_arena<T: Arena>(arena: Arc<dyn Arena>) -> Option<Arc<T>> {
 pub fn all_ready(_group: usize) -> Result<(), ExecError> {
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// A template that records the ordinals it is asked for, bound to
+    /// `bound`, failing for `missing` as a GPU that is not there.
+    struct Recorder {
+        bound: Option<u32>,
+        missing: Option<u32>,
+        asked: Arc<Mutex<Vec<u32>>>,
+    }
+
+    impl Executor for Recorder {
+        fn kind(&self) -> ExecutorKind {
+            ExecutorKind::Cuda
+        }
+        fn describe(&self) -> String {
+            format!("recorder on {:?}", self.bound)
+        }
+        fn for_device(&self, ordinal: u32) -> Result<Arc<dyn Executor>, ExecError> {
+            self.asked.lock().unwrap().push(ordinal);
+            if Some(ordinal) == self.missing {
+                return Err(ExecError::Unavailable {
+                    executor: ExecutorKind::Cuda,
+                    why: "the driver sees 2 GPUs".into(),
+                });
+            }
+            Ok(Arc::new(Recorder {
+                bound: Some(ordinal),
+                missing: None,
+                asked: self.asked.clone(),
+            }))
+        }
+        fn ordinal(&self) -> Option<u32> {
+            self.bound
+        }
+        fn alloc_arena(&self, bytes: u64) -> Result<Arc<dyn Arena>, ExecError> {
+            Err(ExecError::Alloc {
+                bytes,
+                why: "a recorder has no memory".into(),
+            })
+        }
+        fn program(&self, m: &Manifest, _: Arc<dyn Arena>) -> Result<Box<dyn Program>, ExecError> {
+            Err(ExecError::Model {
+                model: m.name.clone(),
+                why: "a recorder compiles nothing".into(),
+            })
+        }
+    }
+
+    #[test]
+    fn per_device_maps_each_device_to_its_own_executor() {
+        let asked = Arc::new(Mutex::new(Vec::new()));
+        let template: Arc<dyn Executor> = Arc::new(Recorder {
+            bound: Some(0),
+            missing: None,
+            asked: asked.clone(),
+        });
+        let execs = per_device(&template, &[2, 0, 5]).unwrap();
+        let ordinals: Vec<Option<u32>> = execs.iter().map(|e| e.ordinal()).collect();
+        assert_eq!(ordinals, [Some(2), Some(0), Some(5)]);
+        // The template serves the device it is bound to; the others are new.
+        assert!(Arc::ptr_eq(&execs[1], &template));
+        assert!(!Arc::ptr_eq(&execs[0], &execs[2]));
+        assert_eq!(*asked.lock().unwrap(), [2, 5]);
+    }
+
+    #[test]
+    fn per_device_names_the_device_that_is_missing() {
+        let template: Arc<dyn Executor> = Arc::new(Recorder {
+            bound: Some(0),
+            missing: Some(7),
+            asked: Arc::default(),
+        });
+        let e = per_device(&template, &[0, 7, 1])
+            .err()
+            .expect("device 7 is missing")
+            .to_string();
+        assert!(e.contains("device 7") && e.contains("2 GPUs"), "{e}");
+    }
+
+    #[test]
+    fn cpu_and_sim_devices_are_independent_executors() {
+        let cpu: Arc<dyn Executor> = Arc::new(cpu::CpuExecutor::new());
+        let execs = per_device(&cpu, &[0, 1]).unwrap();
+        assert_eq!(execs.len(), 2);
+        assert!(!Arc::ptr_eq(&execs[0], &execs[1]) && !Arc::ptr_eq(&execs[0], &cpu));
+        assert!(execs.iter().all(|e| e.kind() == ExecutorKind::Cpu));
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join(crate::profile::SHIPPED_ESTIMATED_PATH);
+        let profile = crate::profile::Profile::load(path).unwrap();
+        let sim: Arc<dyn Executor> =
+            Arc::new(sim::SimExecutor::with_dilation(profile, 2.0).unwrap());
+        let execs = per_device(&sim, &[3, 4]).unwrap();
+        assert!(!Arc::ptr_eq(&execs[0], &execs[1]));
+        // Same profile and dilation on every device.
+        assert!(execs.iter().all(|e| e.describe() == sim.describe()));
+    }
+}

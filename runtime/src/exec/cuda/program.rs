@@ -359,3 +359,25 @@ impl Program for CudaProgram {
         Ok(outputs)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs without a GPU: an ordinal no machine has is refused, the error
+    /// naming it (with or without a driver: "device 4096").
+    #[test]
+    fn opening_a_missing_gpu_names_its_ordinal() {
+        let e = CudaExecutor::with_options(4096, CudaOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("device 4096"), "{e}");
+        assert!(matches!(
+            name_device(3, ExecError::Unavailable {
+                executor: ExecutorKind::Cuda,
+                why: "libcuda.so not found".into(),
+            }),
+            ExecError::Unavailable { why, .. } if why == "CUDA device 3: libcuda.so not found"
+        ));
+    }
+}
