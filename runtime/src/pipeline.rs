@@ -530,7 +530,7 @@ fn group_layout(entry: &ModelEntry, m: &Manifest) -> Result<Vec<u64>, PipelineEr
     Ok(entry.groups.iter().map(|g| g.bytes).collect())
 }
 
-/// What the upload thread reports, per group.
+/// What the upload stage reports, per group.
 type UploadEvent = (Instant, PipelineEvent);
 
 fn serve(
