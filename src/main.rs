@@ -537,10 +537,13 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Runtime(r) => {
             let settings = services::load_settings(&r.settings)?;
             let emulated = r.emulate.resolve(&settings)?;
-            let exec = services::executor(
+            // On the first device named (every other device gets its own
+            // executor when the runtime binds).
+            let exec = services::executor_on(
                 r.executor,
                 &r.profile,
                 distmind_common::emulate::dilation(emulated.as_ref()),
+                r.devices.first().copied().unwrap_or(0),
             )?;
             services::run_runtime(services::RuntimeArgs {
                 settings: &r.settings,

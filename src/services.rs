@@ -48,13 +48,26 @@ pub fn cluster_key(settings: &Settings) -> ClusterKey {
     ClusterKey::from_secret(settings.cluster_key.as_bytes())
 }
 
-/// Builds the executor named on the command line.
+/// Builds the executor named on the command line, on device 0.
 /// `time_dilation`: K of an emulated link (1: none); only the sim executor's
 /// modelled times stretch, real executors take the time they take.
 pub fn executor(
     kind: distmind_runtime::exec::ExecutorKind,
     profile: &std::path::Path,
     time_dilation: f64,
+) -> anyhow::Result<Box<dyn distmind_runtime::exec::Executor>> {
+    executor_on(kind, profile, time_dilation, 0)
+}
+
+/// [`executor`] on device `ordinal` (the GPU a cuda executor opens; cpu and
+/// sim have no hardware behind it). A runtime builds one executor per device
+/// from this one ([`distmind_runtime::exec::per_device`]), reusing it for
+/// the device it is on.
+pub fn executor_on(
+    kind: distmind_runtime::exec::ExecutorKind,
+    profile: &std::path::Path,
+    time_dilation: f64,
+    ordinal: u32,
 ) -> anyhow::Result<Box<dyn distmind_runtime::exec::Executor>> {
     use distmind_runtime::exec::{cpu::CpuExecutor, sim::SimExecutor, ExecutorKind};
     anyhow::ensure!(
@@ -72,7 +85,7 @@ pub fn executor(
         // Without the `cuda` feature this returns a clear "rebuild with
         // --features cuda" error; without a driver, one naming libcuda.
         ExecutorKind::Cuda => Ok(Box::new(distmind_runtime::exec::cuda::CudaExecutor::new(
-            0,
+            ordinal as usize,
         )?)),
     }
 }

@@ -3,6 +3,9 @@
 //! budget for parameters is full. Several models may be resident at once
 //! (beyond the original's one).
 //!
+//! A [`Residency`] also holds the device's [`StageThreads`], the long-lived
+//! threads that fetch and upload its models (see [`crate::pipeline`]).
+//!
 //! A [`Resident`] handle pins a model: while one lives, its arena is neither
 //! evicted nor freed. A resident model carries its [`GroupGates`]: a request
 //! that finds a model still being uploaded by another request simply waits
@@ -12,7 +15,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::exec::{Arena, ExecError, Program};
-use crate::pipeline::GroupGates;
+use crate::pipeline::{GroupGates, StageThreads};
 
 /// Default number of models resident on one device at once (the `mps`
 /// baseline of the evaluation keeps up to 12 per GPU).
@@ -142,22 +145,40 @@ impl Inner {
     }
 }
 
-/// The resident models of one device.
+/// The resident models of one device, and its stage threads.
 pub struct Residency {
     inner: Arc<Inner>,
+    stages: StageThreads,
 }
 
 impl Residency {
     /// `capacity_bytes`: device memory for parameter arenas; at most
-    /// `max_models` resident at once (at least 1).
+    /// `max_models` resident at once (at least 1). Starts the device's
+    /// stage threads (named after no device: see [`Residency::for_device`]).
     pub fn new(capacity_bytes: u64, max_models: usize) -> Self {
+        Residency::named("device", capacity_bytes, max_models)
+    }
+
+    /// [`Residency::new`] for device `ordinal`, whose stage threads are
+    /// named `device {ordinal} stage {i}`.
+    pub fn for_device(ordinal: u32, capacity_bytes: u64, max_models: usize) -> Self {
+        Residency::named(&format!("device {ordinal}"), capacity_bytes, max_models)
+    }
+
+    fn named(name: &str, capacity_bytes: u64, max_models: usize) -> Self {
         Residency {
             inner: Arc::new(Inner {
                 capacity_bytes,
                 max_models: max_models.max(1),
                 table: Mutex::new(Table::default()),
             }),
+            stages: StageThreads::new(name),
         }
+    }
+
+    /// The threads that run this device's fetch-wait and upload stages.
+    pub fn stage_threads(&self) -> &StageThreads {
+        &self.stages
     }
 
     pub fn capacity_bytes(&self) -> u64 {
@@ -409,7 +430,14 @@ mod tests {
         fn len(&self) -> u64 {
             self.0
         }
-        fn upload(&self, _: usize, _: u64, _: &[u8]) -> Result<(), ExecError> {
+        #[allow(unsafe_code)]
+        unsafe fn upload_async(
+            &self,
+            _: usize,
+            _: u64,
+            _: distmind_models::ParamDtype,
+            _: &[u8],
+        ) -> Result<(), ExecError> {
             Ok(())
         }
     }

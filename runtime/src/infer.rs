@@ -29,8 +29,8 @@ pub enum InferError {
     OutputPath { path: PathBuf },
 }
 
-/// Runs `pkg` on `inputs` with `exec`: allocates an arena of
-/// `manifest.stored_bytes`, uploads every group, compiles and runs with
+/// Runs `pkg` on `inputs` with `exec`: allocates an arena of the model's
+/// device bytes, uploads (and widens) every group, compiles and runs with
 /// every group ready. Returns the manifest's outputs in order and the trace.
 pub fn infer_package(
     pkg: &Package,
@@ -38,9 +38,11 @@ pub fn infer_package(
     inputs: &[HostTensor],
 ) -> Result<(Vec<HostTensor>, Trace), InferError> {
     let m = &pkg.manifest;
-    let arena = exec.alloc_arena(m.stored_bytes)?;
+    let arena = exec.alloc_arena(m.device_bytes())?;
+    let stored = m.param_dtype;
     for g in &m.groups {
-        arena.upload(g.index, g.offset, &pkg.group_bytes(g.index)?)?;
+        let bytes = pkg.group_bytes(g.index)?;
+        arena.upload_stored(g.index, g.device_offset(stored), stored, &bytes)?;
     }
     let mut program = exec.program(m, arena)?;
     let mut trace = Trace::new();

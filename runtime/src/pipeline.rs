@@ -1,15 +1,24 @@
 //! The three-stage cold start of one request for a model:
 //!
-//! 1. **network -> host cache** (a fetch thread): [`HostCache::fill`] reads
+//! 1. **network -> host cache** (a stage thread): [`HostCache::fill`] reads
 //!    every slice, group 0 first; group g becomes visible in the cache (its
 //!    per-group flag set, waiters woken) as soon as all its slices verified.
-//! 2. **host -> arena** (an upload thread, the H2D copy stream on CUDA): in
+//! 2. **host -> arena** (a stage thread, the H2D copy stream on CUDA): in
 //!    group order, waits for group g in host memory, calls
-//!    `arena.upload(g, manifest.groups[g].offset, group_bytes)` with the
-//!    group's bytes straight from the cache blocks, then opens gate g.
-//! 3. **compute** (the calling thread): `program.run(inputs, gate, trace)`
+//!    `arena.upload_async(g, device_offset, param_dtype, group_bytes)` with
+//!    the group's stored bytes straight from the cache blocks (a
+//!    half-precision group is widened to f32 on the way: the arena holds
+//!    `manifest.device_bytes()`), then opens gate g.
+//!    It holds the model's host-cache pin until every copy it started
+//!    completed ([`Arena::wait_uploaded`]), so no eviction or reservation
+//!    reuses those blocks while a DMA engine still reads them: a prefetch
+//!    ([`load`]) returns only then.
+//! 3. **compute** (the calling thread, the device's worker): `program.run(inputs, gate, trace)`
 //!    where `gate(g)` waits on [`GroupGates`] for stage 2 of group g, with a
 //!    timeout, and fails at once with the reason when an earlier stage failed.
+//!
+//! Stages 1 and 2 run on the device's [`StageThreads`], two long-lived
+//! threads started with its [`Residency`]: no thread is spawned per request.
 //!
 //! Warm paths use the same code: a model found in the host cache skips
 //! stage 1 (if another request is still filling it, stage 2 waits on that
@@ -149,6 +158,104 @@ impl GroupGates {
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
+    }
+}
+
+/// Threads per device that run the fetch-wait and upload stages of its
+/// requests; compute runs on the caller (the device's worker thread).
+pub const STAGE_THREADS: usize = 2;
+
+/// One device's long-lived stage threads, started with the device (its
+/// [`Residency`]): they run stage 1 (waiting on [`HostCache::fill`]) and
+/// stage 2 (the uploads) of every request of the device, so no thread is
+/// spawned per request. Work is handed over in FIFO order, so a request's
+/// fetch always starts before its upload (which waits for the fetch's
+/// groups) and before the stages of any later request; it may borrow from
+/// the request: [`StageThreads::scope`] returns only once everything handed
+/// over in it finished.
+pub struct StageThreads {
+    pool: rayon::ThreadPool,
+}
+
+impl std::fmt::Debug for StageThreads {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StageThreads")
+            .field("threads", &self.pool.current_num_threads())
+            .finish()
+    }
+}
+
+impl StageThreads {
+    /// [`STAGE_THREADS`] threads named `"{name} stage {i}"`.
+    ///
+    /// # Panics
+    /// When the OS refuses to start a thread (as `std::thread::spawn`).
+    pub fn new(name: &str) -> Self {
+        let prefix = name.to_string();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(STAGE_THREADS)
+            .thread_name(move |i| format!("{prefix} stage {i}"))
+            .build()
+            .unwrap_or_else(|e| panic!("starting the stage threads of {name}: {e}"));
+        StageThreads { pool }
+    }
+
+    /// Runs `op` on the calling thread; what it hands over with
+    /// [`StageScope::run`] runs on the stage threads, and this returns once
+    /// all of it finished.
+    fn scope<'s, R>(&self, op: impl FnOnce(&StageScope<'_, 's>) -> R) -> R {
+        self.pool
+            .in_place_scope_fifo(|scope| op(&StageScope { scope }))
+    }
+}
+
+/// Hands work to a device's stage threads, see [`StageThreads::scope`].
+struct StageScope<'a, 's> {
+    scope: &'a rayon::ScopeFifo<'s>,
+}
+
+impl<'s> StageScope<'_, 's> {
+    /// Runs `f` on a stage thread; its result, or its panic as
+    /// [`PipelineError::Panicked`], comes back through the handle.
+    fn run<T: Send + 's>(
+        &self,
+        model: &str,
+        stage: &'static str,
+        f: impl FnOnce() -> Result<T, PipelineError> + Send + 's,
+    ) -> StageDone<T> {
+        let (tx, rx) = channel::bounded(1);
+        let panicked = PipelineError::Panicked {
+            model: model.to_string(),
+            stage,
+        };
+        self.scope.spawn_fifo(move |_| {
+            let r =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or(Err(panicked));
+            // The receiver lives until the scope ends; one send, never blocks.
+            let _ = tx.send(r);
+        });
+        StageDone {
+            rx,
+            model: model.to_string(),
+            stage,
+        }
+    }
+}
+
+/// The result of work handed to a stage thread.
+struct StageDone<T> {
+    rx: channel::Receiver<Result<T, PipelineError>>,
+    model: String,
+    stage: &'static str,
+}
+
+impl<T> StageDone<T> {
+    /// Blocks until the work finished.
+    fn wait(self) -> Result<T, PipelineError> {
+        self.rx.recv().unwrap_or(Err(PipelineError::Panicked {
+            model: self.model,
+            stage: self.stage,
+        }))
     }
 }
 
@@ -305,7 +412,7 @@ pub enum PipelineError {
         model: String,
         error: Box<ExecError>,
     },
-    #[error("model {model}: the {stage} thread panicked")]
+    #[error("model {model}: the {stage} stage panicked")]
     Panicked { model: String, stage: &'static str },
 }
 
@@ -423,7 +530,7 @@ fn group_layout(entry: &ModelEntry, m: &Manifest) -> Result<Vec<u64>, PipelineEr
     Ok(entry.groups.iter().map(|g| g.bytes).collect())
 }
 
-/// What the upload thread reports, per group.
+/// What the upload stage reports, per group.
 type UploadEvent = (Instant, PipelineEvent);
 
 fn serve(
@@ -438,7 +545,9 @@ fn serve(
     let manifest = req.manifest;
     let sizes = group_layout(req.entry, manifest)?;
     let groups = sizes.len();
-    let arena_bytes: u64 = sizes.iter().sum();
+    // Every parameter is f32 on the device: twice the stored bytes for a
+    // half-precision package (group_layout checked the stored layout).
+    let arena_bytes = manifest.device_bytes();
     let exec_err = |error: ExecError| PipelineError::Exec {
         model: model.into(),
         error: Box::new(error),
@@ -484,7 +593,7 @@ fn serve(
     let mut run_window = (t0, t0);
     let mut simulated = false;
 
-    let scoped = std::thread::scope(|s| {
+    let scoped = stages.residency.stage_threads().scope(|s| {
         let mut fetch = None;
         let mut upload = None;
         if let (Some(m), LoadPath::Cold) = (&cached, timing.path) {
@@ -492,29 +601,29 @@ fn serve(
             let cache = stages.cache;
             let entry = req.entry;
             let fetch_opts = opts.fetch;
-            let h = std::thread::Builder::new()
-                .name(format!("fetch {model}"))
-                .spawn_scoped(s, move || cache.fill(&m, entry, fetch_opts, &mut |_| {}))
-                .expect("spawning the fetch thread");
+            let done = s.run(model, "fetch", move || {
+                cache
+                    .fill(&m, entry, fetch_opts, &mut |_| {})
+                    .map_err(PipelineError::from)
+            });
             if overlap {
-                fetch = Some(h);
+                fetch = Some(done);
             } else {
-                fetch_result = Some(join(h, model, "fetch").and_then(|r| r.map_err(Into::into)));
+                fetch_result = Some(done.wait());
             }
         }
         let (resident, found) = match admit() {
             Ok(r) => r,
             Err(e) => {
-                if let Some(h) = fetch {
-                    fetch_result =
-                        Some(join(h, model, "fetch").and_then(|r| r.map_err(Into::into)));
+                if let Some(done) = fetch {
+                    fetch_result = Some(done.wait());
                 }
                 return Err(PipelineError::from(e));
             }
         };
         if found {
             // Resident already (or made so by a concurrent request, whose
-            // upload thread owns the arena): only compute.
+            // upload stage owns the arena): only compute.
             timing.path = LoadPath::DeviceResident;
         } else if let Some(m) = &cached {
             let m = m.clone();
@@ -522,16 +631,13 @@ fn serve(
             let tx = tx.clone();
             let cancel = &cancel;
             let timeout = opts.gate_timeout;
-            let h = std::thread::Builder::new()
-                .name(format!("upload {model}"))
-                .spawn_scoped(s, move || {
-                    upload_groups(&m, &resident, manifest, timeout, cancel, &tx)
-                })
-                .expect("spawning the upload thread");
+            let done = s.run(model, "upload", move || {
+                upload_groups(&m, &resident, manifest, timeout, cancel, &tx)
+            });
             if overlap {
-                upload = Some(h);
+                upload = Some(done);
             } else {
-                upload_result = Some(join(h, model, "upload").and_then(|r| r));
+                upload_result = Some(done.wait());
             }
         }
 
@@ -566,11 +672,11 @@ fn serve(
             // to its end and leaves the model in the host cache.
             cancel.store(true, Ordering::Release);
         }
-        if let Some(h) = upload {
-            upload_result = Some(join(h, model, "upload").and_then(|r| r));
+        if let Some(done) = upload {
+            upload_result = Some(done.wait());
         }
-        if let Some(h) = fetch {
-            fetch_result = Some(join(h, model, "fetch").and_then(|r| r.map_err(Into::into)));
+        if let Some(done) = fetch {
+            fetch_result = Some(done.wait());
         }
         Ok((resident, out))
     });
@@ -651,20 +757,15 @@ fn serve(
     Ok((outputs, timing, MergedTrace { events }))
 }
 
-fn join<T>(
-    h: std::thread::ScopedJoinHandle<'_, T>,
-    model: &str,
-    stage: &'static str,
-) -> Result<T, PipelineError> {
-    h.join().map_err(|_| PipelineError::Panicked {
-        model: model.into(),
-        stage,
-    })
-}
-
 /// Stage 2: uploads every group in order as it becomes visible in the host
-/// cache, opening its gate; on any failure fails every gate still pending
-/// with the reason, so compute never waits for a group that will not come.
+/// cache, opening its gate as soon as its copy is enqueued (compute's own
+/// gate on the device orders it after the copy); on any failure fails every
+/// gate still pending with the reason, so compute never waits for a group
+/// that will not come.
+///
+/// Returns only once every copy it started stopped reading host memory
+/// ([`Arena::wait_uploaded`]): `cached`, the pin on the model's host-cache
+/// blocks, outlives the DMA that reads them, whatever happened.
 fn upload_groups(
     cached: &CachedModel,
     resident: &Resident,
@@ -673,9 +774,48 @@ fn upload_groups(
     cancel: &AtomicBool,
     events: &channel::Sender<UploadEvent>,
 ) -> Result<(), PipelineError> {
+    let arena: &dyn Arena = &**resident.arena();
+    let mut started = 0;
+    let enqueued = enqueue_uploads(
+        cached,
+        resident,
+        manifest,
+        timeout,
+        cancel,
+        events,
+        &mut started,
+    );
+    // Every group whose copy was started, the failed one included (it may
+    // have enqueued part of its copy).
+    let waited = (0..started).try_for_each(|g| arena.wait_uploaded(g));
+    enqueued?;
+    waited.map_err(|e| {
+        resident
+            .gates()
+            .fail_pending(&format!("waiting for an upload to complete: {e}"));
+        PipelineError::Exec {
+            model: cached.name().into(),
+            error: Box::new(e),
+        }
+    })
+}
+
+/// The loop of [`upload_groups`]; `started` counts the groups whose copy it
+/// started, for the caller to wait on.
+fn enqueue_uploads(
+    cached: &CachedModel,
+    resident: &Resident,
+    manifest: &Manifest,
+    timeout: Duration,
+    cancel: &AtomicBool,
+    events: &channel::Sender<UploadEvent>,
+    started: &mut usize,
+) -> Result<(), PipelineError> {
     let gates = resident.gates();
     let arena: &dyn Arena = &**resident.arena();
     let model = cached.name();
+    let stored = manifest.param_dtype;
+    let offset = |g: usize| manifest.groups[g].device_offset(stored);
     for g in 0..manifest.groups.len() {
         if cancel.load(Ordering::Acquire) {
             gates.fail_pending("the request was abandoned before this group was uploaded");
@@ -690,7 +830,14 @@ fn upload_groups(
         };
         // The channel holds two events per group: sends never block.
         let _ = events.try_send((Instant::now(), PipelineEvent::UploadStart { group: g }));
-        if let Err(e) = arena.upload(g, manifest.groups[g].offset, bytes) {
+        *started = g + 1;
+        #[allow(unsafe_code)]
+        // SAFETY: `bytes` are the group's blocks in the host cache, which
+        // stay allocated and unchanged while `cached` pins the model; the
+        // caller, `upload_groups`, holds that pin until `wait_uploaded`
+        // returned for every group started here (this one included).
+        let enqueued = unsafe { arena.upload_async(g, offset(g), stored, bytes) };
+        if let Err(e) = enqueued {
             gates.fail_pending(&format!("upload of group {g} failed: {e}"));
             return Err(PipelineError::Exec {
                 model: model.into(),

@@ -126,8 +126,11 @@ pub struct RuntimeConfig {
     pub key: ClusterKey,
     /// `host:port` of the controller's metadata port (catalog, registration).
     pub controller: String,
+    /// The executor of the first device bound to it (cuda) and the template
+    /// of every other: each device runs its own
+    /// ([`Executor::for_device`]).
     pub executor: Arc<dyn Executor>,
-    /// Device ordinals, one worker each.
+    /// Device ordinals, one worker and one executor each.
     pub devices: Vec<u32>,
     /// Host cache size, shared by every device.
     pub cache_bytes: u64,
@@ -259,6 +262,8 @@ pub struct TrainingStatus {
 /// One device: its residency, queue counters and training state.
 pub(crate) struct DeviceState {
     pub id: u32,
+    /// This device's own executor (cuda: GPU `id`).
+    pub executor: Arc<dyn Executor>,
     pub residency: Residency,
     /// Requests queued or running here.
     pub queued: AtomicU64,
@@ -641,15 +646,23 @@ impl RuntimeServer {
         let cache = tokio::task::spawn_blocking(move || HostCache::new(cache_config, transport))
             .await
             .expect("host cache allocation panicked")?;
+        let executors = crate::exec::per_device(&config.executor, &config.devices)
+            .map_err(|e| RuntimeServerError::Config(e.to_string()))?;
         let core = Arc::new(Core {
             executor: config.executor.clone(),
             cache,
             devices: config
                 .devices
                 .iter()
-                .map(|&id| DeviceState {
+                .zip(executors)
+                .map(|(&id, executor)| DeviceState {
                     id,
-                    residency: Residency::new(config.device_bytes, config.resident_models_max),
+                    executor,
+                    residency: Residency::for_device(
+                        id,
+                        config.device_bytes,
+                        config.resident_models_max,
+                    ),
                     queued: AtomicU64::new(0),
                     served: AtomicU64::new(0),
                     busy_ns: AtomicU64::new(0),

@@ -303,8 +303,21 @@ pub fn changed_groups(before: &[u8], after: &[u8], manifest: &Manifest) -> Vec<u
         .collect()
 }
 
-/// Checks that every layer's op can be trained here; names the first that cannot.
+/// Checks that every layer's op can be trained here; names the first that
+/// cannot. The packed bytes a step updates are f32: a package that stores
+/// half precision is refused (training would write the weights back in a
+/// dtype the optimizer does not keep).
 pub fn check_trainable(manifest: &Manifest) -> Result<(), TrainError> {
+    if manifest.param_dtype.is_half() {
+        return Err(model_err(
+            manifest,
+            format!(
+                "its parameters are stored as {}; training updates f32 parameters (import \
+                 the checkpoint with --widen, or generate it with --dtype f32)",
+                manifest.param_dtype
+            ),
+        ));
+    }
     for layer in &manifest.layers {
         if !trainable_op(&layer.op) {
             return Err(TrainError::Layer {

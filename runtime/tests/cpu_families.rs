@@ -329,7 +329,13 @@ fn bad_inputs_and_gate_failures_are_reported() {
         fn len(&self) -> u64 {
             self.0
         }
-        fn upload(&self, _: usize, _: u64, _: &[u8]) -> Result<(), ExecError> {
+        unsafe fn upload_async(
+            &self,
+            _: usize,
+            _: u64,
+            _: distmind_models::ParamDtype,
+            _: &[u8],
+        ) -> Result<(), ExecError> {
             Ok(())
         }
     }

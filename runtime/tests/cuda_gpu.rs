@@ -10,7 +10,9 @@ use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
 use distmind_models::graph::EmbeddingIds;
-use distmind_models::{generate, Dtype, Family, GenOptions, Manifest, Op, Package, Scale};
+use distmind_models::{
+    generate, Dtype, Family, GenOptions, Manifest, Op, Package, ParamDtype, Scale,
+};
 use distmind_runtime::cache::PinHook;
 use distmind_runtime::exec::cpu::CpuExecutor;
 use distmind_runtime::exec::cuda::{h2d_bench, pin_hook, CudaExecutor, CudaOptions};
@@ -224,14 +226,21 @@ fn cuda_resnet152_full_scale_batch8_cold_vs_warm() {
     let uploader = {
         let (arena, host, m) = (arena.clone(), host.clone(), m.clone());
         std::thread::spawn(move || {
+            let mut started = 0;
             for g in &m.groups {
                 let range = g.offset as usize..(g.offset + g.bytes) as usize;
                 // SAFETY: nothing writes the pinned copy any more.
                 let bytes = unsafe { host.slice(range) };
-                arena.upload(g.index, g.offset, bytes).unwrap();
+                started = g.index + 1;
+                // SAFETY: `host` (an Arc this thread holds) stays allocated
+                // and unchanged until the waits below returned.
+                unsafe { arena.upload_async(g.index, g.offset, ParamDtype::F32, bytes) }.unwrap();
                 if tx.send(g.index).is_err() {
                     break;
                 }
+            }
+            for g in 0..started {
+                arena.wait_uploaded(g).unwrap();
             }
         })
     };

@@ -16,8 +16,8 @@ use distmind_runtime::exec::{
     Arena, ExecError, Executor, ExecutorKind, HostTensor, Program, Trace, TraceEvent,
 };
 use distmind_runtime::pipeline::{
-    cache_in, cold_start, load, sequential, LoadPath, PipelineEvent, PipelineOptions, Request,
-    Stages,
+    cache_in, cold_start, load, sequential, GateState, LoadPath, PipelineEvent, PipelineOptions,
+    Request, Stages, STAGE_THREADS,
 };
 use distmind_runtime::FetchOptions;
 use distmind_transport::{
@@ -55,6 +55,8 @@ impl DoubleExecutor {
 struct VecArena {
     bytes: Mutex<Vec<u8>>,
     uploads: AtomicUsize,
+    /// The threads that uploaded, by id and name.
+    uploaders: Mutex<Vec<(std::thread::ThreadId, String)>>,
 }
 
 impl Arena for VecArena {
@@ -62,7 +64,13 @@ impl Arena for VecArena {
         self.bytes.lock().unwrap().len() as u64
     }
 
-    fn upload(&self, _group: usize, offset: u64, bytes: &[u8]) -> Result<(), ExecError> {
+    unsafe fn upload_async(
+        &self,
+        _group: usize,
+        offset: u64,
+        _stored: distmind_models::ParamDtype,
+        bytes: &[u8],
+    ) -> Result<(), ExecError> {
         let mut b = self.bytes.lock().unwrap();
         let end = offset as usize + bytes.len();
         if end > b.len() {
@@ -74,6 +82,11 @@ impl Arena for VecArena {
         }
         b[offset as usize..end].copy_from_slice(bytes);
         self.uploads.fetch_add(1, Ordering::Relaxed);
+        let me = std::thread::current();
+        self.uploaders
+            .lock()
+            .unwrap()
+            .push((me.id(), me.name().unwrap_or("").to_string()));
         Ok(())
     }
 }
@@ -87,10 +100,15 @@ impl Executor for DoubleExecutor {
         "test double".into()
     }
 
+    fn for_device(&self, _ordinal: u32) -> Result<Arc<dyn Executor>, ExecError> {
+        Ok(Arc::new(DoubleExecutor::new(self.layer_delay)))
+    }
+
     fn alloc_arena(&self, bytes: u64) -> Result<Arc<dyn Arena>, ExecError> {
         let a = Arc::new(VecArena {
             bytes: Mutex::new(vec![0; bytes as usize]),
             uploads: AtomicUsize::new(0),
+            uploaders: Mutex::new(Vec::new()),
         });
         self.arenas.lock().unwrap().push(a.clone());
         Ok(a)
@@ -678,4 +696,124 @@ fn pipeline_cache_in_fetches_once_into_host_memory() {
         "nothing on the device"
     );
     assert_eq!(wk.cache.stats().fetched_bytes, w.entry.total_bytes);
+}
+
+#[test]
+fn pipeline_stages_run_on_the_devices_long_lived_threads() {
+    let w = world(GROUP_BYTES);
+    let wk = worker(&w, Duration::ZERO, Duration::ZERO);
+    let opts = PipelineOptions::default();
+    let runs = 5;
+    for _ in 0..runs {
+        wk.cache.remove(&w.entry.name);
+        wk.residency.evict(&w.entry.name);
+        let (out, t, _) = cold_start(&wk.stages(), &request(&w), &opts).unwrap();
+        assert_eq!(t.path, LoadPath::Cold);
+        assert_eq!(sums(&out), w.group_sums);
+    }
+    let arenas = wk.executor.arenas.lock().unwrap();
+    assert_eq!(arenas.len(), runs, "every run loaded the model again");
+    let mut threads = std::collections::HashSet::new();
+    for a in arenas.iter() {
+        for (id, name) in a.uploaders.lock().unwrap().iter() {
+            assert!(name.starts_with("device stage "), "uploaded on {name:?}");
+            threads.insert(*id);
+        }
+    }
+    // A thread per request would have shown `runs` different uploaders.
+    assert!(
+        !threads.is_empty() && threads.len() <= STAGE_THREADS,
+        "{} upload threads over {runs} cold starts",
+        threads.len()
+    );
+}
+
+/// A cache that holds exactly one copy of `w`'s model.
+fn one_model_cache(w: &World, transport: Arc<SlowTransport>) -> HostCache {
+    let block = 64 << 10;
+    let blocks = w.entry.total_bytes.div_ceil(block);
+    HostCache::new(CacheConfig::new(blocks * block, block), transport).unwrap()
+}
+
+/// Evicts `w`'s model from the host cache and the device while `load`
+/// uploads it (after group 0, before the last group): both evictions wait
+/// for the upload stage (its pins), the model's blocks cannot be reserved
+/// by another model until the load returned, and then they can.
+fn evict_during_upload(w: &World, executor: &dyn Executor, per_read: Duration) {
+    let name = w.entry.name.as_str();
+    let sizes: Vec<u64> = w.entry.groups.iter().map(|g| g.bytes).collect();
+    let transport = Arc::new(SlowTransport::new(&w.fabric, per_read));
+    let cache = one_model_cache(w, transport);
+    let residency = Residency::new(64 << 20, 4);
+    let stages = Stages {
+        cache: &cache,
+        executor,
+        residency: &residency,
+    };
+    let opts = one_read_at_a_time();
+    std::thread::scope(|s| {
+        let loading = s.spawn(|| load(&stages, &request(w), &opts));
+        // Wait until group 0 is uploaded and the last one is not.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let mid = residency.get(name).is_some_and(|r| {
+                r.gates().state(0) == Some(GateState::Ready) && !r.gates().all_open()
+            });
+            if mid {
+                break;
+            }
+            if loading.is_finished() || Instant::now() > deadline {
+                let r = loading.join().unwrap().map(|t| t.path);
+                panic!("never saw the upload in progress: the load returned {r:?}");
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        assert_eq!(
+            cache.remove(name),
+            Some(false),
+            "the upload stage's pin keeps the blocks"
+        );
+        assert_eq!(
+            residency.evict(name),
+            Some(false),
+            "the load pins the arena"
+        );
+        let e = cache.reserve("other", &sizes).err().map(|e| e.to_string());
+        assert!(
+            e.as_deref().is_some_and(|e| e.contains("other")),
+            "the blocks under the upload were handed out: {e:?}"
+        );
+        match loading.join().unwrap() {
+            Ok(t) => assert_eq!(t.path, LoadPath::Cold),
+            Err(e) => assert!(e.to_string().contains(name), "{e}"),
+        }
+    });
+    assert_eq!(cache.stats().used_bytes, 0, "freed with the last pin");
+    assert_eq!(residency.stats().used_bytes, 0);
+    assert!(!cache.contains(name) && !residency.contains(name));
+    cache
+        .reserve("other", &sizes)
+        .expect("the blocks are free again");
+}
+
+#[test]
+fn pipeline_evict_during_an_upload_waits_for_it_on_the_cpu_executor() {
+    let w = world(GROUP_BYTES);
+    let exec = distmind_runtime::exec::cpu::CpuExecutor::new();
+    // The cpu upload converts as fast as it can: slow reads, one at a time,
+    // keep the upload stage between groups, holding its pin.
+    evict_during_upload(&w, &exec, Duration::from_millis(10));
+}
+
+#[test]
+fn pipeline_evict_during_an_upload_waits_for_it_on_the_sim_executor() {
+    let w = world(GROUP_BYTES);
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(distmind_runtime::profile::SHIPPED_ESTIMATED_PATH);
+    let mut profile = distmind_runtime::profile::Profile::load(path).unwrap();
+    // The whole model takes about 300 ms over the simulated PCIe link.
+    profile.peaks.h2d_bytes_per_s = w.entry.total_bytes as f64 / 0.3;
+    let exec = distmind_runtime::exec::sim::SimExecutor::new(profile);
+    evict_during_upload(&w, &exec, Duration::ZERO);
 }

@@ -301,12 +301,12 @@ fn sim_program_errors_name_the_profile_and_key() {
 
     // An arena too small for the model.
     let exec = SimExecutor::new(shipped());
-    let small = exec.alloc_arena(pkg.manifest.stored_bytes - 1).unwrap();
+    let small = exec.alloc_arena(pkg.manifest.device_bytes() - 1).unwrap();
     let e = exec
         .program(&pkg.manifest, small)
         .err()
         .expect("arena too small");
-    assert!(e.to_string().contains("stored bytes"), "{e}");
+    assert!(e.to_string().contains("bytes on a device"), "{e}");
 }
 
 #[test]

@@ -553,3 +553,25 @@ fn train_step_inception_and_densenet() {
         );
     }
 }
+
+#[test]
+fn half_precision_packages_are_refused_for_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = GenOptions {
+        scale: Scale::Tiny,
+        group_bytes: GROUP_BYTES,
+        dtype: distmind_models::ParamDtype::BF16,
+        ..GenOptions::new(Family::Resnet152, dir.path())
+    };
+    let pkg = Package::open(&generate(&opts).expect("generate")[0]).expect("open");
+    let e = distmind_runtime::train::check_trainable(&pkg.manifest)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&pkg.manifest.name) && e.contains("bf16") && e.contains("--widen"),
+        "{e}"
+    );
+    // The same model stored as f32 trains.
+    let f32_pkg = tiny_package(&dir.path().join("f32"), Family::Resnet152);
+    distmind_runtime::train::check_trainable(&f32_pkg.manifest).unwrap();
+}

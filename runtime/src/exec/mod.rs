@@ -20,7 +20,7 @@ pub mod sim;
 use std::sync::Arc;
 use std::time::Duration;
 
-use distmind_models::Manifest;
+use distmind_models::{Manifest, ParamDtype};
 
 /// Which backend, as named on the command line (`--executor`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -139,6 +139,11 @@ impl HostTensor {
 /// memory for `cuda`): ONE contiguous allocation in the packed layout of the
 /// manifest, so parameter `p` lives at `p.offset` bytes past the start of its
 /// group, which starts at `manifest.groups[g].offset`.
+///
+/// Two ways in: [`Arena::upload`] (safe: the copy is done reading the host
+/// bytes when it returns) and [`Arena::upload_async`] (unsafe: the copy may
+/// go on reading them until [`Arena::wait_uploaded`]), which lets a host-side
+/// stage move on while a DMA engine copies.
 pub trait Arena: std::any::Any + Send + Sync {
     fn len(&self) -> u64;
 
@@ -146,13 +151,101 @@ pub trait Arena: std::any::Any + Send + Sync {
         self.len() == 0
     }
 
-    /// Copies one group's bytes to `offset`. When it returns, a later
-    /// `Program::run` that gates on `group` sees the bytes: on `cpu` the copy
-    /// is done; on `cuda` it is enqueued on the copy stream and an event is
-    /// recorded that the compute stream waits for. Groups may be uploaded
-    /// from another thread than the one running the program, but each group
-    /// is uploaded by one thread at a time.
-    fn upload(&self, group: usize, offset: u64, bytes: &[u8]) -> Result<(), ExecError>;
+    /// Starts copying one group's bytes to `offset`: `bytes` are the
+    /// group's stored bytes, little-endian values of `stored` (the
+    /// manifest's `param_dtype`), and the arena receives them as f32
+    /// (`stored.device_bytes(bytes.len())` bytes at the device offset
+    /// `offset`, see `distmind_models::dtype`): half precision is widened on
+    /// the way (`cpu`: in this call; `cuda`: by a kernel after the copy;
+    /// `sim` takes the time of the stored bytes, the bytes that cross the
+    /// link). When it returns, a later `Program::run` that gates on `group`
+    /// sees the values: on `cpu` and `sim` the copy is done; on `cuda` it is
+    /// enqueued on the copy stream and an event is recorded that the
+    /// compute stream waits for. Groups may be uploaded from another thread
+    /// than the one running the program, but each group is uploaded by one
+    /// thread at a time.
+    ///
+    /// # Safety
+    ///
+    /// The copy may still be reading `bytes` after this returns (`cuda`,
+    /// from page-locked memory: the DMA engine reads the host bytes until
+    /// the copy completes). The caller must keep `bytes` allocated and
+    /// unchanged until [`Arena::wait_uploaded`] for `group` returned, whether
+    /// this call succeeded or not (a failed call may have enqueued part of
+    /// the copy), and must call it before letting the memory go: for bytes
+    /// in the host cache, hold the model's pin (a
+    /// [`CachedModel`](crate::cache::CachedModel)) until then, so that no
+    /// eviction or new reservation reuses the blocks under the DMA.
+    #[allow(unsafe_code)]
+    unsafe fn upload_async(
+        &self,
+        group: usize,
+        offset: u64,
+        stored: ParamDtype,
+        bytes: &[u8],
+    ) -> Result<(), ExecError>;
+
+    /// Blocks until every copy [`Arena::upload_async`] started for `group`
+    /// stopped reading its host bytes (a `cuda` copy's completion event).
+    /// Synchronous arenas (`cpu`, `sim`) return at once.
+    fn wait_uploaded(&self, _group: usize) -> Result<(), ExecError> {
+        Ok(())
+    }
+
+    /// [`Arena::upload_async`] and [`Arena::wait_uploaded`]: when it
+    /// returns, `bytes` may be dropped or reused.
+    fn upload_stored(
+        &self,
+        group: usize,
+        offset: u64,
+        stored: ParamDtype,
+        bytes: &[u8],
+    ) -> Result<(), ExecError> {
+        #[allow(unsafe_code)]
+        // SAFETY: `bytes` is borrowed for this whole call, and the call
+        // waits for the copy to stop reading it, failed or not.
+        let started = unsafe { self.upload_async(group, offset, stored, bytes) };
+        let done = self.wait_uploaded(group);
+        started.and(done)
+    }
+
+    /// [`Arena::upload_stored`] of f32 bytes (a package stored as f32,
+    /// whose device and stored layouts are the same).
+    fn upload(&self, group: usize, offset: u64, bytes: &[u8]) -> Result<(), ExecError> {
+        self.upload_stored(group, offset, ParamDtype::F32, bytes)
+    }
+}
+
+/// The device bytes `bytes` stored bytes of `stored` take at `offset`, as
+/// the range an upload writes; an error when they do not fit an arena of
+/// `arena` bytes, or are not whole half-precision values.
+pub fn device_range(
+    group: usize,
+    offset: u64,
+    stored: ParamDtype,
+    bytes: &[u8],
+    arena: u64,
+) -> Result<std::ops::Range<u64>, ExecError> {
+    let len = bytes.len() as u64;
+    let device_len = stored.device_bytes(len);
+    let range = match offset.checked_add(device_len) {
+        Some(end) if end <= arena => offset..end,
+        _ => {
+            return Err(ExecError::UploadOutOfRange {
+                offset,
+                len: device_len,
+                arena,
+            })
+        }
+    };
+    // f32 bytes are copied as they are; half values are widened in pairs.
+    if stored.is_half() && !len.is_multiple_of(stored.size_bytes()) {
+        return Err(ExecError::Gate {
+            group,
+            why: format!("{len} bytes are not whole {stored} values"),
+        });
+    }
+    Ok(range)
 }
 
 /// What happened when, for pipeline traces and the timing breakdown.
@@ -199,6 +292,18 @@ pub trait Executor: Send + Sync {
     /// One line for logs and bench headers, e.g. `cpu (candle, 2 threads)`.
     fn describe(&self) -> String;
 
+    /// A new executor of this one's kind and settings for device
+    /// `ordinal`, sharing no state with this one (pools, streams, queues): a
+    /// runtime runs one per device. `cuda` opens GPU `ordinal` (an error
+    /// names the ordinal when there is none); `cpu` and `sim` have no
+    /// hardware behind the ordinal: every call makes an independent device.
+    fn for_device(&self, ordinal: u32) -> Result<Arc<dyn Executor>, ExecError>;
+
+    /// The device this executor runs on, when it is bound to one (`cuda`).
+    fn ordinal(&self) -> Option<u32> {
+        None
+    }
+
     /// One contiguous parameter arena of `bytes`.
     fn alloc_arena(&self, bytes: u64) -> Result<Arc<dyn Arena>, ExecError>;
 
@@ -224,6 +329,34 @@ pub trait Executor: Send + Sync {
     }
 }
 
+/// One executor per device of `devices` (the runtime's device ids, which
+/// are the executors' ordinals: CUDA device numbers for `cuda`), in order:
+/// `template` itself for the device it is bound to, if any, and
+/// [`Executor::for_device`] of it for every other. The first failure is
+/// returned naming its device.
+pub fn per_device(
+    template: &Arc<dyn Executor>,
+    devices: &[u32],
+) -> Result<Vec<Arc<dyn Executor>>, ExecError> {
+    devices
+        .iter()
+        .map(|&ordinal| {
+            if template.ordinal() == Some(ordinal) {
+                return Ok(template.clone());
+            }
+            template.for_device(ordinal).map_err(|e| match e {
+                ExecError::Unavailable { executor, why } if !why.contains("device") => {
+                    ExecError::Unavailable {
+                        executor,
+                        why: format!("device {ordinal}: {why}"),
+                    }
+                }
+                e => e,
+            })
+        })
+        .collect()
+}
+
 /// The concrete arena behind `arena`, if it is a `T`: how an executor gets
 /// its own arena type back in [`Executor::program`].
 pub fn downcast_arena<T: Arena>(arena: Arc<dyn Arena>) -> Option<Arc<T>> {
@@ -235,4 +368,106 @@ pub fn downcast_arena<T: Arena>(arena: Arc<dyn Arena>) -> Option<Arc<T>> {
 /// `distmind infer`).
 pub fn all_ready(_group: usize) -> Result<(), ExecError> {
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// A template that records the ordinals it is asked for, bound to
+    /// `bound`, failing for `missing` as a GPU that is not there.
+    struct Recorder {
+        bound: Option<u32>,
+        missing: Option<u32>,
+        asked: Arc<Mutex<Vec<u32>>>,
+    }
+
+    impl Executor for Recorder {
+        fn kind(&self) -> ExecutorKind {
+            ExecutorKind::Cuda
+        }
+        fn describe(&self) -> String {
+            format!("recorder on {:?}", self.bound)
+        }
+        fn for_device(&self, ordinal: u32) -> Result<Arc<dyn Executor>, ExecError> {
+            self.asked.lock().unwrap().push(ordinal);
+            if Some(ordinal) == self.missing {
+                return Err(ExecError::Unavailable {
+                    executor: ExecutorKind::Cuda,
+                    why: "the driver sees 2 GPUs".into(),
+                });
+            }
+            Ok(Arc::new(Recorder {
+                bound: Some(ordinal),
+                missing: None,
+                asked: self.asked.clone(),
+            }))
+        }
+        fn ordinal(&self) -> Option<u32> {
+            self.bound
+        }
+        fn alloc_arena(&self, bytes: u64) -> Result<Arc<dyn Arena>, ExecError> {
+            Err(ExecError::Alloc {
+                bytes,
+                why: "a recorder has no memory".into(),
+            })
+        }
+        fn program(&self, m: &Manifest, _: Arc<dyn Arena>) -> Result<Box<dyn Program>, ExecError> {
+            Err(ExecError::Model {
+                model: m.name.clone(),
+                why: "a recorder compiles nothing".into(),
+            })
+        }
+    }
+
+    #[test]
+    fn per_device_maps_each_device_to_its_own_executor() {
+        let asked = Arc::new(Mutex::new(Vec::new()));
+        let template: Arc<dyn Executor> = Arc::new(Recorder {
+            bound: Some(0),
+            missing: None,
+            asked: asked.clone(),
+        });
+        let execs = per_device(&template, &[2, 0, 5]).unwrap();
+        let ordinals: Vec<Option<u32>> = execs.iter().map(|e| e.ordinal()).collect();
+        assert_eq!(ordinals, [Some(2), Some(0), Some(5)]);
+        // The template serves the device it is bound to; the others are new.
+        assert!(Arc::ptr_eq(&execs[1], &template));
+        assert!(!Arc::ptr_eq(&execs[0], &execs[2]));
+        assert_eq!(*asked.lock().unwrap(), [2, 5]);
+    }
+
+    #[test]
+    fn per_device_names_the_device_that_is_missing() {
+        let template: Arc<dyn Executor> = Arc::new(Recorder {
+            bound: Some(0),
+            missing: Some(7),
+            asked: Arc::default(),
+        });
+        let e = per_device(&template, &[0, 7, 1])
+            .err()
+            .expect("device 7 is missing")
+            .to_string();
+        assert!(e.contains("device 7") && e.contains("2 GPUs"), "{e}");
+    }
+
+    #[test]
+    fn cpu_and_sim_devices_are_independent_executors() {
+        let cpu: Arc<dyn Executor> = Arc::new(cpu::CpuExecutor::new());
+        let execs = per_device(&cpu, &[0, 1]).unwrap();
+        assert_eq!(execs.len(), 2);
+        assert!(!Arc::ptr_eq(&execs[0], &execs[1]) && !Arc::ptr_eq(&execs[0], &cpu));
+        assert!(execs.iter().all(|e| e.kind() == ExecutorKind::Cpu));
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join(crate::profile::SHIPPED_ESTIMATED_PATH);
+        let profile = crate::profile::Profile::load(path).unwrap();
+        let sim: Arc<dyn Executor> =
+            Arc::new(sim::SimExecutor::with_dilation(profile, 2.0).unwrap());
+        let execs = per_device(&sim, &[3, 4]).unwrap();
+        assert!(!Arc::ptr_eq(&execs[0], &execs[1]));
+        // Same profile and dilation on every device.
+        assert!(execs.iter().all(|e| e.describe() == sim.describe()));
+    }
 }

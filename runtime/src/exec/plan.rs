@@ -10,12 +10,14 @@ use distmind_models::{Dtype, Layer, Manifest, Op, ParamEntry, TensorSpec};
 
 use super::{ExecError, HostTensor};
 
-/// One parameter of a layer, located in the packed arena.
+/// One parameter of a layer, located in the arena (the device layout: every
+/// parameter f32, see `distmind_models::dtype`).
 #[derive(Debug, Clone)]
 pub struct ParamLoc {
     pub name: String,
-    /// Bytes from the start of the arena.
+    /// Device bytes from the start of the arena.
     pub offset: u64,
+    /// Device (f32) bytes.
     pub nbytes: u64,
     pub shape: Vec<usize>,
 }
@@ -84,12 +86,13 @@ pub fn plan(manifest: &Manifest, arena_len: u64) -> Result<Plan, ExecError> {
         model: manifest.name.clone(),
         why,
     };
-    if arena_len < manifest.stored_bytes {
+    if arena_len < manifest.device_bytes() {
         return Err(model_err(format!(
-            "the arena has {arena_len} bytes, the model stores {}",
-            manifest.stored_bytes
+            "the arena has {arena_len} bytes, the model takes {} on a device",
+            manifest.device_bytes()
         )));
     }
+    let stored = manifest.param_dtype;
     let by_name: HashMap<&str, &ParamEntry> = manifest
         .params
         .iter()
@@ -125,9 +128,10 @@ pub fn plan(manifest: &Manifest, arena_len: u64) -> Result<Plan, ExecError> {
             let p = by_name
                 .get(name.as_str())
                 .ok_or_else(|| layer_err(format!("param {name} is not in the manifest")))?;
-            if p.dtype != Dtype::F32 || p.nbytes != 4 * p.shape.iter().product::<usize>() as u64 {
+            if p.dtype != Dtype::F32 || p.device_nbytes(stored) != 4 * p.numel() {
                 return Err(layer_err(format!(
-                    "param {name} is {:?} {:?} with {} bytes: expected f32",
+                    "param {name} is {:?} {:?} with {} bytes stored as {stored}: expected f32 \
+                     on the device",
                     p.dtype, p.shape, p.nbytes
                 )));
             }
@@ -140,8 +144,9 @@ pub fn plan(manifest: &Manifest, arena_len: u64) -> Result<Plan, ExecError> {
             let group = manifest.groups.get(p.group).ok_or_else(|| {
                 layer_err(format!("param {name} names missing group {}", p.group))
             })?;
-            let offset = group.offset + p.offset;
-            if p.offset + p.nbytes > group.bytes || offset + p.nbytes > arena_len {
+            let offset = group.device_offset(stored) + p.device_offset(stored);
+            let nbytes = p.device_nbytes(stored);
+            if p.offset + p.nbytes > group.bytes || offset + nbytes > arena_len {
                 return Err(layer_err(format!(
                     "param {name} overruns group {}",
                     p.group
@@ -150,7 +155,7 @@ pub fn plan(manifest: &Manifest, arena_len: u64) -> Result<Plan, ExecError> {
             locs.push(ParamLoc {
                 name: name.clone(),
                 offset,
-                nbytes: p.nbytes,
+                nbytes,
                 shape: p.shape.clone(),
             });
         }

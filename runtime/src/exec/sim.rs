@@ -4,8 +4,10 @@
 //! run the pipeline with honest GPU timing, labelled as simulated.
 //!
 //! - [`SimArena`] holds no bytes: `alloc_arena` allocates nothing, and
-//!   `upload` checks the range and sleeps `bytes / h2d_bytes_per_s` (a
-//!   synchronous copy at the assumed PCIe rate; the bytes are dropped).
+//!   `upload` checks the range and sleeps `bytes / h2d_bytes_per_s` for
+//!   the stored bytes it is given (a synchronous copy at the assumed PCIe
+//!   rate of the bytes that cross it: half of a half-precision group's
+//!   device bytes; the bytes are dropped).
 //! - [`SimProgram::run`] gates exactly like a real executor: `gate(g)` once
 //!   per group, before the first layer whose params live in group g, and
 //!   records `GroupReady`, `LayerStart`, `LayerEnd`.
@@ -44,7 +46,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use distmind_models::{Dtype, Manifest, OutputSpec, Scale, TensorSpec};
+use distmind_models::{Dtype, Manifest, OutputSpec, ParamDtype, Scale, TensorSpec};
 
 use super::{Arena, ExecError, Executor, ExecutorKind, HostTensor, Program, Trace, TraceEvent};
 use crate::profile::{model_key, ModelProfile, Profile};
@@ -137,6 +139,15 @@ impl Executor for SimExecutor {
         )
     }
 
+    /// Another simulated GPU of the same profile and dilation.
+    fn for_device(&self, _ordinal: u32) -> Result<Arc<dyn Executor>, ExecError> {
+        Ok(Arc::new(SimExecutor {
+            profile: self.profile.clone(),
+            dilation: self.dilation,
+            interpolated: Arc::default(),
+        }))
+    }
+
     fn alloc_arena(&self, bytes: u64) -> Result<Arc<dyn Arena>, ExecError> {
         Ok(Arc::new(SimArena {
             len: bytes,
@@ -188,11 +199,11 @@ impl Executor for SimExecutor {
                 group: l.group,
             });
         }
-        if arena.len() < manifest.stored_bytes {
+        if arena.len() < manifest.device_bytes() {
             return Err(model_err(format!(
-                "arena of {} bytes is smaller than the model's {} stored bytes",
+                "arena of {} bytes is smaller than the model's {} bytes on a device",
                 arena.len(),
-                manifest.stored_bytes
+                manifest.device_bytes()
             )));
         }
         Ok(Box::new(SimProgram {
@@ -330,16 +341,19 @@ impl Arena for SimArena {
         self.len
     }
 
-    fn upload(&self, _group: usize, offset: u64, bytes: &[u8]) -> Result<(), ExecError> {
-        let len = bytes.len() as u64;
-        if offset.checked_add(len).is_none_or(|end| end > self.len) {
-            return Err(ExecError::UploadOutOfRange {
-                offset,
-                len,
-                arena: self.len,
-            });
-        }
-        std::thread::sleep(self.upload_time(len));
+    /// Synchronous: it takes the copy's time and returns when it is done.
+    #[allow(unsafe_code)]
+    unsafe fn upload_async(
+        &self,
+        group: usize,
+        offset: u64,
+        stored: ParamDtype,
+        bytes: &[u8],
+    ) -> Result<(), ExecError> {
+        super::device_range(group, offset, stored, bytes, self.len)?;
+        // The stored bytes are what crosses the link; a GPU widens half
+        // precision in device memory, at a rate far above PCIe's.
+        std::thread::sleep(self.upload_time(bytes.len() as u64));
         Ok(())
     }
 }

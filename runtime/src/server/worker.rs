@@ -509,7 +509,7 @@ fn run_batch(
     };
     let stages = Stages {
         cache: &core.cache,
-        executor: &*core.executor,
+        executor: &*device.executor,
         residency: &device.residency,
     };
     let request = Request {
@@ -648,7 +648,7 @@ fn prefetch_device(core: &Core, index: usize, p: &PrefetchJob) -> (Outgoing, Dur
     };
     let stages = Stages {
         cache: &core.cache,
-        executor: &*core.executor,
+        executor: &*device.executor,
         residency: &device.residency,
     };
     let request = Request {
@@ -830,7 +830,7 @@ fn start(core: &Core, index: usize, id: u64, model: &str) -> Result<Trainer, Err
     }
     let batch = core.train_batch;
     // Chosen once for the job's lifetime.
-    let simulated = core
+    let simulated = device
         .executor
         .simulated_train_iteration(m, batch)
         .transpose()
@@ -840,7 +840,7 @@ fn start(core: &Core, index: usize, id: u64, model: &str) -> Result<Trainer, Err
                 format!(
                     "request {id}: model {model} cannot train on device {} with the {} executor: {e}",
                     device.id,
-                    core.executor.kind()
+                    device.executor.kind()
                 ),
             )
         })?;

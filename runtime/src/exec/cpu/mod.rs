@@ -1,12 +1,19 @@
 //! The `cpu` executor: candle on the CPU, real numbers.
 //!
-//! * [`CpuArena`]: one [`HostBuffer`] in the manifest's packed layout;
-//!   `upload` is a memcpy into it.
-//! * [`CpuProgram`]: interprets `manifest.layers` in order. Each layer's
-//!   params are turned into candle tensors (or per-channel tables) the first
-//!   time a run reaches the layer, after `gate(group)` returned, and are kept
-//!   for later runs: params never change once uploaded, and a program lives
-//!   as long as its arena.
+//! * [`CpuArena`]: one [`HostBuffer`] in the manifest's packed layout. Once
+//!   a program is compiled against the arena, an upload converts the group's
+//!   bytes straight into the form the kernels want (candle tensors,
+//!   per-channel tables) instead of copying them: that conversion is the
+//!   CPU's share of an upload (what the copy engine does on a GPU), so it
+//!   runs in the upload stage, overlapping the fetch of later groups, and
+//!   compute finds every gated layer ready. Before any program (`distmind
+//!   infer` uploads first) an upload is a memcpy into the buffer.
+//! * [`CpuProgram`]: interprets `manifest.layers` in order with the params
+//!   its arena's uploads prepared; a layer of a group uploaded into the
+//!   buffer is prepared the first time a run reaches it, after
+//!   `gate(group)` returned. Prepared params are kept for later runs:
+//!   params never change once uploaded, and a program lives as long as its
+//!   arena.
 //! * Activations are dropped right after their last reader ran (last uses are
 //!   computed once when the program is built), so a full-scale model at
 //!   batch 8 holds only the live tensors.
@@ -27,7 +34,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
-use distmind_models::{Layer, Manifest};
+use distmind_models::dtype::{widen_to_le_bytes, widen_to_vec};
+use distmind_models::{Layer, Manifest, ParamDtype};
 use distmind_transport::memory::{HostBuffer, HugePages};
 
 use super::plan::{self, ParamLoc};
@@ -97,6 +105,11 @@ impl Executor for CpuExecutor {
         )
     }
 
+    /// A new cpu executor: its own arena pool.
+    fn for_device(&self, _ordinal: u32) -> Result<Arc<dyn Executor>, ExecError> {
+        Ok(Arc::new(CpuExecutor::new()))
+    }
+
     fn alloc_arena(&self, bytes: u64) -> Result<Arc<dyn Arena>, ExecError> {
         let pooled = self
             .pool
@@ -104,11 +117,7 @@ impl Executor for CpuExecutor {
             .unwrap_or_else(|e| e.into_inner())
             .take(bytes);
         let mut arena = match pooled {
-            Some(buf) => CpuArena {
-                buf: Some(buf),
-                len: bytes,
-                pool: None,
-            },
+            Some(buf) => CpuArena::with_buffer(buf, bytes),
             None => CpuArena::new(bytes)?,
         };
         arena.pool = Some(self.pool.clone());
@@ -139,6 +148,12 @@ pub struct CpuArena {
     len: u64,
     /// Where the buffer goes back on drop (arenas from an executor).
     pool: Option<Arc<Mutex<ArenaPool>>>,
+    /// The params of the program compiled against this arena, which
+    /// `upload` prepares group by group (`None` before any program).
+    params: Mutex<Option<Arc<LayerParams>>>,
+    /// Per group: its last upload went into `buf` (no program was attached
+    /// then), so a program may prepare it from there.
+    held: Mutex<Vec<bool>>,
 }
 
 impl Drop for CpuArena {
@@ -155,11 +170,17 @@ impl CpuArena {
         let len = usize::try_from(bytes)
             .map_err(|_| alloc_err("larger than the address space".into()))?;
         let buf = HostBuffer::new(len, HugePages::No).map_err(|e| alloc_err(e.to_string()))?;
-        Ok(CpuArena {
+        Ok(CpuArena::with_buffer(buf, bytes))
+    }
+
+    fn with_buffer(buf: HostBuffer, len: u64) -> Self {
+        CpuArena {
             buf: Some(buf),
-            len: bytes,
+            len,
             pool: None,
-        })
+            params: Mutex::new(None),
+            held: Mutex::new(Vec::new()),
+        }
     }
 
     fn buf(&self) -> &HostBuffer {
@@ -189,10 +210,21 @@ impl CpuArena {
         // group's `upload` finished; a group is uploaded once, by one thread at
         // a time, so no write to these bytes is in flight while we read them.
         let bytes = unsafe { self.buf().slice(range) };
-        Ok(bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect())
+        Ok(f32_from_le(bytes))
+    }
+
+    /// Whether group `group`'s last upload went into the buffer.
+    fn holds(&self, group: usize) -> bool {
+        let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        held.get(group).copied().unwrap_or(false)
+    }
+
+    fn set_held(&self, group: usize, held: bool) {
+        let mut h = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        if h.len() <= group {
+            h.resize(group + 1, false);
+        }
+        h[group] = held;
     }
 }
 
@@ -201,16 +233,162 @@ impl Arena for CpuArena {
         self.len
     }
 
-    fn upload(&self, _group: usize, offset: u64, bytes: &[u8]) -> Result<(), ExecError> {
-        let range = self.check_range(offset, bytes.len() as u64)?;
-        #[allow(unsafe_code)]
+    /// Synchronous: the bytes are converted (widened, for half precision)
+    /// when it returns.
+    #[allow(unsafe_code)]
+    unsafe fn upload_async(
+        &self,
+        group: usize,
+        offset: u64,
+        stored: ParamDtype,
+        bytes: &[u8],
+    ) -> Result<(), ExecError> {
+        let range = super::device_range(group, offset, stored, bytes, self.len)?;
+        let range = range.start as usize..range.end as usize;
+        let params = self
+            .params
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if let Some(p) = params {
+            // The program reads only prepared params: converting straight
+            // from the host bytes is the whole upload (one pass over them).
+            self.set_held(group, false);
+            return p.prepare_group(group, offset, stored, bytes);
+        }
         // SAFETY: in bounds (checked). The range is one group's, uploaded by
-        // one thread at a time (the `Arena::upload` contract), and no program
-        // reads a group before its gate, which opens after this copy returned.
+        // one thread at a time (the `Arena::upload_async` contract), and no
+        // program reads a group before its gate, which opens after this copy
+        // returned.
         let dst = unsafe { self.buf().slice_mut(range) };
-        dst.copy_from_slice(bytes);
+        match stored {
+            ParamDtype::F32 => dst.copy_from_slice(bytes),
+            _ => widen_to_le_bytes(stored, bytes, dst),
+        }
+        self.set_held(group, true);
         Ok(())
     }
+}
+
+/// Prepared params of one program, per layer: filled by the arena's
+/// uploads (group by group) or, for a group uploaded before the program
+/// was compiled, by the first run that reaches the layer.
+#[derive(Debug)]
+struct LayerParams {
+    model: String,
+    layers: Vec<Layer>,
+    /// Per layer: its params as (arena offset, bytes, shape), in op order.
+    locs: Vec<Vec<ParamLoc>>,
+    /// Per group: the layers with params in it.
+    by_group: Vec<Vec<usize>>,
+    /// Per layer: its prepared params, once prepared.
+    prepared: Vec<Mutex<Option<Arc<Prepared>>>>,
+}
+
+impl LayerParams {
+    fn new(manifest: &Manifest, locs: Vec<Vec<ParamLoc>>) -> Self {
+        let mut by_group = vec![Vec::new(); manifest.groups.len()];
+        for (i, layer) in manifest.layers.iter().enumerate() {
+            if let (Some(g), false) = (layer.group, locs[i].is_empty()) {
+                if let Some(layers) = by_group.get_mut(g) {
+                    layers.push(i);
+                }
+            }
+        }
+        LayerParams {
+            model: manifest.name.clone(),
+            layers: manifest.layers.clone(),
+            prepared: (0..locs.len()).map(|_| Mutex::new(None)).collect(),
+            locs,
+            by_group,
+        }
+    }
+
+    fn slot(&self, i: usize) -> std::sync::MutexGuard<'_, Option<Arc<Prepared>>> {
+        self.prepared[i].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Layer `i`'s params, prepared from the arena's buffer now unless an
+    /// upload or an earlier run did. The caller guarantees no upload writes
+    /// the layer's group meanwhile (its gate returned).
+    fn get_or_prepare(&self, arena: &CpuArena, i: usize) -> Result<Arc<Prepared>, ExecError> {
+        if let Some(p) = self.slot(i).as_ref() {
+            return Ok(p.clone());
+        }
+        let group = self.layers[i].group;
+        if !group.is_some_and(|g| arena.holds(g)) {
+            return Err(plan::layer_error(
+                &self.model,
+                &self.layers[i],
+                format!(
+                    "its group {group:?} is not in the arena (never uploaded, or uploaded \
+                     straight into the params of another program)"
+                ),
+            ));
+        }
+        let p = Arc::new(self.prepare(i, |loc| arena.read_f32(loc.offset, loc.nbytes))?);
+        *self.slot(i) = Some(p.clone());
+        Ok(p)
+    }
+
+    /// Prepares every layer of `group` from `bytes`, the group's stored
+    /// bytes (values of `stored`), which go to arena offset `offset` (an
+    /// upload: a second one replaces what the first prepared).
+    fn prepare_group(
+        &self,
+        group: usize,
+        offset: u64,
+        stored: ParamDtype,
+        bytes: &[u8],
+    ) -> Result<(), ExecError> {
+        // Device offsets and sizes are the stored ones times this.
+        let factor = stored.widen_factor() as usize;
+        for &i in self.by_group.get(group).map_or(&[][..], Vec::as_slice) {
+            let p = self.prepare(i, |loc| {
+                let start = loc.offset.checked_sub(offset).map(|s| s as usize / factor);
+                let end = start.and_then(|s| s.checked_add(loc.nbytes as usize / factor));
+                match (start, end) {
+                    (Some(s), Some(e)) if e <= bytes.len() => {
+                        Ok(widen_to_vec(stored, &bytes[s..e]))
+                    }
+                    _ => Err(ExecError::Gate {
+                        group,
+                        why: format!(
+                            "param {} ({} bytes at arena offset {}) is outside the {} {stored} \
+                             bytes uploaded at offset {offset}",
+                            loc.name,
+                            loc.nbytes,
+                            loc.offset,
+                            bytes.len()
+                        ),
+                    }),
+                }
+            })?;
+            *self.slot(i) = Some(Arc::new(p));
+        }
+        Ok(())
+    }
+
+    fn prepare(
+        &self,
+        i: usize,
+        mut values: impl FnMut(&ParamLoc) -> Result<Vec<f32>, ExecError>,
+    ) -> Result<Prepared, ExecError> {
+        let mut raw = Vec::with_capacity(self.locs[i].len());
+        for loc in &self.locs[i] {
+            raw.push((loc.name.as_str(), loc.shape.as_slice(), values(loc)?));
+        }
+        params::prepare(&self.layers[i].op, raw)
+            .map_err(|e| plan::layer_error(&self.model, &self.layers[i], e.to_string()))
+    }
+}
+
+/// Little-endian f32 values of `bytes` (a multiple of 4 long).
+fn f32_from_le(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
 }
 
 /// A model compiled for the CPU against one arena.
@@ -222,10 +400,9 @@ pub struct CpuProgram {
     outputs: Vec<usize>,
     /// Per layer: the activations (layer ids) to drop once it ran.
     frees_after: Vec<Vec<usize>>,
-    /// Per layer: its params as (arena offset, bytes, shape), in op order.
-    param_locs: Vec<Vec<ParamLoc>>,
-    /// Per layer: its params, prepared on the first run that reached it.
-    prepared: Vec<Option<Prepared>>,
+    /// Per layer: its params, prepared by the arena's uploads (shared with
+    /// the arena) or by the first run that reached it.
+    params: Arc<LayerParams>,
     groups: usize,
     arena: Arc<CpuArena>,
 }
@@ -233,14 +410,16 @@ pub struct CpuProgram {
 impl CpuProgram {
     fn new(manifest: &Manifest, arena: Arc<CpuArena>) -> Result<Self, ExecError> {
         let plan = plan::plan(manifest, arena.len)?;
+        let params = Arc::new(LayerParams::new(manifest, plan.params));
+        // From now on every upload to the arena prepares its group's params.
+        *arena.params.lock().unwrap_or_else(|e| e.into_inner()) = Some(params.clone());
         Ok(CpuProgram {
             model: manifest.name.clone(),
             frees_after: plan.frees_after,
             layers: manifest.layers.clone(),
             inputs: manifest.inputs.clone(),
             outputs: plan.outputs,
-            param_locs: plan.params,
-            prepared: vec![None; manifest.layers.len()],
+            params,
             groups: manifest.groups.len(),
             arena,
         })
@@ -272,19 +451,13 @@ impl CpuProgram {
             .collect()
     }
 
-    /// Prepares the layer's params from the arena unless an earlier run did.
-    fn prepare(&mut self, i: usize) -> Result<(), ExecError> {
-        if self.prepared[i].is_none() && !self.param_locs[i].is_empty() {
-            let mut raw = Vec::with_capacity(self.param_locs[i].len());
-            for loc in &self.param_locs[i] {
-                let data = self.arena.read_f32(loc.offset, loc.nbytes)?;
-                raw.push((loc.name.as_str(), loc.shape.as_slice(), data));
-            }
-            let p = params::prepare(&self.layers[i].op, raw)
-                .map_err(|e| self.layer_error(i, e.to_string()))?;
-            self.prepared[i] = Some(p);
+    /// The layer's prepared params (`None` for a layer without params);
+    /// prepared now unless an upload or an earlier run did.
+    fn prepared(&self, i: usize) -> Result<Option<Arc<Prepared>>, ExecError> {
+        if self.params.locs[i].is_empty() {
+            return Ok(None);
         }
-        Ok(())
+        self.params.get_or_prepare(&self.arena, i).map(Some)
     }
 }
 
@@ -301,13 +474,14 @@ impl Program for CpuProgram {
         let mut gated = vec![false; self.groups];
         for i in 0..self.layers.len() {
             if let Some(g) = self.layers[i].group {
-                if !self.param_locs[i].is_empty() && !gated[g] {
+                if !self.params.locs[i].is_empty() && !gated[g] {
                     gate(g)?;
                     gated[g] = true;
                     trace.push((start.elapsed(), TraceEvent::GroupReady { group: g }));
                 }
             }
             trace.push((start.elapsed(), TraceEvent::LayerStart { layer: i }));
+            let prepared = self.prepared(i)?;
             let mut args = Vec::with_capacity(self.layers[i].inputs.len());
             for &input in &self.layers[i].inputs {
                 let t = if input < 0 {
@@ -319,9 +493,8 @@ impl Program for CpuProgram {
                 };
                 args.push(t.clone());
             }
-            self.prepare(i)?;
             let layer = &self.layers[i];
-            let out = ops::apply(&layer.op, &args, self.prepared[i].as_ref())
+            let out = ops::apply(&layer.op, &args, prepared.as_deref())
                 .map_err(|e| plan::layer_error(&self.model, layer, e.to_string()))?;
             drop(args);
             values[i] = Some(out);

@@ -20,7 +20,9 @@ pub(super) enum Prepared {
     /// inference kernel folds the statistics the same way).
     BatchNorm { scale: Vec<f32>, shift: Vec<f32> },
     Linear {
-        /// `[in, out]` (transposed once from `nn.Linear`'s `[out, in]`).
+        /// `[in, out]`: for `nn.Linear`'s `[out, in]` a transposed view
+        /// (strides `[1, in]`), which the GEMM reads as it is, so preparing
+        /// costs no transposing copy.
         weight_t: Tensor,
         /// `[out]`.
         bias: Option<Tensor>,
@@ -100,7 +102,7 @@ pub(super) fn prepare(op: &Op, params: Vec<RawParam<'_>>) -> Result<Prepared> {
                 tensor(w)?
             } else {
                 expect_shape(&w, &[out_features, in_features])?;
-                tensor(w)?.t()?.contiguous()?
+                tensor(w)?.t()?
             };
             let bias = if bias {
                 let b = next();

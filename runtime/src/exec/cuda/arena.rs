@@ -7,14 +7,19 @@ use cudarc::driver::CudaEvent;
 
 use super::driver::{cuda_err, ArenaMemory, Gpu};
 use crate::exec::{Arena, ExecError};
+use distmind_models::ParamDtype;
 
-/// One `cuMemAlloc` of the model's packed bytes. `upload` enqueues
-/// `cuMemcpyHtoDAsync` on the copy stream and records the group's event.
+/// One `cuMemAlloc` of the model's device bytes (every parameter f32).
+/// `upload_async` enqueues `cuMemcpyHtoDAsync` on the copy stream (for a
+/// half-precision package into a staging buffer, then the widening kernel of
+/// `widen.rs` into the arena) and records the group's event;
+/// `wait_uploaded` synchronises with that event.
 ///
-/// The host bytes passed to `upload` must stay unchanged until the copy
-/// completed when they are pinned (the host cache's are, through
-/// [`super::pin_hook`], and it keeps them while the model is cached); from
-/// pageable memory the driver has staged them when `upload` returns.
+/// From page-locked memory (the host cache's, through [`super::pin_hook`])
+/// the DMA engine reads the host bytes until the event completes: the
+/// caller keeps them (the cache pin) until `wait_uploaded` returned, as
+/// [`Arena::upload_async`]'s contract says. From pageable memory the
+/// driver has staged them when `upload_async` returns.
 pub struct CudaArena {
     mem: ArenaMemory,
     gpu: Arc<Gpu>,
@@ -66,13 +71,15 @@ impl Arena for CudaArena {
         self.mem.len() as u64
     }
 
-    fn upload(&self, group: usize, offset: u64, bytes: &[u8]) -> Result<(), ExecError> {
-        let arena = self.len();
-        let len = bytes.len() as u64;
-        match offset.checked_add(len) {
-            Some(end) if end <= arena => {}
-            _ => return Err(ExecError::UploadOutOfRange { offset, len, arena }),
-        }
+    #[allow(unsafe_code)]
+    unsafe fn upload_async(
+        &self,
+        group: usize,
+        offset: u64,
+        stored: ParamDtype,
+        bytes: &[u8],
+    ) -> Result<(), ExecError> {
+        crate::exec::device_range(group, offset, stored, bytes, self.len())?;
         let gate_err = |why: String| ExecError::Gate { group, why };
         self.gpu.bind().map_err(gate_err)?;
         // Hold the lock across copy + record so that the event a program
@@ -94,11 +101,34 @@ impl Arena for CudaArena {
                 e
             }
         };
+        let dst = self.device_ptr(offset);
+        match stored {
+            ParamDtype::F32 => self.gpu.htod_async(dst, bytes, &self.gpu.copy),
+            // Half precision: the stored bytes cross PCIe, a kernel widens.
+            _ => self
+                .gpu
+                .widen_htod_async(stored, dst, bytes, &self.gpu.copy),
+        }
+        .map_err(gate_err)?;
+        event.record(&self.gpu.copy).map_err(|e| {
+            // No event stands behind the copy: wait for it here, so that
+            // `wait_uploaded` may return at once and the host bytes go.
+            let _ = self.gpu.copy.synchronize();
+            gate_err(cuda_err("cuEventRecord", e))
+        })
+    }
+
+    fn wait_uploaded(&self, group: usize) -> Result<(), ExecError> {
+        let Some(event) = self.group_event(group) else {
+            // Never enqueued (the first upload failed before its copy).
+            return Ok(());
+        };
         self.gpu
-            .htod_async(self.device_ptr(offset), bytes, &self.gpu.copy)
-            .map_err(gate_err)?;
-        event
-            .record(&self.gpu.copy)
-            .map_err(|e| gate_err(cuda_err("cuEventRecord", e)))
+            .bind()
+            .map_err(|why| ExecError::Gate { group, why })?;
+        event.synchronize().map_err(|e| ExecError::Gate {
+            group,
+            why: cuda_err("cuEventSynchronize", e),
+        })
     }
 }

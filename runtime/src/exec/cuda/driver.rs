@@ -16,9 +16,11 @@ use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaStream};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 
 use super::kernels::{KERNEL_NAMES, KERNEL_SOURCE};
+use super::widen::{widen_grid, widen_kernel, WIDEN_SOURCE, WIDEN_THREADS};
 use super::H2dBandwidth;
 use crate::cache::PinHook;
 use crate::exec::{ExecError, ExecutorKind};
+use distmind_models::ParamDtype;
 
 /// Threads per block of the element-wise (grid-stride) kernels.
 pub(super) const BLOCK_THREADS: u32 = 256;
@@ -137,6 +139,8 @@ pub(super) struct Gpu {
     pub(super) copy: Arc<CudaStream>,
     blas: Mutex<BlasHandle>,
     kernels: Vec<CudaFunction>,
+    /// The widening kernels of `widen.rs`, by name.
+    widen: Vec<(&'static str, CudaFunction)>,
     pub(super) name: String,
     pub(super) compute_capability: (i32, i32),
 }
@@ -224,7 +228,10 @@ impl Gpu {
             name: Some("distmind_kernels.cu".into()),
             ..Default::default()
         };
-        let ptx = compile_ptx_with_opts(KERNEL_SOURCE, opts)
+        // One module: the widening kernels' names collide with none of the
+        // others (tested in widen.rs).
+        let source = format!("{KERNEL_SOURCE}\n{WIDEN_SOURCE}");
+        let ptx = compile_ptx_with_opts(source, opts)
             .map_err(|e| fail("NVRTC could not compile the executor's kernels", &e))?;
         let module = ctx
             .load_module(ptx)
@@ -234,6 +241,16 @@ impl Gpu {
             .map(|k| {
                 module
                     .load_function(k)
+                    .map_err(|e| fail(&format!("kernel {k} is missing"), &e))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let widen = [ParamDtype::BF16, ParamDtype::F16]
+            .into_iter()
+            .filter_map(widen_kernel)
+            .map(|k| {
+                module
+                    .load_function(k)
+                    .map(|f| (k, f))
                     .map_err(|e| fail(&format!("kernel {k} is missing"), &e))
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -255,6 +272,7 @@ impl Gpu {
             copy,
             blas: Mutex::new(handle),
             kernels,
+            widen,
             name,
             compute_capability: cc,
         }))
@@ -290,37 +308,100 @@ impl Gpu {
         threads: u32,
         args: &[Arg],
     ) -> Result<(), String> {
-        let mut values: Vec<Arg> = args.to_vec();
-        let mut params: Vec<*mut c_void> = values
-            .iter_mut()
-            .map(|a| match a {
-                Arg::Ptr(v) => (v as *mut u64).cast(),
-                Arg::I64(v) => (v as *mut i64).cast(),
-                Arg::I32(v) => (v as *mut i32).cast(),
-                Arg::F32(v) => (v as *mut f32).cast(),
-                Arg::F64(v) => (v as *mut f64).cast(),
-            })
-            .collect();
         let f = &self.kernels[kernel as usize];
-        // SAFETY: `params` points into `values`, alive across the call (the
-        // driver copies parameters at launch). The argument list matches the
-        // kernel's C signature (each call site in ops.rs mirrors it), device
-        // addresses point into live buffers that stay alive until the stream
-        // passed them (stream-ordered frees), and every kernel bounds its
-        // indices by the sizes passed.
-        unsafe {
-            result::launch_kernel(
-                f.cu_function(),
-                (blocks.max(1), 1, 1),
-                (threads, 1, 1),
-                0,
-                self.compute.cu_stream(),
-                &mut params,
-            )
-        }
-        .map_err(|e| cuda_err(&format!("launching {}", kernel.name()), e))
+        launch_on(f, kernel.name(), (blocks, threads), args, &self.compute)
     }
 
+    /// Enqueues on `stream` the upload of `src`, little-endian values of
+    /// `stored` (half precision), as f32 at device address `dst`: a copy
+    /// into a stream-ordered staging buffer (the f32 output would overlap
+    /// input not yet read), the widening kernel over it, and the staging
+    /// buffer's free, all in stream order. `src` must stay unchanged until
+    /// the copy completed, as for [`Gpu::htod_async`].
+    pub(super) fn widen_htod_async(
+        &self,
+        stored: ParamDtype,
+        dst: u64,
+        src: &[u8],
+        stream: &CudaStream,
+    ) -> Result<(), String> {
+        let name = widen_kernel(stored).ok_or_else(|| format!("{stored} needs no widening"))?;
+        let f = self
+            .widen
+            .iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, f)| f)
+            .ok_or_else(|| format!("kernel {name} was not loaded"))?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        let n = (src.len() / stored.size_bytes() as usize) as u64;
+        // SAFETY: the stream is alive; the buffer is used only by the copy
+        // and the kernel enqueued below on the same stream, and freed after
+        // them in stream order.
+        let staging = unsafe { result::malloc_async(stream.cu_stream(), src.len()) }
+            .map_err(|e| cuda_err(&format!("cuMemAllocAsync of {} bytes", src.len()), e))?;
+        // SAFETY: `staging` has room for `src.len()` bytes; `src` is valid
+        // now and kept alive by the caller until the copy completed.
+        let widened = unsafe { result::memcpy_htod_async(staging, src, stream.cu_stream()) }
+            .map_err(|e| cuda_err("cuMemcpyHtoDAsync", e))
+            .and_then(|()| {
+                launch_on(
+                    f,
+                    name,
+                    (widen_grid(n), WIDEN_THREADS),
+                    &[Arg::Ptr(staging), Arg::Ptr(dst), Arg::I64(n as i64)],
+                    stream,
+                )
+            });
+        // SAFETY: allocated above on this stream, freed once, after the
+        // copy and the kernel in stream order.
+        let freed = unsafe { result::free_async(staging, stream.cu_stream()) }
+            .map_err(|e| cuda_err("cuMemFreeAsync", e));
+        widened.and(freed)
+    }
+}
+
+/// Launches `f` (named `name`, for errors) with `(blocks, threads)` on
+/// `stream`; `args` match its C signature.
+fn launch_on(
+    f: &CudaFunction,
+    name: &str,
+    (blocks, threads): (u32, u32),
+    args: &[Arg],
+    stream: &CudaStream,
+) -> Result<(), String> {
+    let mut values: Vec<Arg> = args.to_vec();
+    let mut params: Vec<*mut c_void> = values
+        .iter_mut()
+        .map(|a| match a {
+            Arg::Ptr(v) => (v as *mut u64).cast(),
+            Arg::I64(v) => (v as *mut i64).cast(),
+            Arg::I32(v) => (v as *mut i32).cast(),
+            Arg::F32(v) => (v as *mut f32).cast(),
+            Arg::F64(v) => (v as *mut f64).cast(),
+        })
+        .collect();
+    // SAFETY: `params` points into `values`, alive across the call (the
+    // driver copies parameters at launch). The argument list matches the
+    // kernel's C signature (each call site in ops.rs mirrors it), device
+    // addresses point into live buffers that stay alive until the stream
+    // passed them (stream-ordered frees), and every kernel bounds its
+    // indices by the sizes passed.
+    unsafe {
+        result::launch_kernel(
+            f.cu_function(),
+            (blocks.max(1), 1, 1),
+            (threads, 1, 1),
+            0,
+            stream.cu_stream(),
+            &mut params,
+        )
+    }
+    .map_err(|e| cuda_err(&format!("launching {name}"), e))
+}
+
+impl Gpu {
     /// Row-major `C[b] = A[b] (m x k) * B[b] (k x n)` for `batch` matrices at
     /// the given element strides (0 broadcasts), with `a_t` / `b_t` meaning
     /// the stored buffer is the transpose (`A` stored `k x m`, `B` `n x k`).

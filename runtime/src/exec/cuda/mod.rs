@@ -8,17 +8,17 @@
 //!   [`ExecError::Unavailable`](super::ExecError::Unavailable) naming the
 //!   libraries it looked for (cudarc would panic; we check first).
 //! * `CudaArena`: ONE `cuMemAlloc` of the model's packed bytes.
-//!   [`Arena::upload`](super::Arena::upload) enqueues `cuMemcpyHtoDAsync` of
-//!   the group's host bytes on the copy stream and records the group's event
-//!   behind it. The copy is truly asynchronous (overlapping compute) only
+//!   [`Arena::upload_async`](super::Arena::upload_async) enqueues
+//!   `cuMemcpyHtoDAsync` of the group's host bytes on the copy stream and
+//!   records the group's event behind it;
+//!   [`Arena::wait_uploaded`](super::Arena::wait_uploaded) synchronises with
+//!   that event. The copy is truly asynchronous (overlapping compute) only
 //!   from pinned host memory: the host cache pins its buffer through
-//!   [`pin_hook`] (`cuMemHostRegister`). From pinned memory the copy may still
-//!   be reading the host bytes after `upload` returned, so the caller must
-//!   keep them unchanged until the group's event completed — the host cache
-//!   does: it keeps a model's groups for as long as the model is cached, and
-//!   every `Program::run` that gates on the group ends with a stream sync.
-//!   From pageable memory the driver stages the bytes before `upload`
-//!   returns (no overlap, no lifetime hazard).
+//!   [`pin_hook`] (`cuMemHostRegister`). From pinned memory the copy reads
+//!   the host bytes after `upload_async` returned, which is why it is an
+//!   `unsafe fn`: the caller keeps them (the runtime's upload stage holds the
+//!   model's host-cache pin) until `wait_uploaded` returned. From pageable
+//!   memory the driver stages the bytes before `upload_async` returns.
 //! * `CudaProgram::run`: before the first layer of group g it calls the
 //!   runtime's host-side `gate(g)`, then makes the compute stream wait on
 //!   group g's event (`cuStreamWaitEvent`): the device-side gate. Kernels of
@@ -40,11 +40,14 @@
 //! Op semantics are the `cpu` executor's (`models/OPS.md`); the index math
 //! of the window kernels is [`geometry`]'s, unit-tested in Rust.
 //!
-//! **Architecture invariant:** `unsafe` lives only in `driver.rs` (the FFI
-//! wrapper); the program and the arena go through its safe functions.
+//! **Architecture invariant:** `unsafe` blocks live only in `driver.rs` (the
+//! FFI wrapper); the program and the arena go through its safe functions
+//! (the arena declares the trait's `unsafe fn upload_async`, whose contract
+//! its callers keep).
 
 pub mod geometry;
 pub mod kernels;
+pub mod widen;
 
 #[cfg(feature = "cuda")]
 mod arena;

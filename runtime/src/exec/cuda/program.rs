@@ -42,11 +42,23 @@ impl CudaExecutor {
         Self::with_options(device, CudaOptions::default())
     }
 
+    /// [`CudaExecutor::new`] with `options`; an error names the device.
     pub fn with_options(device: usize, options: CudaOptions) -> Result<Self, ExecError> {
-        Ok(CudaExecutor {
-            gpu: Gpu::open(device)?,
-            options,
-        })
+        let gpu = Gpu::open(device).map_err(|e| name_device(device, e))?;
+        Ok(CudaExecutor { gpu, options })
+    }
+}
+
+/// `e`, saying which CUDA device it is about unless it does already.
+fn name_device(device: usize, e: ExecError) -> ExecError {
+    match e {
+        ExecError::Unavailable { executor, why } if !why.contains(&format!("device {device}")) => {
+            ExecError::Unavailable {
+                executor,
+                why: format!("CUDA device {device}: {why}"),
+            }
+        }
+        e => e,
     }
 }
 
@@ -67,6 +79,19 @@ impl Executor for CudaExecutor {
                 ""
             }
         )
+    }
+
+    /// Opens GPU `ordinal` with this executor's options: its own context
+    /// binding, streams, cuBLAS handle and kernels.
+    fn for_device(&self, ordinal: u32) -> Result<Arc<dyn Executor>, ExecError> {
+        Ok(Arc::new(CudaExecutor::with_options(
+            ordinal as usize,
+            self.options,
+        )?))
+    }
+
+    fn ordinal(&self) -> Option<u32> {
+        u32::try_from(self.gpu.ctx.ordinal()).ok()
     }
 
     fn alloc_arena(&self, bytes: u64) -> Result<Arc<dyn Arena>, ExecError> {
@@ -332,5 +357,27 @@ impl Program for CudaProgram {
             .synchronize()
             .map_err(|e| model_err(cuda_err("cuStreamSynchronize", e)))?;
         Ok(outputs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs without a GPU: an ordinal no machine has is refused, the error
+    /// naming it (with or without a driver: "device 4096").
+    #[test]
+    fn opening_a_missing_gpu_names_its_ordinal() {
+        let e = CudaExecutor::with_options(4096, CudaOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("device 4096"), "{e}");
+        assert!(matches!(
+            name_device(3, ExecError::Unavailable {
+                executor: ExecutorKind::Cuda,
+                why: "libcuda.so not found".into(),
+            }),
+            ExecError::Unavailable { why, .. } if why == "CUDA device 3: libcuda.so not found"
+        ));
     }
 }

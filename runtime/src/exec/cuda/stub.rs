@@ -44,6 +44,10 @@ impl Executor for CudaExecutor {
         match self.never {}
     }
 
+    fn for_device(&self, _ordinal: u32) -> Result<Arc<dyn Executor>, ExecError> {
+        match self.never {}
+    }
+
     fn alloc_arena(&self, _bytes: u64) -> Result<Arc<dyn Arena>, ExecError> {
         match self.never {}
     }
