@@ -7,20 +7,28 @@
 //! [`Action`]s it returns: send a request to a GPU, fail one with an
 //! explicit status, prefetch, evict, start or stop training.
 //!
-//! **Invariant:** every submitted request ends in exactly one `Send` that
-//! is later `complete`d or failed by [`Dispatcher::runtime_down`], or in
-//! exactly one `Fail`. Nothing is dropped silently.
+//! **Invariant:** every submitted request ends in exactly one `Send` (as its
+//! head or as a member of its batch) that is later `complete`d or failed by
+//! [`Dispatcher::runtime_down`], or in exactly one `Fail`. Nothing is
+//! dropped silently.
+//!
+//! Under the `slo` policy the dispatcher also forms batches: when a GPU has
+//! room it takes the head of its EDF queue and coalesces queued requests for
+//! the same model into one `Send`, as long as the batch and every request
+//! still queued behind it meet their deadlines on the cost model; and when
+//! the head's model is not resident there, a batch for a resident model may
+//! go first if that makes no queued request late (switch-aware order).
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
 use distmind_common::proto::{
     DispatchInfo, ErrorCode, ErrorReply, GpuAssignment, GpuRole, RuntimeSnapshot, ServePath,
-    TimingMsg,
+    TimingMsg, BATCH_MEMBERS_MAX,
 };
 
 use crate::policy::cost::{CostModel, ModelMeta, Priors};
 use crate::policy::distmind::{DistMindConfig, DistMindPolicy};
-use crate::policy::edf::EdfQueue;
+use crate::policy::edf::{EdfQueue, Slot};
 use crate::policy::training::TrainingJob;
 use crate::policy::{Balancer, Ewma, Gpu, Micros, PolicyKind, Where};
 
@@ -67,6 +75,11 @@ pub const PENDING_MAX: usize = 4096;
 pub const REQUESTS_MAX: usize = 65_536;
 /// Most models the dispatcher tracks.
 pub const MODELS_MAX: usize = 65_536;
+/// Most requests one batch carries unless configured: the profiles' largest
+/// measured batch, so the cost model interpolates rather than extrapolates.
+pub const BATCH_MAX_DEFAULT: u32 = 8;
+/// Most requests one batch may carry (the protocol's bound).
+pub const BATCH_MAX: u32 = BATCH_MEMBERS_MAX as u32 + 1;
 /// Default latency objective when neither the request nor controller.json
 /// gives one.
 pub const SLO_MS_DEFAULT: f64 = 1000.0;
@@ -91,6 +104,14 @@ pub struct DispatchConfig {
     pub slo_ms_by_family: BTreeMap<String, f64>,
     pub slo_ms_default: f64,
     pub window: u32,
+    /// Most requests per batch under the `slo` policy (1: no batching), and
+    /// per model family where it differs.
+    pub batch_max: u32,
+    pub batch_max_by_family: BTreeMap<String, u32>,
+    /// Switch-aware order under the `slo` policy: a batch for a resident
+    /// model may run before a head that has to be loaded when no queued
+    /// request is made late.
+    pub reorder: bool,
     pub distmind: DistMindConfig,
     pub priors: Priors,
     /// Training job for GPUs that train (`use_train`).
@@ -109,6 +130,9 @@ impl DispatchConfig {
             slo_ms_by_family: BTreeMap::new(),
             slo_ms_default: SLO_MS_DEFAULT,
             window: SLO_WINDOW_DEFAULT,
+            batch_max: BATCH_MAX_DEFAULT,
+            batch_max_by_family: BTreeMap::new(),
+            reorder: true,
             distmind,
             priors: Priors::default(),
             train_model: None,
@@ -117,16 +141,27 @@ impl DispatchConfig {
     }
 }
 
+/// A request that runs in the batch of another `Send`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchMate {
+    pub req: ReqId,
+    /// The time left before its deadline.
+    pub budget_ms: u64,
+}
+
 /// What the network layer must do.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Action {
     /// Send request `req` (its input is held by the network layer) to a GPU;
-    /// `budget_ms`: the time left before its deadline.
+    /// `budget_ms`: the time left before its deadline. `batch`: requests for
+    /// the same model that run in one batch with it (their inputs follow
+    /// `req`'s, in this order); each is answered under its own id.
     Send {
         req: ReqId,
         gpu: Gpu,
         model: String,
         budget_ms: u64,
+        batch: Vec<BatchMate>,
     },
     /// Answer `req` with this error; it is finished.
     Fail {
@@ -171,6 +206,12 @@ pub struct DispatchCounters {
     pub busy: u64,
     pub prefetches: u64,
     pub evictions: u64,
+    /// `Send`s (batches, a lone request being a batch of one) and the
+    /// requests they carried: their ratio is the mean batch size.
+    pub batches: u64,
+    pub batched_requests: u64,
+    /// Batches sent to a GPU that did not hold their model (it loads it).
+    pub model_switches: u64,
 }
 
 #[derive(Debug)]
@@ -184,6 +225,21 @@ struct Req {
     at: Where,
     gpu: Option<usize>,
     sent_at: Option<Micros>,
+    /// Once sent: its batch (the head's id).
+    batch: Option<ReqId>,
+}
+
+/// A batch sent to a GPU (a lone request is a batch of one).
+#[derive(Debug)]
+struct Batch {
+    gi: usize,
+    /// Its estimated device time.
+    service: Micros,
+    /// Members not answered yet.
+    left: u32,
+    /// It no longer holds a slot of the GPU's window (its first reply came:
+    /// the device ran it).
+    released: bool,
 }
 
 /// A GPU's resident models, most recently used first, with a set beside
@@ -266,8 +322,13 @@ struct GpuState {
     /// Resident model ids, most recently used first.
     resident: Resident,
     resident_max: usize,
+    /// Batches sent and not answered.
     outstanding: u32,
     busy_until: Micros,
+    /// Estimated device time of the outstanding batches and of a prefetch
+    /// in progress: on every answer the GPU is busy until now plus these.
+    work_out: Micros,
+    prefetch_work: Micros,
     queue: EdfQueue<ReqId>,
     training: Option<TrainingJob>,
     /// A prefetch was sent and not yet confirmed by a snapshot.
@@ -327,6 +388,16 @@ pub struct Dispatcher {
     resident_on: Holders,
     /// Model -> GPUs the `distmind` policy assigned it to.
     assigned_to: Holders,
+    /// Batches sent and not fully answered, by their head's id.
+    batches: IdMap<ReqId, Batch>,
+}
+
+/// The batch a GPU runs next: slots of its queue, the first leading.
+#[derive(Debug)]
+struct BatchPlan {
+    members: Vec<Slot>,
+    /// Estimated device time of the batch.
+    service: Micros,
 }
 
 /// What [`Dispatcher::route_balanced`] did with a request.
@@ -355,6 +426,15 @@ impl Dispatcher {
         if cfg.slo_ms_default.is_nan() || cfg.slo_ms_default <= 0.0 {
             return Err("the default SLO must be positive".into());
         }
+        for (what, &b) in std::iter::once((&"every family".to_string(), &cfg.batch_max))
+            .chain(cfg.batch_max_by_family.iter())
+        {
+            if !(1..=BATCH_MAX).contains(&b) {
+                return Err(format!(
+                    "the maximum batch ({what}) must be 1..={BATCH_MAX} requests, got {b}"
+                ));
+            }
+        }
         Ok(Dispatcher {
             cost: CostModel::new(cfg.priors),
             cfg,
@@ -373,6 +453,7 @@ impl Dispatcher {
             only_model: None,
             resident_on: Holders::default(),
             assigned_to: Holders::default(),
+            batches: IdMap::default(),
         })
     }
 
@@ -493,6 +574,8 @@ impl Dispatcher {
                     },
                     outstanding: 0,
                     busy_until: now,
+                    work_out: 0,
+                    prefetch_work: 0,
                     queue: EdfQueue::new(GPU_QUEUE_MAX),
                     training: None,
                     prefetching: false,
@@ -543,6 +626,7 @@ impl Dispatcher {
             }
             let g = &mut self.gpus[gi];
             g.prefetching = false;
+            g.prefetch_work = 0;
             g.training = d.training.as_ref().map(|_| TrainingJob {
                 started_at: 0,
                 iteration: (d.train_iteration_ms * 1e3) as Micros,
@@ -624,13 +708,34 @@ impl Dispatcher {
             .or_insert(0) += 1;
     }
 
-    /// Takes request `id` out of the table, releasing its GPU binding.
+    /// Takes request `id` out of the table, releasing its GPU binding and
+    /// its share of its batch (the batch's window slot goes with its first
+    /// member out).
     fn take(&mut self, id: ReqId) -> Option<Req> {
         let r = self.reqs.remove(&id)?;
         if let Some(gi) = r.gpu {
             self.unbind_gpu(gi, r.model);
         }
+        if let Some(head) = r.batch {
+            self.leave_batch(head);
+        }
         Some(r)
+    }
+
+    fn leave_batch(&mut self, head: ReqId) {
+        let Some(b) = self.batches.get_mut(&head) else {
+            return;
+        };
+        b.left = b.left.saturating_sub(1);
+        if !b.released {
+            b.released = true;
+            let g = &mut self.gpus[b.gi];
+            g.outstanding = g.outstanding.saturating_sub(1);
+            g.work_out = g.work_out.saturating_sub(b.service);
+        }
+        if b.left == 0 {
+            self.batches.remove(&head);
+        }
     }
 
     /// Ends request `id` (already out of the table) with an error: counts it
@@ -691,6 +796,7 @@ impl Dispatcher {
             at: Where::Remote,
             gpu: None,
             sent_at: None,
+            batch: None,
         };
         self.route(now, id, r, out);
         id
@@ -768,6 +874,9 @@ impl Dispatcher {
         let meta = &self.models[r.model as usize].meta;
         let est = [Where::Resident, Where::HostCached, Where::Remote]
             .map(|at| self.cost.estimate(r.model, meta, at));
+        let increment = self.cost.batch_increment(r.model, meta);
+        let overhead = self.cost.overhead();
+        let batch_max = self.batch_max(r.model);
         let mut best: Option<(Micros, Where, usize, Micros)> = None;
         let mut earliest: Option<Micros> = None;
         for gi in 0..self.gpus.len() {
@@ -775,10 +884,18 @@ impl Dispatcher {
                 continue;
             }
             let at = self.where_is(gi, r.model);
-            let service = est[at as usize];
-            let adm = self.gpus[gi]
-                .queue
-                .admit(self.free_at(now, gi), r.deadline, service);
+            // A request that joins the batch of one queued for its model
+            // adds only the batch increment to the device's work; counting
+            // it whole would reject what batching serves.
+            let service = if self.joins_a_batch(gi, r.model, r.deadline, batch_max) {
+                increment
+            } else {
+                est[at as usize]
+            };
+            let adm =
+                self.gpus[gi]
+                    .queue
+                    .admit(self.free_at(now, gi), r.deadline, service, overhead);
             earliest = Some(earliest.map_or(adm.finish, |e: Micros| e.min(adm.finish)));
             if adm.feasible && best.is_none_or(|(f, w, _, _)| (adm.finish, at) < (f, w)) {
                 best = Some((adm.finish, at, gi, service));
@@ -856,16 +973,47 @@ impl Dispatcher {
         }
     }
 
-    /// Sends queued requests to GPU `gi` while it has room in its window.
+    /// The most requests one batch of `model` carries.
+    fn batch_max(&self, model: u32) -> u32 {
+        if self.cfg.policy != PolicyKind::Slo {
+            return 1;
+        }
+        self.cfg
+            .batch_max_by_family
+            .get(&self.models[model as usize].meta.family)
+            .copied()
+            .unwrap_or(self.cfg.batch_max)
+    }
+
+    /// Whether a request for `model` due at `deadline`, queued at GPU `gi`
+    /// now, would join the batch of one already queued there: one due no
+    /// later (it leads the batch and pays for it), with room in its batch.
+    fn joins_a_batch(&self, gi: usize, model: u32, deadline: Micros, batch_max: u32) -> bool {
+        if batch_max <= 1 {
+            return false;
+        }
+        let same = self.gpus[gi]
+            .queue
+            .iter()
+            .take_while(|(slot, _, _)| slot.0 <= deadline)
+            .filter(|(_, _, id)| self.reqs.get(id).is_some_and(|r| r.model == model))
+            .count() as u32;
+        // Queued requests of `model` fill batches of `batch_max` in turn:
+        // the last one has room unless they fill it exactly.
+        same % batch_max != 0
+    }
+
+    /// Sends queued batches to GPU `gi` while it has room in its window.
     fn pump(&mut self, now: Micros, gi: usize, out: &mut Vec<Action>) {
         while self.gpus[gi].outstanding < self.cfg.window {
-            let Some((deadline, service, id)) = self.gpus[gi].queue.pop() else {
+            let Some((slot, service, &id)) = self.gpus[gi].queue.iter().next() else {
                 return;
             };
             let start = self.gpus[gi].busy_until.max(now);
-            if start + service > deadline {
+            if start + service > slot.0 {
                 // The estimate moved since admission; say so rather than
                 // run a request that will be late anyway.
+                self.gpus[gi].queue.remove(slot);
                 let r = self.take(id).expect("queued requests are alive");
                 let message = format!(
                     "request for {} can no longer meet its {:.0} ms SLO: dropped before it ran",
@@ -874,23 +1022,206 @@ impl Dispatcher {
                 self.fail(id, ErrorCode::DeadlineExceeded, message, out);
                 continue;
             }
-            self.send(now, gi, id, service, out);
+            let plan = self.plan_batch(now, gi);
+            let ids: Vec<ReqId> = plan
+                .members
+                .iter()
+                .map(|&slot| {
+                    self.gpus[gi]
+                        .queue
+                        .remove(slot)
+                        .expect("planned from the queue")
+                        .2
+                })
+                .collect();
+            self.send_batch(now, gi, &ids, plan.service, out);
         }
     }
 
-    fn send(&mut self, now: Micros, gi: usize, id: ReqId, service: Micros, out: &mut Vec<Action>) {
-        let r = self.reqs.get_mut(&id).expect("sent requests are alive");
+    /// The batch GPU `gi` runs next: led by the EDF head's model, or, when
+    /// the head's model must be loaded, by a resident model whose batch
+    /// makes no queued request late even with its own time again as margin.
+    fn plan_batch(&self, now: Micros, gi: usize) -> BatchPlan {
+        let g = &self.gpus[gi];
+        let head = *g.queue.iter().next().expect("pumped a non-empty queue").2;
+        let head_model = self.reqs[&head].model;
+        if self.cfg.reorder && !g.resident.contains(&head_model) {
+            let alt = g
+                .queue
+                .iter()
+                .map(|(_, _, id)| self.reqs[id].model)
+                .find(|m| g.resident.contains(m));
+            if let Some(plan) = alt.and_then(|m| self.plan_for(now, gi, m, true)) {
+                return plan;
+            }
+        }
+        self.plan_for(now, gi, head_model, false)
+            .expect("the head always leads its own batch")
+    }
+
+    /// A batch of `lead`'s queued requests (in EDF order) for GPU `gi`, as
+    /// large as the batch bound allows while the batch and every other
+    /// queued request that EDF would finish in time still finish in time
+    /// (on the cost model). `reorder`: `lead` is not the head's model; its
+    /// batch must keep twice its time of slack for the requests it passes,
+    /// or there is no plan.
+    fn plan_for(&self, now: Micros, gi: usize, lead: u32, reorder: bool) -> Option<BatchPlan> {
+        let g = &self.gpus[gi];
+        let meta = &self.models[lead as usize].meta;
+        let at = self.where_is(gi, lead);
+        let one = self.cost.estimate(lead, meta, at);
+        let inc = self.cost.batch_increment(lead, meta);
+        let max = self.batch_max(lead) as usize;
+        let start = g.busy_until.max(now) + self.cost.overhead();
+        let batch_time = |n: usize| one + (n as u64 - 1) * inc;
+        let mut members: Vec<Slot> = Vec::new();
+        let mut member_deadline = Micros::MAX;
+        // Greedy: a request of `lead` joins while the batch still ends by
+        // every member's deadline and the requests it passes keep enough
+        // slack. EDF's finish of item i is `edf`; its finish with the batch
+        // first is edf + batch time - (service of the members before it),
+        // so each passed request allows the batch up to its slack plus
+        // that credit.
+        let head_now = self.head_time(gi);
+        let mut edf = start;
+        let mut credit: Micros = 0;
+        let mut allowance = Micros::MAX;
+        for (i, (slot, s, id)) in g.queue.iter().enumerate() {
+            let s = if i == 0 { head_now } else { s };
+            edf += s;
+            if members.len() < max && self.reqs[id].model == lead {
+                let t = batch_time(members.len() + 1);
+                let margin = if reorder { t } else { 0 };
+                let fits = start + t <= member_deadline.min(slot.0) && allowance >= t + margin;
+                if fits || (members.is_empty() && !reorder) {
+                    members.push(slot);
+                    member_deadline = member_deadline.min(slot.0);
+                    credit += s;
+                    continue;
+                }
+                if members.is_empty() {
+                    return None;
+                }
+                break;
+            }
+            if edf <= slot.0 {
+                allowance = allowance.min(slot.0 - edf + credit);
+            }
+        }
+        // Exact check of the whole schedule; shrink until it holds (the
+        // greedy bound misses only requests after the batch whose stored
+        // service is below the increment).
+        while members.len() > 1
+            && !self.batch_keeps_deadlines(gi, start, &members, batch_time(members.len()))
+        {
+            members.pop();
+        }
+        if reorder && !self.batch_keeps_deadlines(gi, start, &members, batch_time(members.len())) {
+            return None;
+        }
+        Some(BatchPlan {
+            service: batch_time(members.len()),
+            members,
+        })
+    }
+
+    /// Whether running `members` (slots of GPU `gi`'s queue) first as one
+    /// batch of `batch_time`, then the rest in EDF order, ends every member
+    /// by its deadline and every other request EDF would end in time in
+    /// time. Times from `start` (overhead included).
+    fn batch_keeps_deadlines(
+        &self,
+        gi: usize,
+        start: Micros,
+        members: &[Slot],
+        batch_time: Micros,
+    ) -> bool {
+        let mut t = start + batch_time;
+        if members.iter().any(|m| t > m.0) {
+            return false;
+        }
+        let head_now = self.head_time(gi);
+        let mut edf = start;
+        for (i, (slot, s, _)) in self.gpus[gi].queue.iter().enumerate() {
+            let s = if i == 0 { head_now } else { s };
+            edf += s;
+            if members.contains(&slot) {
+                continue;
+            }
+            t += s;
+            if t > slot.0 && edf <= slot.0 {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// The device time of GPU `gi`'s EDF head alone, where its model is now
+    /// (the others keep the estimate they were admitted with: where their
+    /// model will be is the head's doing).
+    fn head_time(&self, gi: usize) -> Micros {
+        let g = &self.gpus[gi];
+        g.queue.iter().next().map_or(0, |(_, _, id)| {
+            let m = self.reqs[id].model;
+            self.cost
+                .estimate(m, &self.models[m as usize].meta, self.where_is(gi, m))
+        })
+    }
+
+    /// Sends `ids` (the first leads; all for one model) to GPU `gi` as one
+    /// batch of estimated device time `service`.
+    fn send_batch(
+        &mut self,
+        now: Micros,
+        gi: usize,
+        ids: &[ReqId],
+        service: Micros,
+        out: &mut Vec<Action>,
+    ) {
+        let head = ids[0];
+        let model = self.reqs[&head].model;
+        // Each load was admitted as the one request that finds its model
+        // not resident (admission expects it resident from then on).
+        let loads = ids.iter().any(|id| self.reqs[id].at != Where::Resident);
+        let budget = |r: &Req| r.deadline.saturating_sub(now).div_ceil(1000);
+        let mut batch = Vec::with_capacity(ids.len() - 1);
+        for &id in ids {
+            let r = self.reqs.get_mut(&id).expect("sent requests are alive");
+            r.sent_at = Some(now);
+            r.gpu = Some(gi);
+            r.batch = Some(head);
+            if id != head {
+                batch.push(BatchMate {
+                    req: id,
+                    budget_ms: budget(r),
+                });
+            }
+        }
         let g = &mut self.gpus[gi];
         g.busy_until = g.busy_until.max(now) + service;
+        g.work_out += service;
         g.outstanding += 1;
-        r.sent_at = Some(now);
-        r.gpu = Some(gi);
-        self.counters.sent += 1;
+        let gpu = g.gpu;
+        self.batches.insert(
+            head,
+            Batch {
+                gi,
+                service,
+                left: ids.len() as u32,
+                released: false,
+            },
+        );
+        let c = &mut self.counters;
+        c.sent += ids.len() as u64;
+        c.batches += 1;
+        c.batched_requests += ids.len() as u64;
+        c.model_switches += u64::from(loads);
         out.push(Action::Send {
-            req: id,
-            gpu: g.gpu,
-            model: self.models[r.model as usize].meta.name.clone(),
-            budget_ms: r.deadline.saturating_sub(now).div_ceil(1000),
+            req: head,
+            gpu,
+            model: self.models[model as usize].meta.name.clone(),
+            budget_ms: budget(&self.reqs[&head]),
+            batch,
         });
     }
 
@@ -957,7 +1288,7 @@ impl Dispatcher {
         }
         self.expect_resident(gi, model);
         self.bind_gpu(gi, model);
-        self.send(now, gi, id, service, out);
+        self.send_batch(now, gi, &[id], service, out);
         Routed::Sent
     }
 
@@ -1071,14 +1402,15 @@ impl Dispatcher {
         c: &Completion<'_>,
         out: &mut Vec<Action>,
     ) -> Option<DispatchInfo> {
+        // The batch's first answer frees its window slot: the device ran it.
+        let first_answer = r_batch_open(&self.batches, self.reqs.get(&req));
         let r = self.take(req)?;
         let gi = r.gpu?;
-        {
+        if first_answer {
+            // Busy for what is still outstanding, from now: estimates that
+            // ran long or short do not accumulate over a busy period.
             let g = &mut self.gpus[gi];
-            g.outstanding = g.outstanding.saturating_sub(1);
-            if g.outstanding == 0 && g.queue.is_empty() {
-                g.busy_until = now;
-            }
+            g.busy_until = now + g.work_out + g.prefetch_work;
         }
         let total_ms = (now - r.arrival) as f64 / 1e3;
         if let Some(t) = c.timing {
@@ -1088,14 +1420,19 @@ impl Dispatcher {
                 ServePath::Cold => Where::Remote,
             };
             let rtt = r.sent_at.map(|s| (now - s) as f64 / 1e3);
-            self.cost.observe(
-                r.model,
-                &self.models[r.model as usize].meta,
-                at,
-                t.total_ms - t.queue_ms,
-                rtt,
-                t.total_ms,
-            );
+            let meta = &self.models[r.model as usize].meta;
+            let service_ms = t.total_ms - t.queue_ms;
+            if t.batch_requests <= 1 {
+                self.cost
+                    .observe(r.model, meta, at, service_ms, rtt, t.total_ms);
+            } else if first_answer {
+                // One observation per batch.
+                self.cost
+                    .observe_batch(r.model, meta, at, t.batch_requests, service_ms);
+                if let Some(rtt) = rtt {
+                    self.cost.observe_overhead(rtt, t.total_ms);
+                }
+            }
             let resident: Vec<u32> = c
                 .resident
                 .iter()
@@ -1124,6 +1461,12 @@ impl Dispatcher {
             dispatch_queue_ms: r.sent_at.map_or(0.0, |s| (s - r.arrival) as f64 / 1e3),
             total_ms,
         })
+    }
+
+    /// Counters of the batches sent: (batches, requests in them, model loads).
+    pub fn batch_counts(&self) -> (u64, u64, u64) {
+        let c = &self.counters;
+        (c.batches, c.batched_requests, c.model_switches)
     }
 
     /// Routes waiting requests (FIFO) while GPUs have room; fails those
@@ -1216,8 +1559,7 @@ impl Dispatcher {
         for id in stuck {
             let r = self.take(id).expect("listed above");
             let Some(gi) = r.gpu else { continue };
-            let g = &mut self.gpus[gi];
-            g.outstanding = g.outstanding.saturating_sub(1);
+            let g = &self.gpus[gi];
             let message = format!(
                 "request for {} got no reply from {} within {} s; retry it",
                 self.models[r.model as usize].meta.name,
@@ -1370,6 +1712,7 @@ impl Dispatcher {
             .saturating_sub(self.cost.estimate(model, meta, Where::Resident));
         let g = &mut self.gpus[gi];
         g.prefetching = true;
+        g.prefetch_work = load;
         g.busy_until = g.busy_until.max(now) + load;
     }
 
@@ -1387,6 +1730,7 @@ impl Dispatcher {
     pub fn prefetch_done(&mut self, gpu: Gpu, resident: Option<&[String]>) {
         if let Some(gi) = self.gpus.iter().position(|g| g.gpu == gpu) {
             self.gpus[gi].prefetching = false;
+            self.gpus[gi].prefetch_work = 0;
             if let Some(names) = resident {
                 let ids = names
                     .iter()
@@ -1434,6 +1778,14 @@ impl Dispatcher {
     pub fn snapshot_seq(&self, runtime: u32) -> u64 {
         self.hosts.get(&runtime).map_or(0, |h| h.snapshot_seq)
     }
+}
+
+/// Whether `r` (alive) belongs to a batch none of whose members has been
+/// answered yet.
+fn r_batch_open(batches: &IdMap<ReqId, Batch>, r: Option<&Req>) -> bool {
+    r.and_then(|r| r.batch)
+        .and_then(|h| batches.get(&h))
+        .is_some_and(|b| !b.released)
 }
 
 #[cfg(test)]
