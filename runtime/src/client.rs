@@ -16,8 +16,8 @@ use std::time::Duration;
 use distmind_common::handshake::{self, ClusterKey, HandshakeError};
 use distmind_common::limits::CONTROL_FRAME_BYTES_MAX;
 use distmind_common::proto::{
-    DispatchInfo, ErrorCode, ErrorReply, RuntimeReply, RuntimeRequest, RuntimeStats, ServePath,
-    TimingMsg, TraceEntry, RUNTIME_OUTPUTS_MAX,
+    BatchMember, DispatchInfo, ErrorCode, ErrorReply, RuntimeReply, RuntimeRequest, RuntimeStats,
+    ServePath, TimingMsg, TraceEntry, BATCH_MEMBERS_MAX, RUNTIME_OUTPUTS_MAX,
 };
 use distmind_common::wire::{self, FrameKind, Role, WireError};
 
@@ -51,6 +51,8 @@ pub enum RuntimeClientError {
         id: u64,
         reply: ErrorReply,
     },
+    #[error("a batch of {got} requests: 1..={max} run together")]
+    BatchSize { got: usize, max: usize },
     #[error("the input ({what}) is {len} bytes as .npy, more than a frame's {max} bytes: send a smaller batch")]
     InputTooLarge { what: String, len: usize, max: u32 },
     #[error("the runtime at {addr} sent a bad output frame: {source}")]
@@ -86,6 +88,16 @@ pub struct InferOptions {
     pub trace: bool,
     /// Run on the device with this ordinal (default: the server's choice).
     pub device: Option<u32>,
+}
+
+/// One request of a batch sent with [`RuntimeSender::send_infer_batch`].
+#[derive(Debug, Clone, Copy)]
+pub struct BatchInput<'a> {
+    pub input: &'a HostTensor,
+    /// Give up on this request when it waited this long in the server's queue.
+    pub deadline_ms: Option<u64>,
+    /// Return the pipeline trace with this request's outputs.
+    pub trace: bool,
 }
 
 /// A successful inference.
@@ -242,6 +254,15 @@ impl RuntimeClient {
         self.tx.send_infer(model, input, opts)
     }
 
+    pub fn send_infer_batch(
+        &mut self,
+        model: &str,
+        device: Option<u32>,
+        requests: &[BatchInput<'_>],
+    ) -> Result<Vec<u64>, RuntimeClientError> {
+        self.tx.send_infer_batch(model, device, requests)
+    }
+
     pub fn recv(&mut self) -> Result<Response, RuntimeClientError> {
         self.rx.recv()
     }
@@ -390,6 +411,61 @@ impl RuntimeSender {
         Ok(id)
     }
 
+    /// Sends requests for `model` that the runtime runs as one batch (their
+    /// inputs concatenated along dimension 0), each answered on its own
+    /// under its own id with its own rows; returns the ids, in order. At
+    /// most 1 + [`BATCH_MEMBERS_MAX`] requests.
+    pub fn send_infer_batch(
+        &mut self,
+        model: &str,
+        device: Option<u32>,
+        requests: &[BatchInput<'_>],
+    ) -> Result<Vec<u64>, RuntimeClientError> {
+        let Some((head, rest)) = requests.split_first() else {
+            return Err(RuntimeClientError::BatchSize {
+                got: 0,
+                max: 1 + BATCH_MEMBERS_MAX,
+            });
+        };
+        if rest.len() > BATCH_MEMBERS_MAX {
+            return Err(RuntimeClientError::BatchSize {
+                got: requests.len(),
+                max: 1 + BATCH_MEMBERS_MAX,
+            });
+        }
+        let frames = requests
+            .iter()
+            .map(|r| encode_input(r.input))
+            .collect::<Result<Vec<_>, _>>()?;
+        let ids: Vec<u64> = requests.iter().map(|_| self.take_id()).collect();
+        let req = RuntimeRequest::Infer {
+            id: ids[0],
+            model: model.to_string(),
+            deadline_ms: head.deadline_ms,
+            trace: head.trace,
+            device,
+            batch: rest
+                .iter()
+                .zip(&ids[1..])
+                .map(|(r, &id)| BatchMember {
+                    id,
+                    deadline_ms: r.deadline_ms,
+                    trace: r.trace,
+                })
+                .collect(),
+            catalog_version: None,
+        };
+        wire::send_message_sync(&mut self.w, &req)
+            .and_then(|()| {
+                frames.iter().try_for_each(|f| {
+                    wire::write_frame_sync(&mut self.w, FrameKind::WriteChunk, &[f])
+                })
+            })
+            .and_then(|()| self.w.flush().map_err(WireError::from))
+            .map_err(|e| self.wire_err(e))?;
+        Ok(ids)
+    }
+
     /// Sends an inference request and its input frame; returns its id.
     pub fn send_infer(
         &mut self,
@@ -397,14 +473,7 @@ impl RuntimeSender {
         input: &HostTensor,
         opts: InferOptions,
     ) -> Result<u64, RuntimeClientError> {
-        let bytes = encode_npy(input);
-        if bytes.len() > CONTROL_FRAME_BYTES_MAX as usize {
-            return Err(RuntimeClientError::InputTooLarge {
-                what: input.describe(),
-                len: bytes.len(),
-                max: CONTROL_FRAME_BYTES_MAX,
-            });
-        }
+        let bytes = encode_input(input)?;
         let id = self.take_id();
         let req = RuntimeRequest::Infer {
             id,
@@ -421,6 +490,19 @@ impl RuntimeSender {
             .map_err(|e| self.wire_err(e))?;
         Ok(id)
     }
+}
+
+/// `input` as an input frame, within a frame's bound.
+fn encode_input(input: &HostTensor) -> Result<Vec<u8>, RuntimeClientError> {
+    let bytes = encode_npy(input);
+    if bytes.len() > CONTROL_FRAME_BYTES_MAX as usize {
+        return Err(RuntimeClientError::InputTooLarge {
+            what: input.describe(),
+            len: bytes.len(),
+            max: CONTROL_FRAME_BYTES_MAX,
+        });
+    }
+    Ok(bytes)
 }
 
 impl RuntimeReceiver {

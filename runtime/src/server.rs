@@ -13,6 +13,14 @@
 //!   that has its model resident, else to the least-loaded queue. The
 //!   `Output` reply lists the models resident on that device afterwards,
 //!   most recently used first.
+//! * A batched `Infer` (its `batch` members, one input frame per request)
+//!   is one device job: the worker leaves out requests whose deadline passed
+//!   or whose input does not fit the model (each answered with its error),
+//!   concatenates the others' inputs along dimension 0, runs the model once
+//!   and answers each request under its own id with its own rows
+//!   (`timing.batch_requests`: how many ran together). Bounded by
+//!   [`BATCH_MEMBERS_MAX`](distmind_common::proto::BATCH_MEMBERS_MAX)
+//!   members and [`BATCH_INPUT_BYTES_MAX`] input bytes.
 //! * `Prefetch` caches a model in without running it: with a device, through
 //!   that device's queue (ordered with its inference) into the host cache and
 //!   onto the device; without, into the host cache only, on a blocking
@@ -36,6 +44,7 @@
 //! * [`metrics`]: Prometheus metrics ([`RuntimeMonitor::render_metrics`]),
 //!   served over HTTP at `metrics_listen` when set.
 
+mod batch;
 mod conn;
 mod metrics;
 mod preload;
@@ -76,8 +85,16 @@ pub const CONNECTIONS_MAX_DEFAULT: usize = 256;
 /// Default bound on requests waiting in one device's queue.
 pub const QUEUE_DEPTH_MAX_DEFAULT: usize = 64;
 /// Requests one connection may have outstanding (sent, not yet answered);
-/// the server stops reading from a connection at this bound.
+/// the server stops reading from a connection at this bound. A batched
+/// `Infer` holds one slot per request, so it fits a whole batch of
+/// 1 + [`BATCH_MEMBERS_MAX`](distmind_common::proto::BATCH_MEMBERS_MAX).
 pub const REQUESTS_IN_FLIGHT_PER_CONNECTION_MAX: usize = 64;
+/// Most input bytes (the `.npy` frames of every request together) one
+/// batched `Infer` may carry; each frame is bounded on its own by the
+/// control-frame bound. Over it, every request of the batch is refused.
+pub const BATCH_INPUT_BYTES_MAX: usize = 64 << 20;
+const _: () =
+    assert!(REQUESTS_IN_FLIGHT_PER_CONNECTION_MAX > distmind_common::proto::BATCH_MEMBERS_MAX);
 /// Most devices one runtime serves.
 pub const DEVICES_MAX: usize = 64;
 /// How long in-flight requests get to finish once shutdown starts.
@@ -438,12 +455,13 @@ impl Shared {
         d: usize,
         mut task: worker::Task,
     ) -> Result<(), Box<worker::Task>> {
-        devices[d].queued.fetch_add(1, Ordering::Relaxed);
+        let requests = task.requests();
+        devices[d].queued.fetch_add(requests, Ordering::Relaxed);
         task.set_queued(d, Instant::now());
         match queues[d].tasks.try_send(task) {
             Ok(()) => Ok(()),
             Err(e) => {
-                devices[d].queued.fetch_sub(1, Ordering::Relaxed);
+                devices[d].queued.fetch_sub(requests, Ordering::Relaxed);
                 Err(Box::new(e.into_inner()))
             }
         }

@@ -18,17 +18,19 @@ use std::time::{Duration, Instant};
 
 use distmind_common::handshake;
 use distmind_common::limits::{CONTROL_FRAME_BYTES_MAX, NAME_BYTES_MAX};
-use distmind_common::proto::{ErrorCode, ErrorReply, RuntimeReply, RuntimeRequest};
+use distmind_common::proto::{
+    BatchMember, ErrorCode, ErrorReply, RuntimeReply, RuntimeRequest, BATCH_MEMBERS_MAX,
+};
 use distmind_common::wire::{self, FrameHeader, FrameKind, Role, WireError, FRAME_HEADER_BYTES};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 
-use super::worker::{self, Job, Outgoing, PrefetchJob, Task, TrainControl};
+use super::worker::{self, Job, Member, Outgoing, PrefetchJob, Task, TrainControl};
 use super::{
-    DispatchError, Shared, PREFETCHES_IN_FLIGHT_MAX, REQUESTS_IN_FLIGHT_PER_CONNECTION_MAX,
-    TRAIN_CONTROLS_MAX,
+    DispatchError, Shared, BATCH_INPUT_BYTES_MAX, PREFETCHES_IN_FLIGHT_MAX,
+    REQUESTS_IN_FLIGHT_PER_CONNECTION_MAX, TRAIN_CONTROLS_MAX,
 };
 
 /// How long a closing connection keeps discarding input so that the peer
@@ -215,8 +217,9 @@ async fn read_loop(
 ) -> (OwnedReadHalf, bool) {
     let slots = Arc::new(Semaphore::new(REQUESTS_IN_FLIGHT_PER_CONNECTION_MAX));
     let mut carried: Option<Incoming> = None;
-    // The input frame of a request we could not parse is dropped silently.
-    let mut skip_input = false;
+    // Input frames to drop silently: the one of a request we could not
+    // parse, or every one of a refused batch.
+    let mut skip_inputs = 0usize;
     loop {
         let permit = slots
             .clone()
@@ -231,7 +234,7 @@ async fn read_loop(
             Incoming::Eof => return (rd, false),
             Incoming::Fatal(e) => return farewell(&tx, rd, peer, e, permit).await,
             Incoming::Oversized { kind, len } => {
-                skip_input = false;
+                skip_inputs = 0;
                 error_reply(
                     0,
                     ErrorCode::BadRequest,
@@ -242,7 +245,8 @@ async fn read_loop(
                 )
             }
             Incoming::Frame(FrameKind::WriteChunk, payload) => {
-                if std::mem::take(&mut skip_input) {
+                if skip_inputs > 0 {
+                    skip_inputs -= 1;
                     continue;
                 }
                 error_reply(
@@ -256,10 +260,10 @@ async fn read_loop(
                 )
             }
             Incoming::Frame(FrameKind::Message, payload) => {
-                skip_input = false;
+                skip_inputs = 0;
                 match wire::decode_message::<RuntimeRequest>(&payload) {
                     Err(e) => {
-                        skip_input = true;
+                        skip_inputs = 1;
                         let id = salvage_id(&payload);
                         log::warn!("bad request from {peer}: {e}");
                         error_reply(
@@ -300,60 +304,95 @@ async fn read_loop(
                         deadline_ms,
                         trace,
                         device,
-                        batch: _,
+                        batch,
                         catalog_version: _,
                     }) => {
                         let arrived = Instant::now();
-                        let input = match read_incoming(&mut rd).await {
-                            Incoming::Frame(FrameKind::WriteChunk, bytes) => bytes,
-                            Incoming::Eof => return (rd, false),
-                            Incoming::Fatal(e) => return farewell(&tx, rd, peer, e, permit).await,
-                            Incoming::Oversized { kind, len } => {
-                                let out = error_reply(
-                                    id,
-                                    ErrorCode::BadRequest,
-                                    format!(
-                                        "request {id}: its {kind:?} input frame is {len} bytes, more than the bound of \
-                                         {CONTROL_FRAME_BYTES_MAX} bytes; send a smaller batch"
-                                    ),
-                                    permit,
-                                );
+                        let head = BatchMember {
+                            id,
+                            deadline_ms,
+                            trace,
+                        };
+                        if batch.len() > BATCH_MEMBERS_MAX {
+                            // Every request is refused, and their input frames skipped.
+                            skip_inputs = 1 + batch.len();
+                            let why = format!(
+                                "a batch of {} requests for {model} (request {id} and {} more); at most {} run together",
+                                1 + batch.len(),
+                                batch.len(),
+                                1 + BATCH_MEMBERS_MAX
+                            );
+                            let first = error_reply(id, ErrorCode::BadRequest, why.clone(), permit);
+                            let rest = batch.iter().map(|b| Outgoing {
+                                reply: RuntimeReply::Error {
+                                    id: b.id,
+                                    error: ErrorReply::new(ErrorCode::BadRequest, why.clone()),
+                                },
+                                frames: Vec::new(),
+                                permit: None,
+                            });
+                            for out in std::iter::once(first).chain(rest) {
                                 if tx.send(out).await.is_err() {
                                     return (rd, false);
                                 }
-                                continue;
                             }
-                            other @ Incoming::Frame(FrameKind::Message, _) => {
-                                carried = Some(other);
-                                let out = error_reply(
-                                    id,
-                                    ErrorCode::BadRequest,
-                                    format!("request {id}: an infer request must be followed by its input frame (.npy bytes), got a message frame"),
-                                    permit,
-                                );
-                                if tx.send(out).await.is_err() {
-                                    return (rd, false);
-                                }
-                                continue;
+                            continue;
+                        }
+                        // One in-flight slot per request of the batch.
+                        let mut permits = Vec::with_capacity(1 + batch.len());
+                        permits.push(permit);
+                        if !batch.is_empty() {
+                            let mut more = slots
+                                .clone()
+                                .acquire_many_owned(batch.len() as u32)
+                                .await
+                                .expect("the semaphore is never closed");
+                            for _ in 1..batch.len() {
+                                permits.push(more.split(1).expect("permits left to split"));
+                            }
+                            permits.push(more);
+                        }
+                        let requests = std::iter::once(head).chain(batch);
+                        let read = read_inputs(&mut rd, requests, permits, &model).await;
+                        let (members, refused) = match read {
+                            Inputs::Read { members, refused } => (members, refused),
+                            Inputs::Eof => return (rd, false),
+                            Inputs::Fatal(e, permit) => {
+                                return farewell(&tx, rd, peer, e, permit).await
+                            }
+                            Inputs::Carried {
+                                frame,
+                                members,
+                                refused,
+                            } => {
+                                carried = Some(frame);
+                                (members, refused)
                             }
                         };
-                        match infer(
+                        for out in refused {
+                            if tx.send(out).await.is_err() {
+                                return (rd, false);
+                            }
+                        }
+                        if members.is_empty() {
+                            continue;
+                        }
+                        let refused = infer(
                             shared,
                             &tx,
                             Infer {
-                                id,
                                 model,
-                                deadline_ms,
-                                trace,
                                 device,
                                 arrived,
-                                input,
+                                members,
                             },
-                            permit,
-                        ) {
-                            Some(out) => out,
-                            None => continue,
+                        );
+                        for out in refused {
+                            if tx.send(out).await.is_err() {
+                                return (rd, false);
+                            }
                         }
+                        continue;
                     }
                 }
             }
@@ -364,22 +403,125 @@ async fn read_loop(
     }
 }
 
-/// An inference request as read from the connection.
+/// An inference request (alone or a batch) as read from the connection:
+/// the requests whose input frames came.
 struct Infer {
-    id: u64,
     model: String,
-    deadline_ms: Option<u64>,
-    trace: bool,
     device: Option<u32>,
     arrived: Instant,
-    input: Vec<u8>,
+    members: Vec<Member>,
 }
 
-/// The name check every request naming a model gets.
-fn check_model_name(id: u64, model: &str) -> Result<(), String> {
+/// The input frames of an `Infer`'s requests, as read.
+enum Inputs {
+    /// Every frame was read: the requests with a usable input, and the
+    /// replies of those without.
+    Read {
+        members: Vec<Member>,
+        refused: Vec<Outgoing>,
+    },
+    /// A message frame came where an input frame was due: it is handled
+    /// next; the requests still missing their input are in `refused`.
+    Carried {
+        frame: Incoming,
+        members: Vec<Member>,
+        refused: Vec<Outgoing>,
+    },
+    Eof,
+    Fatal(WireError, OwnedSemaphorePermit),
+}
+
+/// Reads one input frame per request (`requests` and `permits` pair up).
+/// An oversized frame refuses its request; more than
+/// [`BATCH_INPUT_BYTES_MAX`] bytes in all refuses every request, and frames
+/// past the bound are dropped as they are read, so at most the bound plus
+/// one frame is held.
+async fn read_inputs(
+    rd: &mut OwnedReadHalf,
+    requests: impl Iterator<Item = BatchMember>,
+    permits: Vec<OwnedSemaphorePermit>,
+    model: &str,
+) -> Inputs {
+    let n = permits.len();
+    let missing = |id: u64| {
+        format!(
+            "request {id}: an infer request must be followed by its input frame (.npy bytes), got a message frame"
+        )
+    };
+    let mut got: Vec<(BatchMember, OwnedSemaphorePermit, Result<Vec<u8>, String>)> =
+        Vec::with_capacity(n);
+    let mut total = 0usize;
+    let mut carried = None;
+    let mut pending = requests.zip(permits);
+    for (req, permit) in pending.by_ref() {
+        let id = req.id;
+        let input = match read_incoming(rd).await {
+            Incoming::Frame(FrameKind::WriteChunk, bytes) => {
+                total = total.saturating_add(bytes.len());
+                // Past the bound the bytes are dropped; the reason is given below.
+                if total > BATCH_INPUT_BYTES_MAX {
+                    Err(String::new())
+                } else {
+                    Ok(bytes)
+                }
+            }
+            Incoming::Eof => return Inputs::Eof,
+            Incoming::Fatal(e) => return Inputs::Fatal(e, permit),
+            Incoming::Oversized { kind, len } => Err(format!(
+                "request {id}: its {kind:?} input frame is {len} bytes, more than the bound of \
+                 {CONTROL_FRAME_BYTES_MAX} bytes; send a smaller batch"
+            )),
+            other @ Incoming::Frame(FrameKind::Message, _) => {
+                carried = Some(other);
+                got.push((req, permit, Err(missing(id))));
+                break;
+            }
+        };
+        got.push((req, permit, input));
+    }
+    for (req, permit) in pending {
+        let why = missing(req.id);
+        got.push((req, permit, Err(why)));
+    }
+    let over = total > BATCH_INPUT_BYTES_MAX;
+    let mut members = Vec::with_capacity(n);
+    let mut refused = Vec::new();
+    for (req, permit, input) in got {
+        let input = if over {
+            Err(format!(
+                "request {}: its batch of {n} requests for {model} carries {total} input bytes, more than \
+                 the bound of {BATCH_INPUT_BYTES_MAX}; send smaller batches",
+                req.id
+            ))
+        } else {
+            input
+        };
+        match input {
+            Ok(bytes) => members.push(Member {
+                id: req.id,
+                input: bytes,
+                deadline: req.deadline_ms.map(Duration::from_millis),
+                trace: req.trace,
+                permit: Some(permit),
+            }),
+            Err(why) => refused.push(error_reply(req.id, ErrorCode::BadRequest, why, permit)),
+        }
+    }
+    match carried {
+        Some(frame) => Inputs::Carried {
+            frame,
+            members,
+            refused,
+        },
+        None => Inputs::Read { members, refused },
+    }
+}
+
+/// The name check every request naming a model gets: why it fails.
+fn check_model_name(model: &str) -> Result<(), String> {
     if model.is_empty() || model.len() > NAME_BYTES_MAX {
         return Err(format!(
-            "request {id}: a model name is 1..={NAME_BYTES_MAX} bytes, got {}",
+            "a model name is 1..={NAME_BYTES_MAX} bytes, got {}",
             model.len()
         ));
     }
@@ -387,72 +529,66 @@ fn check_model_name(id: u64, model: &str) -> Result<(), String> {
 }
 
 /// Queues an inference (on the device it names, else where dispatch puts
-/// it); returns the reply to send at once when it was not queued.
-fn infer(
-    shared: &Shared,
-    tx: &mpsc::Sender<Outgoing>,
-    req: Infer,
-    permit: OwnedSemaphorePermit,
-) -> Option<Outgoing> {
-    let id = req.id;
+/// it); returns the replies to send at once (one per request) when it was
+/// not queued.
+fn infer(shared: &Shared, tx: &mpsc::Sender<Outgoing>, req: Infer) -> Vec<Outgoing> {
     let metrics = &shared.core.metrics;
-    let refuse = |code: ErrorCode, message: String, permit| {
-        metrics.observe_request(&req.model, Some(code), req.arrived.elapsed());
-        Some(error_reply(id, code, message, permit))
+    let model = req.model;
+    let arrived = req.arrived;
+    let refuse = |members: Vec<Member>, code: ErrorCode, why: &dyn Fn(u64) -> String| {
+        members
+            .into_iter()
+            .map(|mut m| {
+                metrics.observe_request(&model, Some(code), arrived.elapsed());
+                let permit = m.permit.take().expect("a queued request holds its permit");
+                error_reply(m.id, code, why(m.id), permit)
+            })
+            .collect::<Vec<_>>()
     };
-    if let Err(why) = check_model_name(id, &req.model) {
-        return refuse(ErrorCode::BadRequest, why, permit);
+    if let Err(why) = check_model_name(&model) {
+        return refuse(req.members, ErrorCode::BadRequest, &|id| {
+            format!("request {id}: {why}")
+        });
     }
     let index = match req.device.map(|d| shared.core.device_index(d)) {
         None => None,
         Some(Ok(i)) => Some(i),
         Some(Err(why)) => {
-            return refuse(
-                ErrorCode::BadRequest,
-                format!("request {id} for {}: {why}", req.model),
-                permit,
-            )
+            return refuse(req.members, ErrorCode::BadRequest, &|id| {
+                format!("request {id} for {model}: {why}")
+            })
         }
     };
     let job = Job {
-        id,
-        model: req.model.clone(),
-        input: req.input,
-        deadline: req.deadline_ms.map(Duration::from_millis),
-        trace: req.trace,
-        arrived: req.arrived,
+        model: model.clone(),
+        requests: req.members,
+        arrived,
         device: 0,
-        queued_at: req.arrived,
+        queued_at: arrived,
         reply: tx.clone(),
-        permit: Some(permit),
     };
     let queued = match index {
         Some(i) => shared.dispatch_to(i, Task::Infer(job)),
         None => shared.dispatch(job),
     };
-    match queued {
-        Ok(()) => None,
-        Err(DispatchError::Busy(mut task)) => {
-            let message = match req.device {
-                Some(d) => format!(
-                    "request {id} for {}: the queue of device {d} is full; retry later",
-                    req.model
-                ),
-                None => format!(
-                    "request {id} for {}: every device queue is full ({} devices); retry later",
-                    req.model,
-                    shared.core.devices.len()
-                ),
-            };
-            let permit = task.take_permit().expect("the task holds its permit");
-            refuse(ErrorCode::Busy, message, permit)
+    let (task, code) = match queued {
+        Ok(()) => return Vec::new(),
+        Err(DispatchError::Busy(task)) => (task, ErrorCode::Busy),
+        Err(DispatchError::ShuttingDown(task)) => (task, ErrorCode::ShuttingDown),
+    };
+    let Task::Infer(job) = *task else {
+        unreachable!("an inference was queued")
+    };
+    let devices = shared.core.devices.len();
+    refuse(job.requests, code, &|id| match (code, req.device) {
+        (ErrorCode::ShuttingDown, _) => format!("request {id}: the runtime is shutting down"),
+        (_, Some(d)) => {
+            format!("request {id} for {model}: the queue of device {d} is full; retry later")
         }
-        Err(DispatchError::ShuttingDown(mut task)) => refuse(
-            ErrorCode::ShuttingDown,
-            format!("request {id}: the runtime is shutting down"),
-            task.take_permit().expect("the task holds its permit"),
+        (_, None) => format!(
+            "request {id} for {model}: every device queue is full ({devices} devices); retry later"
         ),
-    }
+    })
 }
 
 /// Cache-in without running. With a device: queued there (ordered with
@@ -468,8 +604,13 @@ fn prefetch(
     permit: OwnedSemaphorePermit,
 ) -> Option<Outgoing> {
     let arrived = Instant::now();
-    if let Err(why) = check_model_name(id, &model) {
-        return Some(error_reply(id, ErrorCode::BadRequest, why, permit));
+    if let Err(why) = check_model_name(&model) {
+        return Some(error_reply(
+            id,
+            ErrorCode::BadRequest,
+            format!("request {id}: {why}"),
+            permit,
+        ));
     }
     let core = &shared.core;
     let Some(d) = device else {
@@ -525,14 +666,22 @@ fn prefetch(
             format!(
                 "request {id}: prefetch of {model}: the queue of device {d} is full; retry later"
             ),
-            task.take_permit().expect("the task holds its permit"),
+            take_prefetch_permit(&mut task),
         )),
         Err(DispatchError::ShuttingDown(mut task)) => Some(error_reply(
             id,
             ErrorCode::ShuttingDown,
             format!("request {id}: the runtime is shutting down"),
-            task.take_permit().expect("the task holds its permit"),
+            take_prefetch_permit(&mut task),
         )),
+    }
+}
+
+/// The permit of a prefetch that was not queued.
+fn take_prefetch_permit(task: &mut Task) -> OwnedSemaphorePermit {
+    match task {
+        Task::Prefetch(p) => p.permit.take().expect("the prefetch holds its permit"),
+        Task::Infer(_) => unreachable!("a prefetch was queued"),
     }
 }
 
@@ -547,8 +696,13 @@ fn train(
     permit: OwnedSemaphorePermit,
 ) -> Option<Outgoing> {
     if let Some(m) = &model {
-        if let Err(why) = check_model_name(id, m) {
-            return Some(error_reply(id, ErrorCode::BadRequest, why, permit));
+        if let Err(why) = check_model_name(m) {
+            return Some(error_reply(
+                id,
+                ErrorCode::BadRequest,
+                format!("request {id}: {why}"),
+                permit,
+            ));
         }
     }
     let index = match shared.core.device_index(device) {

@@ -31,7 +31,7 @@ use distmind_models::{Dtype, Manifest};
 use rand::Rng;
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
-use super::{Core, TrainingStatus, TRAIN_ITERATION_EWMA_WEIGHT};
+use super::{batch, Core, TrainingStatus, TRAIN_ITERATION_EWMA_WEIGHT};
 use crate::cache::CacheError;
 use crate::device::DeviceError;
 use crate::exec::{ExecError, HostTensor, TraceEvent};
@@ -50,21 +50,38 @@ pub(crate) struct Outgoing {
     pub permit: Option<OwnedSemaphorePermit>,
 }
 
-/// One queued inference request.
+/// One queued inference: a request alone, or a batch of requests for the
+/// same model that run as one (rows concatenated along dimension 0) and are
+/// answered one by one.
 pub struct Job {
-    pub(crate) id: u64,
     pub(crate) model: String,
-    /// The input frame, `.npy` bytes (parsed by the worker, off the async threads).
-    pub(crate) input: Vec<u8>,
-    pub(crate) deadline: Option<Duration>,
-    pub(crate) trace: bool,
+    /// The requests, in the order their input frames came: at least one,
+    /// at most 1 + [`BATCH_MEMBERS_MAX`](distmind_common::proto::BATCH_MEMBERS_MAX).
+    pub(crate) requests: Vec<Member>,
     pub(crate) arrived: Instant,
     /// Index into the runtime's devices, set by dispatch.
     pub(crate) device: usize,
     /// When it entered the device queue (its arrival at the worker), set by dispatch.
     pub(crate) queued_at: Instant,
     pub(crate) reply: mpsc::Sender<Outgoing>,
-    pub(crate) permit: Option<OwnedSemaphorePermit>,
+}
+
+/// One request of a [`Job`].
+pub(crate) struct Member {
+    pub id: u64,
+    /// The input frame, `.npy` bytes (parsed by the worker, off the async threads).
+    pub input: Vec<u8>,
+    pub deadline: Option<Duration>,
+    pub trace: bool,
+    /// The connection's in-flight slot, released once the reply is written.
+    pub permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Job {
+    /// Requests this job answers.
+    pub(crate) fn len(&self) -> usize {
+        self.requests.len()
+    }
 }
 
 /// A prefetch to a device: cache-in and upload, no compute.
@@ -91,10 +108,11 @@ impl Task {
         }
     }
 
-    pub fn take_permit(&mut self) -> Option<OwnedSemaphorePermit> {
+    /// Requests the task answers (a batch counts each of its requests).
+    pub fn requests(&self) -> u64 {
         match self {
-            Task::Infer(j) => j.permit.take(),
-            Task::Prefetch(p) => p.permit.take(),
+            Task::Infer(j) => j.len() as u64,
+            Task::Prefetch(_) => 1,
         }
     }
 
@@ -386,43 +404,49 @@ fn handle(core: &Core, index: usize, task: Task, last: Option<Iteration>) {
         Some(it) if queued_at >= it.start && queued_at <= it.end => it.end - queued_at,
         _ => Duration::ZERO,
     };
-    let (out, mut permit, reply) = match task {
+    match task {
         Task::Infer(mut job) => {
             let train_yield = yield_of(job.queued_at);
-            let out = serve(core, index, &job, train_yield);
-            let status = match &out.reply {
-                RuntimeReply::Output { timing, .. } => {
-                    core.served.fetch_add(1, Ordering::Relaxed);
-                    device.served.fetch_add(1, Ordering::Relaxed);
-                    core.metrics.observe_path(timing.path);
-                    None
-                }
-                RuntimeReply::Error { error, .. } => {
-                    core.errors.fetch_add(1, Ordering::Relaxed);
-                    log::debug!("device {}: request {} failed: {error}", device.id, job.id);
-                    Some(error.code)
-                }
-                _ => None,
-            };
-            core.metrics
-                .observe_request(&job.model, status, job.arrived.elapsed());
-            (out, job.permit.take(), job.reply)
+            let outs = serve(core, index, &job, train_yield);
+            device.queued.fetch_sub(job.len() as u64, Ordering::Relaxed);
+            for (out, m) in outs.into_iter().zip(job.requests.iter_mut()) {
+                let status = match &out.reply {
+                    RuntimeReply::Output { timing, .. } => {
+                        core.served.fetch_add(1, Ordering::Relaxed);
+                        device.served.fetch_add(1, Ordering::Relaxed);
+                        core.metrics.observe_path(timing.path);
+                        None
+                    }
+                    RuntimeReply::Error { error, .. } => {
+                        core.errors.fetch_add(1, Ordering::Relaxed);
+                        log::debug!("device {}: request {} failed: {error}", device.id, m.id);
+                        Some(error.code)
+                    }
+                    _ => None,
+                };
+                core.metrics
+                    .observe_request(&job.model, status, job.arrived.elapsed());
+                let out = Outgoing {
+                    permit: m.permit.take(),
+                    ..out
+                };
+                // The connection may be gone; its reply goes nowhere then.
+                let _ = job.reply.blocking_send(out);
+            }
         }
         Task::Prefetch(mut p) => {
             let out = prefetch_device(core, index, &p);
             if let RuntimeReply::Error { error, .. } = &out.reply {
                 log::debug!("device {}: prefetch {} failed: {error}", device.id, p.id);
             }
-            (out, p.permit.take(), p.reply)
+            device.queued.fetch_sub(1, Ordering::Relaxed);
+            let out = Outgoing {
+                permit: p.permit.take(),
+                ..out
+            };
+            let _ = p.reply.blocking_send(out);
         }
-    };
-    device.queued.fetch_sub(1, Ordering::Relaxed);
-    let out = Outgoing {
-        permit: permit.take(),
-        ..out
-    };
-    // The connection may be gone; its reply goes nowhere then.
-    let _ = reply.blocking_send(out);
+    }
 }
 
 pub(crate) fn error(id: u64, code: ErrorCode, message: String) -> Outgoing {
@@ -451,41 +475,127 @@ fn pipeline_error_reply(core: &Core, id: u64, model: &str, e: &PipelineError) ->
     ErrorReply::new(code, format!("request {id}: {e}"))
 }
 
-fn serve(core: &Core, index: usize, job: &Job, train_yield: Duration) -> Outgoing {
+/// Serves an inference job: one reply per request, in the job's order. A
+/// request whose deadline passed in the queue, or whose input does not
+/// parse or fit the model, is answered with its error and left out; the
+/// others run as one batch.
+fn serve(core: &Core, index: usize, job: &Job, train_yield: Duration) -> Vec<Outgoing> {
     let device = &core.devices[index];
-    let waited = job.arrived.elapsed();
-    if let Some(deadline) = job.deadline.filter(|d| waited > *d) {
-        return error(
-            job.id,
-            ErrorCode::DeadlineExceeded,
+    let n = job.len();
+    let mut replies: Vec<Option<Outgoing>> = (0..n).map(|_| None).collect();
+    // Names a request of a batch in its errors.
+    let who = |k: usize| {
+        let id = job.requests[k].id;
+        if n == 1 {
+            format!("request {id} for {}", job.model)
+        } else {
             format!(
-                "request {} for {}: its deadline of {} ms passed after {} ms in the queue of device {}",
-                job.id,
+                "request {id} for {} (request {} of a batch of {n})",
                 job.model,
-                deadline.as_millis(),
-                waited.as_millis(),
-                device.id
-            ),
-        );
-    }
-    let input = match parse_npy(&job.input, Path::new("the input frame")) {
-        Ok(t) => t,
-        Err(e) => {
-            return error(
-                job.id,
-                ErrorCode::BadRequest,
-                format!("request {} for {}: {e}", job.id, job.model),
+                k + 1
             )
         }
     };
+    let waited = job.arrived.elapsed();
+    let mut ready: Vec<(usize, HostTensor)> = Vec::with_capacity(n);
+    for (k, m) in job.requests.iter().enumerate() {
+        if let Some(deadline) = m.deadline.filter(|d| waited > *d) {
+            replies[k] = Some(error(
+                m.id,
+                ErrorCode::DeadlineExceeded,
+                format!(
+                    "{}: its deadline of {} ms passed after {} ms in the queue of device {}",
+                    who(k),
+                    deadline.as_millis(),
+                    waited.as_millis(),
+                    device.id
+                ),
+            ));
+            continue;
+        }
+        match parse_npy(&m.input, Path::new("the input frame")) {
+            Ok(t) => ready.push((k, t)),
+            Err(e) => {
+                replies[k] = Some(error(
+                    m.id,
+                    ErrorCode::BadRequest,
+                    format!("{}: {e}", who(k)),
+                ))
+            }
+        }
+    }
+    if !ready.is_empty() {
+        run_batch(core, index, job, ready, train_yield, &who, &mut replies);
+    }
+    replies
+        .into_iter()
+        .map(|r| r.expect("every request of a job is answered"))
+        .collect()
+}
+
+/// Runs the requests of `job` whose inputs are `ready` (index into the
+/// job's requests, parsed input) as one batch and fills in their replies.
+fn run_batch(
+    core: &Core,
+    index: usize,
+    job: &Job,
+    mut ready: Vec<(usize, HostTensor)>,
+    train_yield: Duration,
+    who: &dyn Fn(usize) -> String,
+    replies: &mut [Option<Outgoing>],
+) {
+    let device = &core.devices[index];
+    let id_of = |k: usize| job.requests[k].id;
     let resolved = match core.catalog.resolve(&job.model) {
         Ok(r) => r,
-        Err(e) => return error(job.id, e.code, e.message),
+        Err(e) => {
+            for (k, _) in &ready {
+                replies[*k] = Some(error(id_of(*k), e.code, e.message.clone()));
+            }
+            return;
+        }
     };
     let m = &resolved.manifest;
-    if let Err(why) = check_input(m, &input) {
-        return error(job.id, ErrorCode::BadRequest, why);
+    ready.retain(|(k, t)| match check_input(m, t) {
+        Ok(()) => true,
+        Err(why) => {
+            replies[*k] = Some(error(
+                id_of(*k),
+                ErrorCode::BadRequest,
+                format!("{}: {why}", who(*k)),
+            ));
+            false
+        }
+    });
+    if ready.is_empty() {
+        return;
     }
+    let (members, tensors): (Vec<usize>, Vec<HostTensor>) = ready.into_iter().unzip();
+    let rows: Vec<usize> = tensors
+        .iter()
+        .map(|t| t.shape.first().copied().unwrap_or(1))
+        .collect();
+    let fail_all =
+        |replies: &mut [Option<Outgoing>], code: ErrorCode, why: &dyn Fn(u64) -> String| {
+            for &k in &members {
+                replies[k] = Some(error(id_of(k), code, why(id_of(k))));
+            }
+        };
+    let input = if tensors.len() == 1 {
+        tensors.into_iter().next().expect("one tensor")
+    } else {
+        match batch::concat_rows(&tensors) {
+            Ok(t) => t,
+            Err(why) => {
+                return fail_all(replies, ErrorCode::BadRequest, &|id| {
+                    format!(
+                        "request {id} for {}: cannot batch its inputs: {why}",
+                        job.model
+                    )
+                })
+            }
+        }
+    };
     let stages = Stages {
         cache: &core.cache,
         executor: &*core.executor,
@@ -507,39 +617,49 @@ fn serve(core: &Core, index: usize, job: &Job, train_yield: Duration) -> Outgoin
     device.add_busy(busy);
     let (outputs, timing, trace) = match served {
         Ok(v) => v,
-        Err(e) => return pipeline_error(core, job.id, &job.model, &e),
+        Err(e) => {
+            let code = error_code(&e);
+            if code == ErrorCode::Internal {
+                // A stale entry (the model moved) is re-read next time.
+                core.catalog.forget(&job.model);
+            }
+            return fail_all(replies, code, &|id| format!("request {id}: {e}"));
+        }
     };
     if outputs.len() > RUNTIME_OUTPUTS_MAX || outputs.len() != m.outputs.len() {
-        return error(
-            job.id,
-            ErrorCode::Internal,
+        return fail_all(replies, ErrorCode::Internal, &|_| {
             format!(
                 "model {}: {} outputs (the manifest names {}, at most {RUNTIME_OUTPUTS_MAX} per reply)",
                 m.name,
                 outputs.len(),
                 m.outputs.len()
-            ),
-        );
+            )
+        });
     }
-    let mut frames = Vec::with_capacity(outputs.len());
-    for (t, spec) in outputs.iter().zip(&m.outputs) {
-        let bytes = encode_npy(t);
-        if bytes.len() > CONTROL_FRAME_BYTES_MAX as usize {
-            return error(
-                job.id,
-                ErrorCode::Internal,
-                format!(
-                    "model {} output {} ({}) is {} bytes as .npy, more than a frame's {CONTROL_FRAME_BYTES_MAX}: use a smaller batch",
-                    m.name,
-                    spec.name,
-                    t.describe(),
-                    bytes.len()
-                ),
-            );
+    // Per output, each request's rows (a request alone keeps the tensor).
+    let per_output: Vec<Vec<HostTensor>> = if members.len() == 1 {
+        outputs.into_iter().map(|t| vec![t]).collect()
+    } else {
+        let mut split = Vec::with_capacity(outputs.len());
+        for (t, spec) in outputs.iter().zip(&m.outputs) {
+            match batch::split_rows(t, &rows) {
+                Ok(parts) => split.push(parts),
+                Err(why) => {
+                    return fail_all(replies, ErrorCode::Internal, &|_| {
+                        format!(
+                            "model {} output {} cannot be split back over a batch of {} requests: {why}",
+                            m.name,
+                            spec.name,
+                            members.len()
+                        )
+                    })
+                }
+            }
         }
-        frames.push(bytes);
-    }
-    let (trace, trace_truncated) = if job.trace {
+        split
+    };
+    let traced = members.iter().any(|&k| job.requests[k].trace);
+    let (trace, trace_truncated) = if traced {
         let (t, cut) = trace_entries(&trace);
         (Some(t), cut)
     } else {
@@ -547,18 +667,48 @@ fn serve(core: &Core, index: usize, job: &Job, train_yield: Duration) -> Outgoin
     };
     let mut timing = timing_msg(&timing, device.id);
     timing.train_yield_ms = ms(train_yield);
-    Outgoing {
-        reply: RuntimeReply::Output {
-            id: job.id,
-            timing,
-            outputs: m.outputs.iter().map(|o| o.name.clone()).collect(),
-            trace,
-            trace_truncated,
-            resident: device.residency.resident_mru(),
-            dispatch: None,
-        },
-        frames,
-        permit: None,
+    timing.batch_requests = members.len() as u32;
+    let names: Vec<String> = m.outputs.iter().map(|o| o.name.clone()).collect();
+    let resident = device.residency.resident_mru();
+    for (j, &k) in members.iter().enumerate() {
+        let id = id_of(k);
+        let mut frames = Vec::with_capacity(per_output.len());
+        let mut too_big = None;
+        for (parts, spec) in per_output.iter().zip(&m.outputs) {
+            let t = &parts[j];
+            let bytes = encode_npy(t);
+            if bytes.len() > CONTROL_FRAME_BYTES_MAX as usize {
+                too_big = Some(format!(
+                    "model {} output {} ({}) is {} bytes as .npy, more than a frame's {CONTROL_FRAME_BYTES_MAX}: use a smaller batch",
+                    m.name,
+                    spec.name,
+                    t.describe(),
+                    bytes.len()
+                ));
+                break;
+            }
+            frames.push(bytes);
+        }
+        replies[k] = Some(match too_big {
+            Some(why) => error(id, ErrorCode::Internal, why),
+            None => Outgoing {
+                reply: RuntimeReply::Output {
+                    id,
+                    timing: timing.clone(),
+                    outputs: names.clone(),
+                    trace: if job.requests[k].trace {
+                        trace.clone()
+                    } else {
+                        None
+                    },
+                    trace_truncated: trace_truncated && job.requests[k].trace,
+                    resident: resident.clone(),
+                    dispatch: None,
+                },
+                frames,
+                permit: None,
+            },
+        });
     }
 }
 
