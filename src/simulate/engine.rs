@@ -845,7 +845,7 @@ impl Sim {
                     runtime: d.runtime as u32,
                     device: d.device,
                 };
-                self.d.prefetch_done(gpu, None);
+                self.d.prefetch_done(us(self.now), gpu, None);
             }
             JobKind::Train => {}
         }
@@ -1156,7 +1156,13 @@ impl Sim {
                     );
                 }
             }
-            JobKind::Prefetch => self.d.prefetch_done(gpu, None),
+            JobKind::Prefetch => {
+                // As the runtime's `Prefetched` reply: the load it measured.
+                let ms = (self.now - run.start) * 1e3;
+                let name = &self.cfg.names[m as usize];
+                self.d.prefetched(gpu, name, run.path, ms);
+                self.d.prefetch_done(us(self.now), gpu, None);
+            }
             JobKind::Train => unreachable!("handled above"),
         }
         self.start_next(gi);

@@ -394,6 +394,9 @@ pub struct Outcome {
     pub cache_bytes: u64,
     pub profile_label: String,
     pub emulated: Option<distmind_common::emulate::EmulatedLink>,
+    /// The controller's `/metrics` text at the end of the workload (empty
+    /// when it could not be read).
+    pub controller_metrics: String,
 }
 
 /// One cluster, one system, one workload.
@@ -862,9 +865,17 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
     // 5. Metrics, then shutdown.
     println!("\n== metrics ==");
     let scrape_timeout = Duration::from_secs(5);
+    let mut controller_metrics = String::new();
     for s in cluster.services() {
         if let Some(addr) = s.addrs.get("metrics").cloned() {
             metrics::print_headline(&s.name, &addr, scrape_timeout);
+            if s.name == "controller" {
+                if let Ok((200, body)) =
+                    distmind_common::metrics::scrape(&addr, "/metrics", scrape_timeout)
+                {
+                    controller_metrics = body;
+                }
+            }
         }
     }
     // The GPU server's host memory, measured before it stops (figure 10).
@@ -963,6 +974,7 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
         cache_bytes: cache,
         profile_label,
         emulated,
+        controller_metrics,
     })
 }
 

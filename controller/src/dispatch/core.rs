@@ -917,6 +917,13 @@ impl Dispatcher {
                 "request for {} rejected: it cannot meet its {:.0} ms SLO ({why})",
                 meta.name, r.slo_ms
             );
+            log::debug!(
+                "dispatcher: {message}; estimates (resident, host-cached, remote) {est:?} us, overhead {overhead} us, \
+                 GPUs free at {:?} us from now",
+                (0..self.gpus.len())
+                    .map(|gi| self.free_at(now, gi) - now)
+                    .collect::<Vec<_>>()
+            );
             self.fail(id, ErrorCode::Rejected, message, out);
             return;
         };
@@ -1463,12 +1470,6 @@ impl Dispatcher {
         })
     }
 
-    /// Counters of the batches sent: (batches, requests in them, model loads).
-    pub fn batch_counts(&self) -> (u64, u64, u64) {
-        let c = &self.counters;
-        (c.batches, c.batched_requests, c.model_switches)
-    }
-
     /// Routes waiting requests (FIFO) while GPUs have room; fails those
     /// whose deadline passed. Routing only ever fills GPUs, so once no GPU
     /// has room, or a model's holders are full, the requests after wait too
@@ -1660,7 +1661,9 @@ impl Dispatcher {
     }
 
     /// `slo` demand-driven placement: an idle GPU prefetches the most
-    /// requested model that is resident nowhere.
+    /// requested model that is resident nowhere, when it is clearly more
+    /// requested than every model the GPU holds (loading it may push one
+    /// out: hot models stay resident).
     fn prefetch_hot(&mut self, now: Micros, out: &mut Vec<Action>) {
         let resident: HashSet<u32> = self
             .gpus
@@ -1687,9 +1690,17 @@ impl Dispatcher {
             if !idle || !self.routable(gi) {
                 continue;
             }
-            let Some((_, m)) = hot.next() else {
+            let Some((rate, m)) = hot.next() else {
                 return;
             };
+            let coldest_held = self.gpus[gi]
+                .resident
+                .iter()
+                .map(|&r| (self.models[r as usize].rate.get().unwrap_or(0.0) * 1e3) as u64)
+                .min();
+            if coldest_held.is_some_and(|c| rate * 2 < c * 3) {
+                continue;
+            }
             let gpu = self.gpus[gi].gpu;
             self.occupy_with_prefetch(now, gi, m);
             self.expect_resident(gi, m);
@@ -1726,11 +1737,36 @@ impl Dispatcher {
         }
     }
 
-    /// A prefetch finished (or failed): the GPU may prefetch again.
-    pub fn prefetch_done(&mut self, gpu: Gpu, resident: Option<&[String]>) {
+    /// A prefetch of `model` on `gpu` finished at the runtime: it took
+    /// `ms` and found the model `path` (nothing to do when resident). The
+    /// load it measured is what a request that finds the model there
+    /// pays beyond its compute.
+    pub fn prefetched(&mut self, gpu: Gpu, model: &str, path: ServePath, ms: f64) {
+        let Some(id) = self.by_name.get(model).copied() else {
+            return;
+        };
+        if !self.gpus.iter().any(|g| g.gpu == gpu) || !ms.is_finite() || ms < 0.0 {
+            return;
+        }
+        let at = match path {
+            ServePath::DeviceResident => return,
+            ServePath::HostCached => Where::HostCached,
+            ServePath::Cold => Where::Remote,
+        };
+        let meta = &self.models[id as usize].meta;
+        let compute = self.cost.estimate(id, meta, Where::Resident) as f64 / 1e3;
+        let meta = meta.clone();
+        self.cost.observe(id, &meta, at, ms + compute, None, 0.0);
+    }
+
+    /// A prefetch finished (or failed) at `now`: the GPU may prefetch again,
+    /// and is busy only with what it has outstanding.
+    pub fn prefetch_done(&mut self, now: Micros, gpu: Gpu, resident: Option<&[String]>) {
         if let Some(gi) = self.gpus.iter().position(|g| g.gpu == gpu) {
-            self.gpus[gi].prefetching = false;
-            self.gpus[gi].prefetch_work = 0;
+            let g = &mut self.gpus[gi];
+            g.prefetching = false;
+            g.prefetch_work = 0;
+            g.busy_until = now + g.work_out;
             if let Some(names) = resident {
                 let ids = names
                     .iter()

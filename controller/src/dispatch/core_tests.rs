@@ -1054,3 +1054,53 @@ fn a_batch_is_answered_per_request_and_frees_its_slot_once() {
     let meta = d.models[a as usize].meta.clone();
     assert_eq!(d.cost.batch_increment(a, &meta), 1_000);
 }
+
+/// An idle GPU prefetching a hot model was charged the prior's load time
+/// until it went idle again at a reply, so for that long the `slo` policy
+/// rejected even requests for the model it held. The prefetch's own reply
+/// ends the charge, and its measured load replaces the prior.
+#[test]
+fn a_prefetch_occupies_its_gpu_until_its_reply_only() {
+    let mut d = dispatcher(PolicyKind::Slo, 1);
+    let a = model(&mut d, "a");
+    let b = model(&mut d, "b");
+    make_resident(&mut d, 0, "a");
+    // "b" is requested much more than "a" and resident nowhere.
+    d.models[a as usize].rate.observe(1.0);
+    d.models[b as usize].rate.observe(10.0);
+    let mut out = Vec::new();
+    d.tick(0, &mut out);
+    let prefetch = out
+        .iter()
+        .any(|x| matches!(x, Action::Prefetch { model, .. } if model == "b"));
+    assert!(prefetch, "{out:?}");
+    out.clear();
+    // The prior says 10 ms of upload: meanwhile a 15 ms SLO cannot be met.
+    let r = d.submit(MS, a, Some(15.0), &mut out);
+    assert_eq!(failed(&out), vec![(r, ErrorCode::Rejected)]);
+    out.clear();
+    // The runtime took 2 ms.
+    d.prefetched(gpu(0), "b", ServePath::HostCached, 2.0);
+    d.prefetch_done(2 * MS, gpu(0), None);
+    let r = d.submit(2 * MS, a, Some(15.0), &mut out);
+    assert_eq!(sent(&out), vec![(r, gpu(0))]);
+    // Loading "b" from the host cache is now 2 ms + its compute.
+    let meta = d.models[b as usize].meta.clone();
+    assert_eq!(d.cost.estimate(b, &meta, Where::HostCached), 12 * MS);
+}
+
+#[test]
+fn an_idle_gpu_prefetches_only_what_is_clearly_hotter_than_what_it_holds() {
+    for (rate_b, prefetches) in [(1.2, false), (2.0, true)] {
+        let mut d = dispatcher(PolicyKind::Slo, 1);
+        let a = model(&mut d, "a");
+        let b = model(&mut d, "b");
+        make_resident(&mut d, 0, "a");
+        d.models[a as usize].rate.observe(1.0);
+        d.models[b as usize].rate.observe(rate_b);
+        let mut out = Vec::new();
+        d.tick(0, &mut out);
+        let sent = out.iter().any(|x| matches!(x, Action::Prefetch { .. }));
+        assert_eq!(sent, prefetches, "b at {rate_b}x a's rate: {out:?}");
+    }
+}

@@ -446,7 +446,13 @@ impl CoreTask {
                 r => log::debug!("dispatcher: {what} on {gpu}: {r:?}"),
             }
             if what == "prefetch" {
-                self.d.prefetch_done(gpu, None);
+                if let RuntimeReply::Prefetched {
+                    model, path, ms, ..
+                } = &reply
+                {
+                    self.d.prefetched(gpu, model, *path, *ms);
+                }
+                self.d.prefetch_done(now, gpu, None);
             }
             return;
         }
@@ -535,7 +541,8 @@ impl CoreTask {
                     );
                     if self.send_link(gpu.runtime, msg).is_err() {
                         self.controls.remove(&id);
-                        self.d.prefetch_done(gpu, None);
+                        let now = self.now();
+                        self.d.prefetch_done(now, gpu, None);
                     }
                 }
                 Action::Evict { runtime, model } => {
