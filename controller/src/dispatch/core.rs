@@ -347,6 +347,10 @@ struct HostState {
     /// The last snapshot applied (each is applied once: replies are fresher).
     snapshot_seq: u64,
     cached: IdSet<u32>,
+    /// Models the last snapshot said are cached that the dispatcher had not
+    /// been asked for yet (it learns models on first request): counted as
+    /// cached when they are (a warm cache is warm from the first request).
+    cached_unknown: HashSet<String>,
     cache_bytes: u64,
     link_up: bool,
 }
@@ -493,6 +497,11 @@ impl Dispatcher {
             ));
         }
         let id = self.models.len() as u32;
+        for h in self.hosts.values_mut() {
+            if h.cached_unknown.remove(&meta.name) {
+                h.cached.insert(id);
+            }
+        }
         self.by_name.insert(meta.name.clone(), id);
         self.cost.register(id, &meta.family);
         self.models.push(Model {
@@ -606,8 +615,15 @@ impl Dispatcher {
         };
         if !s.host_cached_truncated {
             let cached: IdSet<u32> = ids(&s.host_cached, &self.by_name).into_iter().collect();
+            let unknown = s
+                .host_cached
+                .iter()
+                .filter(|n| !self.by_name.contains_key(*n))
+                .cloned()
+                .collect();
             if let Some(h) = self.hosts.get_mut(&runtime) {
                 h.cached = cached;
+                h.cached_unknown = unknown;
             }
         }
         for d in &s.devices {

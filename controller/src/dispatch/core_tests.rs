@@ -1104,3 +1104,38 @@ fn an_idle_gpu_prefetches_only_what_is_clearly_hotter_than_what_it_holds() {
         assert_eq!(sent, prefetches, "b at {rate_b}x a's rate: {out:?}");
     }
 }
+
+/// The dispatcher learns a model on its first request; a snapshot that
+/// named it cached before then was dropped, so a warm host cache looked
+/// cold (remote) until the next heartbeat, and the `slo` policy rejected
+/// every request for a model not resident for that long.
+#[test]
+fn a_warm_cache_is_warm_for_models_first_asked_for_after_the_snapshot() {
+    let mut d = dispatcher(PolicyKind::Slo, 1);
+    let snap = RuntimeSnapshot {
+        devices: vec![DeviceSnapshot {
+            device: 0,
+            ..Default::default()
+        }],
+        host_cached: vec!["a".into()],
+        host_cached_truncated: false,
+    };
+    d.runtime_seen(
+        0,
+        0,
+        1,
+        &[0],
+        1 << 30,
+        4,
+        Some((next_seq(), &snap)),
+        &mut Vec::new(),
+    );
+    let a = model(&mut d, "a");
+    let b = model(&mut d, "b");
+    assert_eq!(d.where_is(0, a), Where::HostCached);
+    assert_eq!(d.where_is(0, b), Where::Remote);
+    // 20 ms from the host cache, 120 ms remote: a 50 ms SLO is met for "a".
+    let mut out = Vec::new();
+    let r = d.submit(0, a, Some(50.0), &mut out);
+    assert_eq!(sent(&out), vec![(r, gpu(0))]);
+}
