@@ -805,6 +805,12 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
     );
     if system != System::Distmind || args.warm_cache {
         warm(args, system, &runtime, &key, &names, stop)?;
+        // The dispatcher sees a host cache in the runtime's heartbeats: let
+        // one (and the controller's tick) pass, or the first requests find
+        // the warm cache cold in the dispatcher's view.
+        std::thread::sleep(
+            distmind_controller::registry::HEARTBEAT_INTERVAL_DEFAULT + Duration::from_millis(200),
+        );
     }
 
     // 4. Workload.

@@ -330,6 +330,11 @@ struct GpuState {
     work_out: Micros,
     prefetch_work: Micros,
     queue: EdfQueue<ReqId>,
+    /// Per model in `queue`: how many, and the latest deadline among them
+    /// (at least: removals leave it, so a joiner is never overestimated).
+    /// Stale after the queue is drained elsewhere: read only while the
+    /// queue is not empty, reset when it is.
+    queued_models: IdMap<u32, (u32, Micros)>,
     training: Option<TrainingJob>,
     /// A prefetch was sent and not yet confirmed by a snapshot.
     prefetching: bool,
@@ -585,6 +590,7 @@ impl Dispatcher {
                     busy_until: now,
                     work_out: 0,
                     prefetch_work: 0,
+                    queued_models: IdMap::default(),
                     queue: EdfQueue::new(GPU_QUEUE_MAX),
                     training: None,
                     prefetching: false,
@@ -951,10 +957,15 @@ impl Dispatcher {
         let deadline = r.deadline;
         self.reqs.insert(id, r);
         self.bind_gpu(gi, model);
-        self.gpus[gi]
-            .queue
+        let g = &mut self.gpus[gi];
+        if g.queue.is_empty() {
+            g.queued_models.clear();
+        }
+        g.queue
             .push(deadline, service, id)
             .expect("admission skipped full queues");
+        let q = g.queued_models.entry(model).or_insert((0, 0));
+        *q = (q.0 + 1, q.1.max(deadline));
         self.expect_resident(gi, model);
         self.pump(now, gi, out);
     }
@@ -1009,21 +1020,31 @@ impl Dispatcher {
     }
 
     /// Whether a request for `model` due at `deadline`, queued at GPU `gi`
-    /// now, would join the batch of one already queued there: one due no
-    /// later (it leads the batch and pays for it), with room in its batch.
+    /// now, would join the batch of one already queued there: every one
+    /// queued for the model is due no later (the earliest leads the batch
+    /// and pays for it), and the last batch they fill has room.
     fn joins_a_batch(&self, gi: usize, model: u32, deadline: Micros, batch_max: u32) -> bool {
-        if batch_max <= 1 {
+        let g = &self.gpus[gi];
+        if batch_max <= 1 || g.queue.is_empty() {
             return false;
         }
-        let same = self.gpus[gi]
-            .queue
-            .iter()
-            .take_while(|(slot, _, _)| slot.0 <= deadline)
-            .filter(|(_, _, id)| self.reqs.get(id).is_some_and(|r| r.model == model))
-            .count() as u32;
-        // Queued requests of `model` fill batches of `batch_max` in turn:
-        // the last one has room unless they fill it exactly.
-        same % batch_max != 0
+        g.queued_models
+            .get(&model)
+            .is_some_and(|&(n, latest)| n % batch_max != 0 && latest <= deadline)
+    }
+
+    /// Request `id` left GPU `gi`'s queue.
+    fn unqueue_model(&mut self, gi: usize, id: ReqId) {
+        let Some(model) = self.reqs.get(&id).map(|r| r.model) else {
+            return;
+        };
+        let q = &mut self.gpus[gi].queued_models;
+        if let Some(e) = q.get_mut(&model) {
+            e.0 = e.0.saturating_sub(1);
+            if e.0 == 0 {
+                q.remove(&model);
+            }
+        }
     }
 
     /// Sends queued batches to GPU `gi` while it has room in its window.
@@ -1032,11 +1053,13 @@ impl Dispatcher {
             let Some((slot, service, &id)) = self.gpus[gi].queue.iter().next() else {
                 return;
             };
-            let start = self.gpus[gi].busy_until.max(now);
-            if start + service > slot.0 {
-                // The estimate moved since admission; say so rather than
-                // run a request that will be late anyway.
+            if now + service > slot.0 {
+                // Late even on an idle device: say so rather than run it.
+                // (Estimates of the work ahead of it are estimates: one
+                // that may still make it goes, and the runtime drops it if
+                // its budget runs out in the device's queue.)
                 self.gpus[gi].queue.remove(slot);
+                self.unqueue_model(gi, id);
                 let r = self.take(id).expect("queued requests are alive");
                 let message = format!(
                     "request for {} can no longer meet its {:.0} ms SLO: dropped before it ran",
@@ -1057,6 +1080,9 @@ impl Dispatcher {
                         .2
                 })
                 .collect();
+            for &id in &ids {
+                self.unqueue_model(gi, id);
+            }
             self.send_batch(now, gi, &ids, plan.service, out);
         }
     }

@@ -1139,3 +1139,31 @@ fn a_warm_cache_is_warm_for_models_first_asked_for_after_the_snapshot() {
     let r = d.submit(0, a, Some(50.0), &mut out);
     assert_eq!(sent(&out), vec![(r, gpu(0))]);
 }
+
+#[test]
+fn a_queued_request_is_dropped_only_when_late_even_on_an_idle_device() {
+    let mut d = dispatcher(PolicyKind::Slo, 1);
+    let a = model(&mut d, "a");
+    make_resident(&mut d, 0, "a");
+    let mut out = Vec::new();
+    // 10 ms each, a window of 2: r1 and r2 go at once, r3 (due at 35 ms)
+    // waits and is estimated to end at 30 ms.
+    let r1 = d.submit(0, a, Some(100.0), &mut out);
+    let r2 = d.submit(0, a, Some(100.0), &mut out);
+    let r3 = d.submit(0, a, Some(35.0), &mut out);
+    let r4 = d.submit(0, a, Some(100.0), &mut out);
+    assert_eq!(sent(&out), vec![(r1, gpu(0)), (r2, gpu(0))]);
+    out.clear();
+    let t = timing(ServePath::DeviceResident, 10.0);
+    let res = vec!["a".to_string()];
+    // r1 answered late, at 18 ms: with r2 estimated ahead of it r3 would
+    // end at 38 ms, but the device may be quicker than that estimate: r3
+    // goes (the runtime drops it if its budget runs out there).
+    d.complete(18 * MS, r1, &c_of(&t, &res), &mut out);
+    assert_eq!(sent(&out), vec![(r3, gpu(0))]);
+    out.clear();
+    // r4's turn at 95 ms: it cannot end by 100 ms even alone.
+    d.complete(95 * MS, r2, &c_of(&t, &res), &mut out);
+    assert!(sent(&out).is_empty());
+    assert_eq!(failed(&out), vec![(r4, ErrorCode::DeadlineExceeded)]);
+}
