@@ -720,21 +720,30 @@ fn a_dilated_clock_stretches_the_outstanding_timeout() {
 // Admission that tracks the device, batching, switch-aware order.
 // ----------------------------------------------------------------------
 
-/// A device as the runtime runs it: batches in arrival order, each taking
-/// `device_ms` plus `inc_ms` per extra request; every reply reaches the
-/// dispatcher `net_ms` after the device finished. Requests for `model`
-/// arrive every `gap_ms` with `slo_ms`. Returns (rejected, late, served).
-fn run_device(
-    d: &mut Dispatcher,
-    model: u32,
+/// A workload and a device for [`run_device`]: requests every `gap_ms`
+/// with `slo_ms`; batches take `device_ms` plus `inc_ms` per extra
+/// request; replies reach the dispatcher `net_ms` after the device.
+struct Load {
     requests: u64,
     gap_ms: f64,
     slo_ms: f64,
     device_ms: f64,
     inc_ms: f64,
     net_ms: f64,
-) -> (u64, u64, u64) {
+}
+
+/// A device as the runtime runs it (batches in arrival order) under `l`,
+/// every request for `model`. Returns (rejected, late, served).
+fn run_device(d: &mut Dispatcher, model: u32, l: &Load) -> (u64, u64, u64) {
     use std::collections::BTreeMap;
+    let Load {
+        requests,
+        gap_ms,
+        slo_ms,
+        device_ms,
+        inc_ms,
+        net_ms,
+    } = *l;
     let us = |ms: f64| (ms * 1e3) as Micros;
     let resident = vec![d.model_name(model).to_string()];
     // Replies due: time -> (req, batch size, device time).
@@ -801,7 +810,15 @@ fn a_busy_device_with_slow_replies_is_not_seen_ever_busier() {
     let mut d = dispatcher(PolicyKind::Slo, 1);
     let m = model(&mut d, "a");
     make_resident(&mut d, 0, "a");
-    let (rejected, late, served) = run_device(&mut d, m, 2000, 12.0, 60.0, 10.0, 0.0, 3.0);
+    let load = Load {
+        requests: 2000,
+        gap_ms: 12.0,
+        slo_ms: 60.0,
+        device_ms: 10.0,
+        inc_ms: 0.0,
+        net_ms: 3.0,
+    };
+    let (rejected, late, served) = run_device(&mut d, m, &load);
     assert_eq!((rejected, late, served), (0, 0, 2000));
 }
 
@@ -824,7 +841,15 @@ fn batches_serve_what_one_at_a_time_cannot_and_admission_counts_them() {
         let meta = d.models[m as usize].meta.clone();
         d.cost.observe(m, &meta, Where::Resident, 10.0, None, 10.0);
         d.cost.observe_batch(m, &meta, Where::Resident, 8, 17.0);
-        let r = run_device(&mut d, m, 1000, 4.0, 100.0, 10.0, 1.0, 0.5);
+        let load = Load {
+            requests: 1000,
+            gap_ms: 4.0,
+            slo_ms: 100.0,
+            device_ms: 10.0,
+            inc_ms: 1.0,
+            net_ms: 0.5,
+        };
+        let r = run_device(&mut d, m, &load);
         (r, d.counters().clone())
     };
     let ((rejected, late, served), _) = run(1);
@@ -865,16 +890,16 @@ fn random_queue(rng: &mut rand::rngs::StdRng, reorder: bool) -> (Dispatcher, Req
     (d, first)
 }
 
-/// Completes `first` at `now` and returns the batch sent next with the
-/// queue as it was before: (slot, service, model) in EDF order.
+/// A queue as it was: (slot, service, model, id) in EDF order.
+type QueueView = Vec<(Slot, Micros, u32, ReqId)>;
+
+/// Completes `first` at `now` and returns the queue as it was before and
+/// the batch sent next (its head and members).
 fn next_batch(
     d: &mut Dispatcher,
     first: ReqId,
     now: Micros,
-) -> (
-    Vec<(Slot, Micros, u32, ReqId)>,
-    Option<(ReqId, Vec<BatchMate>)>,
-) {
+) -> (QueueView, Option<(ReqId, Vec<BatchMate>)>) {
     let queue: Vec<_> = d.gpus[0]
         .queue
         .iter()
