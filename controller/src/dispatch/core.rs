@@ -901,8 +901,24 @@ impl Dispatcher {
         let batch_max = self.batch_max(r.model);
         let mut best: Option<(Micros, Where, usize, Micros)> = None;
         let mut earliest: Option<Micros> = None;
+        let least_service = increment.min(est[Where::Resident as usize]);
         for gi in 0..self.gpus.len() {
             if !self.routable(gi) || self.gpus[gi].queue.is_full() {
+                continue;
+            }
+            // A lower bound of its finish here, cheap: a GPU that cannot
+            // beat the best so far, or the deadline, is not looked at
+            // further (routing over many GPUs stays fast).
+            let free = self.free_at(now, gi);
+            let q = &self.gpus[gi].queue;
+            let ahead = if q.last_deadline().is_none_or(|d| d <= r.deadline) {
+                q.work()
+            } else {
+                0
+            };
+            let bound = free + overhead + ahead + least_service;
+            if bound > r.deadline || best.is_some_and(|(f, ..)| bound > f) {
+                earliest = Some(earliest.map_or(bound, |e: Micros| e.min(bound)));
                 continue;
             }
             let at = self.where_is(gi, r.model);
@@ -914,15 +930,14 @@ impl Dispatcher {
             } else {
                 est[at as usize]
             };
-            let adm =
-                self.gpus[gi]
-                    .queue
-                    .admit(self.free_at(now, gi), r.deadline, service, overhead);
+            let adm = self.gpus[gi]
+                .queue
+                .admit(free, r.deadline, service, overhead);
             earliest = Some(earliest.map_or(adm.finish, |e: Micros| e.min(adm.finish)));
             if adm.feasible && best.is_none_or(|(f, w, _, _)| (adm.finish, at) < (f, w)) {
                 best = Some((adm.finish, at, gi, service));
                 // Nothing beats an idle GPU that holds the model.
-                if at == Where::Resident && adm.finish == now + service {
+                if at == Where::Resident && adm.finish == now + overhead + service {
                     break;
                 }
             }

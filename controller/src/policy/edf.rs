@@ -139,6 +139,11 @@ impl<T> EdfQueue<T> {
         self.q.keys().next().map(|&(d, _)| d)
     }
 
+    /// The latest deadline queued.
+    pub fn last_deadline(&self) -> Option<Micros> {
+        self.q.keys().next_back().map(|&(d, _)| d)
+    }
+
     /// The queue in EDF order: (slot, service, item).
     pub fn iter(&self) -> impl Iterator<Item = (Slot, Micros, &T)> {
         self.q.iter().map(|(&k, (s, t))| (k, *s, t))
