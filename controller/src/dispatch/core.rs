@@ -1110,14 +1110,26 @@ impl Dispatcher {
         let head = *g.queue.iter().next().expect("pumped a non-empty queue").2;
         let head_model = self.reqs[&head].model;
         if self.cfg.reorder && !g.resident.contains(&head_model) {
+            // A resident model with requests queued (most recently used
+            // first: the one the device keeps longest).
             let alt = g
-                .queue
+                .resident
                 .iter()
-                .map(|(_, _, id)| self.reqs[id].model)
-                .find(|m| g.resident.contains(m));
+                .copied()
+                .find(|m| g.queued_models.get(m).is_some_and(|q| q.0 > 0));
             if let Some(plan) = alt.and_then(|m| self.plan_for(now, gi, m, true)) {
                 return plan;
             }
+        }
+        if g.queued_models.get(&head_model).is_none_or(|q| q.0 <= 1)
+            || self.batch_max(head_model) <= 1
+        {
+            // Nothing to coalesce: the head alone, as EDF sends it.
+            let slot = g.queue.iter().next().expect("pumped a non-empty queue").0;
+            return BatchPlan {
+                members: vec![slot],
+                service: self.head_time(gi),
+            };
         }
         self.plan_for(now, gi, head_model, false)
             .expect("the head always leads its own batch")
