@@ -385,6 +385,8 @@ enum BenchCommand {
     Dispatch(bench::dispatch::DispatchArgs),
     /// Time to make a model runnable from bytes in host memory, next to PyTorch loading a checkpoint.
     Load(bench::load::LoadArgs),
+    /// Capacity at SLO: the highest Poisson rate with 99% within a 100 ms SLO, mps vs distmind (slo).
+    Capacity(bench::capacity::CapacityArgs),
     /// This machine's loopback TCP rate, and the bucket rate emulated links would hold each host to.
     Loopback(distmind::emulate::LoopbackArgs),
 }
@@ -534,6 +536,7 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Loopback(a)) => distmind::emulate::run_loopback(&a),
         Command::Bench(BenchCommand::Coldstart(a)) => bench::coldstart::run(&a),
         Command::Bench(BenchCommand::Load(a)) => bench::load::run(&a),
+        Command::Bench(BenchCommand::Capacity(a)) => bench::capacity::run(&a),
         Command::Runtime(r) => {
             let settings = services::load_settings(&r.settings)?;
             let emulated = r.emulate.resolve(&settings)?;

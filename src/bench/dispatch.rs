@@ -5,8 +5,10 @@
 //!    (no IO) over a simulated cluster of `--gpus` GPUs and `--models`
 //!    models, Zipf popularity, requests completing after their estimated
 //!    service time so queues stay realistic. The `slo` policy (admission,
-//!    EDF) is measured next to the original's least-outstanding balancer
-//!    in the same run; the ratio says what SLO-awareness costs.
+//!    EDF, batching and switch-aware order on) is measured next to the
+//!    original's least-outstanding balancer in the same run; the ratio says
+//!    what SLO-awareness costs. Offered load is above what the GPUs serve
+//!    one at a time, so batches form.
 //! 2. Added latency: a real controller, memory server and GPU server
 //!    (cpu executor, a tiny ResNet-152) in this process over loopback. The
 //!    same requests go to the runtime directly and through the dispatcher;
@@ -75,6 +77,8 @@ struct Decisions {
     p99_us: f64,
     sent: u64,
     rejected: u64,
+    /// Requests per `Send`.
+    mean_batch: f64,
 }
 
 fn decisions(policy: PolicyKind, a: &DispatchArgs) -> anyhow::Result<Decisions> {
@@ -127,11 +131,12 @@ fn decisions(policy: PolicyKind, a: &DispatchArgs) -> anyhow::Result<Decisions> 
     }
     let zipf = Zipf::new(a.models as usize, 0.9)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-    // Offered load near what the simulated cluster serves.
-    let mean_gap: Micros = (5_000 / a.gpus as u64).max(1);
+    // Offered load at twice what the GPUs serve one request at a time.
+    let mean_gap: Micros = (2_500 / a.gpus as u64).max(1);
     let mut now: Micros = 0;
-    let mut done: BinaryHeap<Reverse<(Micros, u64)>> = BinaryHeap::new();
-    let t = TimingMsg {
+    // Replies due: (at, request, requests in its batch).
+    let mut done: BinaryHeap<Reverse<(Micros, u64, u32)>> = BinaryHeap::new();
+    let mut t = TimingMsg {
         queue_ms: 0.0,
         fetch_ms: 0.0,
         h2d_ms: 0.0,
@@ -145,15 +150,18 @@ fn decisions(policy: PolicyKind, a: &DispatchArgs) -> anyhow::Result<Decisions> 
         batch_requests: 1,
     };
     let mut samples = Vec::with_capacity((a.decisions / 16) as usize + 1);
-    let (mut sent, mut rejected) = (0u64, 0u64);
+    let (mut sent, mut rejected, mut sends) = (0u64, 0u64, 0u64);
     let start = Instant::now();
     for i in 0..a.decisions {
         now += mean_gap;
-        while let Some(&Reverse((at, req))) = done.peek() {
+        while let Some(&Reverse((at, req, n))) = done.peek() {
             if at > now {
                 break;
             }
             done.pop();
+            t.batch_requests = n;
+            t.compute_ms = 5.0 + 0.5 * f64::from(n - 1);
+            t.total_ms = t.compute_ms;
             let c = Completion {
                 timing: Some(&t),
                 resident: &[],
@@ -168,9 +176,15 @@ fn decisions(policy: PolicyKind, a: &DispatchArgs) -> anyhow::Result<Decisions> 
         }
         for a in out.drain(..) {
             match a {
-                Action::Send { req, .. } => {
-                    sent += 1;
-                    done.push(Reverse((now + 5_000, req)));
+                Action::Send { req, batch, .. } => {
+                    // A batch takes 5 ms and 0.5 ms per extra request.
+                    let n = batch.len() as u32 + 1;
+                    let at = now + 5_000 + 500 * u64::from(n - 1);
+                    sends += 1;
+                    for r in std::iter::once(req).chain(batch.iter().map(|m| m.req)) {
+                        sent += 1;
+                        done.push(Reverse((at, r, n)));
+                    }
                 }
                 Action::Fail { .. } => rejected += 1,
                 _ => {}
@@ -184,6 +198,7 @@ fn decisions(policy: PolicyKind, a: &DispatchArgs) -> anyhow::Result<Decisions> 
         p99_us: samples[(samples.len() * 99 / 100).min(samples.len() - 1)],
         sent,
         rejected,
+        mean_batch: sent as f64 / sends.max(1) as f64,
     })
 }
 
@@ -205,11 +220,12 @@ pub fn run(a: &DispatchArgs) -> anyhow::Result<()> {
     let slo = decisions(PolicyKind::Slo, a)?;
     for (name, r) in [
         ("lor (original, baseline)", &lor),
-        ("slo (admission + EDF)", &slo),
+        ("slo (EDF, batching, order)", &slo),
     ] {
         println!(
-            "  {name:<26} {:>10.0} decisions/s   p99 {:>6.2} us per decision   ({} sent, {} refused)",
-            r.per_s, r.p99_us, r.sent, r.rejected
+            "  {name:<26} {:>10.0} decisions/s   p99 {:>6.2} us per decision   ({} sent, {} refused, \
+             mean batch {:.2})",
+            r.per_s, r.p99_us, r.sent, r.rejected, r.mean_batch
         );
     }
     println!(

@@ -2,6 +2,7 @@
 //! measured in the same run, as a ratio (the machines are shared and noisy,
 //! so absolute numbers from different runs do not compare).
 
+pub mod capacity;
 pub mod coldstart;
 pub mod dispatch;
 pub mod load;

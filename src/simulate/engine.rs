@@ -61,6 +61,9 @@ pub struct Shape {
     pub prefix_s: f64,
     /// Per group: the layers from its first to the next group's first.
     pub group_compute_s: Vec<f64>,
+    /// Compute time of a batch of k + 1 requests over one request's
+    /// (index k, up to [`BATCH_REQUESTS_MAX`] requests).
+    pub batch_factor: Vec<f64>,
 }
 
 impl Shape {
@@ -71,7 +74,20 @@ impl Shape {
     pub fn compute_s(&self) -> f64 {
         self.prefix_s + self.group_compute_s.iter().sum::<f64>()
     }
+
+    /// Compute time of a batch of `n` requests over one request's.
+    pub fn factor(&self, n: u32) -> f64 {
+        let i = (n.max(1) - 1) as usize;
+        self.batch_factor
+            .get(i)
+            .or(self.batch_factor.last())
+            .copied()
+            .unwrap_or(1.0)
+    }
 }
+
+/// Most requests one batch carries (the protocol's bound).
+pub const BATCH_REQUESTS_MAX: usize = distmind_common::proto::BATCH_MEMBERS_MAX + 1;
 
 /// One model's slices: per group, (memory server, bytes) of each slice.
 pub type ModelPlacement = Vec<Vec<(usize, u64)>>;
@@ -205,9 +221,12 @@ impl Ord for At {
 
 #[derive(Debug, Clone, Copy)]
 enum JobKind {
+    /// A batch: `req` leads; its members are in `Sim::batches`.
     Infer {
         req: ReqId,
         budget_s: f64,
+        /// Requests in the batch (1: alone).
+        n: u32,
     },
     Prefetch,
     /// One training iteration.
@@ -284,6 +303,9 @@ pub struct Sim {
     net: Network,
     net_epoch: u64,
     pending: HashMap<ReqId, Pending>,
+    /// Members of the batches queued or running, by their head, with each
+    /// member's budget (s).
+    batches: HashMap<ReqId, Vec<(ReqId, f64)>>,
     /// Closed loop: each client's generator, seeded as the client seeds its threads.
     client_rngs: Vec<StdRng>,
     zipf: ModelDraw,
@@ -296,6 +318,14 @@ pub struct Sim {
     pub collector: Collector,
     pub counts: Counts,
     pub timeline: Option<Bins>,
+}
+
+/// Compute time of `job` over one request's (a batch runs longer).
+fn batch_factor(s: &Shape, job: &Job) -> f64 {
+    match job.kind {
+        JobKind::Infer { n, .. } => s.factor(n),
+        JobKind::Prefetch | JobKind::Train => 1.0,
+    }
 }
 
 fn us(t: f64) -> Micros {
@@ -379,6 +409,7 @@ impl Sim {
             net,
             net_epoch: 0,
             pending: HashMap::new(),
+            batches: HashMap::new(),
             zipf,
             out: Vec::new(),
             job_seq: 0,
@@ -619,6 +650,7 @@ impl Sim {
                         gpu,
                         model,
                         budget_ms,
+                        batch,
                     } => {
                         let Some(gi) = self.gpu_index(gpu) else {
                             continue;
@@ -626,12 +658,21 @@ impl Sim {
                         let Some(model) = self.d.model_id(&model) else {
                             continue;
                         };
+                        let n = batch.len() as u32 + 1;
+                        if !batch.is_empty() {
+                            let members = batch
+                                .iter()
+                                .map(|m| (m.req, m.budget_ms as f64 / 1e3))
+                                .collect();
+                            self.batches.insert(req, members);
+                        }
                         self.enqueue(
                             gi,
                             Job {
                                 kind: JobKind::Infer {
                                     req,
                                     budget_s: budget_ms as f64 / 1e3,
+                                    n,
                                 },
                                 model,
                                 enqueued: self.now,
@@ -699,17 +740,26 @@ impl Sim {
     /// training job set, one training iteration.
     fn start_next(&mut self, gi: usize) {
         while self.devices[gi].running.is_none() {
-            let Some(job) = self.devices[gi].queue.pop_front() else {
+            let Some(mut job) = self.devices[gi].queue.pop_front() else {
                 self.begin_train(gi);
                 return;
             };
-            if let JobKind::Infer { req, budget_s } = job.kind {
+            if let JobKind::Infer { req, budget_s, n } = job.kind {
+                // As the runtime: a request whose deadline passed in the
+                // queue is failed; the rest of its batch runs.
                 let waited = self.now - job.enqueued;
-                if waited > budget_s {
+                let late = |budget: f64| waited > budget;
+                let mut members = self.batches.remove(&req).unwrap_or_default();
+                let dropped: Vec<ReqId> = std::iter::once((req, budget_s))
+                    .chain(members.iter().copied())
+                    .filter(|&(_, b)| late(b))
+                    .map(|(id, _)| id)
+                    .collect();
+                for &id in &dropped {
                     let c = Completion::default();
-                    self.d.complete(us(self.now), req, &c, &mut self.out);
+                    self.d.complete(us(self.now), id, &c, &mut self.out);
                     self.reply(
-                        req,
+                        id,
                         Outcome::Refused {
                             code: ErrorCode::DeadlineExceeded,
                             message: format!(
@@ -718,7 +768,23 @@ impl Sim {
                             ),
                         },
                     );
+                }
+                if dropped.len() as u32 == n {
                     continue;
+                }
+                members.retain(|(id, _)| !dropped.contains(id));
+                let (head, budget_s) = if dropped.contains(&req) {
+                    members.remove(0)
+                } else {
+                    (req, budget_s)
+                };
+                job.kind = JobKind::Infer {
+                    req: head,
+                    budget_s,
+                    n: members.len() as u32 + 1,
+                };
+                if !members.is_empty() {
+                    self.batches.insert(head, members);
                 }
             }
             if let Err(e) = self.begin(gi, job) {
@@ -760,15 +826,18 @@ impl Sim {
     fn fail_job(&mut self, gi: usize, job: Job, e: ErrorReply) {
         match job.kind {
             JobKind::Infer { req, .. } => {
-                let c = Completion::default();
-                self.d.complete(us(self.now), req, &c, &mut self.out);
-                self.reply(
-                    req,
-                    Outcome::Refused {
-                        code: e.code,
-                        message: e.message,
-                    },
-                );
+                let members = self.batches.remove(&req).unwrap_or_default();
+                for id in std::iter::once(req).chain(members.into_iter().map(|(id, _)| id)) {
+                    let c = Completion::default();
+                    self.d.complete(us(self.now), id, &c, &mut self.out);
+                    self.reply(
+                        id,
+                        Outcome::Refused {
+                            code: e.code,
+                            message: e.message.clone(),
+                        },
+                    );
+                }
             }
             JobKind::Prefetch => {
                 let d = &self.devices[gi];
@@ -776,7 +845,7 @@ impl Sim {
                     runtime: d.runtime as u32,
                     device: d.device,
                 };
-                self.d.prefetch_done(gpu, None);
+                self.d.prefetch_done(us(self.now), gpu, None);
             }
             JobKind::Train => {}
         }
@@ -807,7 +876,8 @@ impl Sim {
                 self.counts.resident += 1;
             }
             if compute {
-                run.compute_end = self.now + self.cfg.shape.compute_s();
+                run.compute_end =
+                    self.now + self.cfg.shape.compute_s() * batch_factor(&self.cfg.shape, &job);
             }
             let (end, seq) = (run.compute_end, run.seq);
             self.devices[gi].running = Some(run);
@@ -886,13 +956,14 @@ impl Sim {
         run.h2d_end = start + h2d;
         run.h2d_s += h2d;
         if compute && !self.cfg.whole_model {
-            let prefix = if g == 0 { s.prefix_s } else { 0.0 };
+            let f = batch_factor(s, &run.job);
+            let prefix = if g == 0 { s.prefix_s * f } else { 0.0 };
             let c_start = if g == 0 {
                 run.start + prefix
             } else {
                 run.compute_end
             };
-            run.compute_end = c_start.max(run.h2d_end) + s.group_compute_s[g];
+            run.compute_end = c_start.max(run.h2d_end) + s.group_compute_s[g] * f;
         }
         run.h2d_end
     }
@@ -902,7 +973,7 @@ impl Sim {
             return run.h2d_end;
         }
         if self.cfg.whole_model {
-            run.h2d_end + self.cfg.shape.compute_s()
+            run.h2d_end + self.cfg.shape.compute_s() * batch_factor(&self.cfg.shape, &run.job)
         } else {
             run.compute_end.max(run.h2d_end)
         }
@@ -1039,9 +1110,10 @@ impl Sim {
             device: self.devices[gi].device,
         };
         match run.job.kind {
-            JobKind::Infer { req, .. } => {
+            JobKind::Infer { req, n, .. } => {
                 let total = self.now - run.job.enqueued;
-                let compute_s = self.cfg.shape.compute_s();
+                let compute_s =
+                    self.cfg.shape.compute_s() * batch_factor(&self.cfg.shape, &run.job);
                 let t = TimingMsg {
                     queue_ms: (run.start - run.job.enqueued) * 1e3,
                     fetch_ms: run.fetch_s * 1e3,
@@ -1057,7 +1129,7 @@ impl Sim {
                         0
                     },
                     train_yield_ms: 0.0,
-                    batch_requests: 1,
+                    batch_requests: n,
                 };
                 let resident: Vec<String> = self.devices[gi]
                     .residency
@@ -1069,18 +1141,28 @@ impl Sim {
                     timing: Some(&t),
                     resident: &resident,
                 };
-                self.d.complete(us(self.now), req, &c, &mut self.out);
-                self.reply(
-                    req,
-                    Outcome::Ok {
-                        latency_ms: 0.0,
-                        slo_ms: None,
-                        simulated: true,
-                        path: Some(run.path),
-                    },
-                );
+                // One reply per request of the batch.
+                let members = self.batches.remove(&req).unwrap_or_default();
+                for id in std::iter::once(req).chain(members.into_iter().map(|(id, _)| id)) {
+                    self.d.complete(us(self.now), id, &c, &mut self.out);
+                    self.reply(
+                        id,
+                        Outcome::Ok {
+                            latency_ms: 0.0,
+                            slo_ms: None,
+                            simulated: true,
+                            path: Some(run.path),
+                        },
+                    );
+                }
             }
-            JobKind::Prefetch => self.d.prefetch_done(gpu, None),
+            JobKind::Prefetch => {
+                // As the runtime's `Prefetched` reply: the load it measured.
+                let ms = (self.now - run.start) * 1e3;
+                let name = &self.cfg.names[m as usize];
+                self.d.prefetched(gpu, name, run.path, ms);
+                self.d.prefetch_done(us(self.now), gpu, None);
+            }
             JobKind::Train => unreachable!("handled above"),
         }
         self.start_next(gi);

@@ -294,11 +294,28 @@ pub fn shape(
         .collect();
     let block = distmind_runtime::cache::BLOCK_BYTES_DEFAULT;
     let stored = layout.stored_bytes();
+    // A batch of k requests runs at k times the client's batch: the
+    // profile's time there (interpolated between its measured batches,
+    // e.g. b1 and b8) over its time at one request's batch.
+    let one = times.total_s;
+    let batch_factor = (1..=engine::BATCH_REQUESTS_MAX)
+        .map(|k| {
+            let t = profile
+                .get(family, scale, batch * k)
+                .map_or(one * k as f64, |m| m.total_s);
+            if one > 0.0 {
+                t / one
+            } else {
+                1.0
+            }
+        })
+        .collect();
     Ok(Shape {
         group_bytes: layout.groups.iter().map(|g| g.bytes).collect(),
         cache_bytes: stored.div_ceil(block) * block,
         prefix_s: sum(0, firsts.first().copied().unwrap_or(n)),
         group_compute_s,
+        batch_factor,
     })
 }
 
@@ -666,6 +683,11 @@ mod tests {
             .unwrap()
             .total_s;
         assert!((s8.compute_s() - total8).abs() < 1e-9);
+        // A batch of 8 requests of batch 1 takes batch 8's time; 4 sit
+        // between (interpolated).
+        assert!((s.compute_s() * s.batch_factor[7] - total8).abs() < 1e-9);
+        let f4 = s.batch_factor[3];
+        assert!(f4 > 1.0 && f4 < s.batch_factor[7], "{:?}", s.batch_factor);
     }
 
     #[test]

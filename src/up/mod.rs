@@ -394,6 +394,9 @@ pub struct Outcome {
     pub cache_bytes: u64,
     pub profile_label: String,
     pub emulated: Option<distmind_common::emulate::EmulatedLink>,
+    /// The controller's `/metrics` text at the end of the workload (empty
+    /// when it could not be read).
+    pub controller_metrics: String,
 }
 
 /// One cluster, one system, one workload.
@@ -802,6 +805,12 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
     );
     if system != System::Distmind || args.warm_cache {
         warm(args, system, &runtime, &key, &names, stop)?;
+        // The dispatcher sees a host cache in the runtime's heartbeats: let
+        // one (and the controller's tick) pass, or the first requests find
+        // the warm cache cold in the dispatcher's view.
+        std::thread::sleep(
+            distmind_controller::registry::HEARTBEAT_INTERVAL_DEFAULT + Duration::from_millis(200),
+        );
     }
 
     // 4. Workload.
@@ -862,9 +871,17 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
     // 5. Metrics, then shutdown.
     println!("\n== metrics ==");
     let scrape_timeout = Duration::from_secs(5);
+    let mut controller_metrics = String::new();
     for s in cluster.services() {
         if let Some(addr) = s.addrs.get("metrics").cloned() {
             metrics::print_headline(&s.name, &addr, scrape_timeout);
+            if s.name == "controller" {
+                if let Ok((200, body)) =
+                    distmind_common::metrics::scrape(&addr, "/metrics", scrape_timeout)
+                {
+                    controller_metrics = body;
+                }
+            }
         }
     }
     // The GPU server's host memory, measured before it stops (figure 10).
@@ -981,6 +998,7 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
         cache_bytes: cache,
         profile_label,
         emulated,
+        controller_metrics,
     })
 }
 

@@ -7,23 +7,31 @@
 //! [`Action`]s it returns: send a request to a GPU, fail one with an
 //! explicit status, prefetch, evict, start or stop training.
 //!
-//! **Invariant:** every submitted request ends in exactly one `Send` that
-//! is later `complete`d, or in exactly one `Fail`. Nothing is dropped
-//! silently. A `Send` to a runtime that [`Dispatcher::runtime_down`] then
-//! reports lost is void: the request is sent again elsewhere (at most once
-//! after it was in flight) or failed `unavailable`.
+//! **Invariant:** every submitted request ends in exactly one `Send` (as its
+//! head or as a member of its batch) that is later `complete`d, or in
+//! exactly one `Fail`. Nothing is dropped silently. A `Send` to a runtime
+//! that [`Dispatcher::runtime_down`] then reports lost is void: the request
+//! is sent again elsewhere (at most once after it was in flight) or failed
+//! `unavailable`.
+//!
+//! Under the `slo` policy the dispatcher also forms batches: when a GPU has
+//! room it takes the head of its EDF queue and coalesces queued requests for
+//! the same model into one `Send`, as long as the batch and every request
+//! still queued behind it meet their deadlines on the cost model; and when
+//! the head's model is not resident there, a batch for a resident model may
+//! go first if that makes no queued request late (switch-aware order).
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use distmind_common::proto::{
     DispatchInfo, ErrorCode, ErrorReply, GpuAssignment, GpuRole, RuntimeSnapshot, ServePath,
-    TimingMsg,
+    TimingMsg, BATCH_MEMBERS_MAX,
 };
 
 use crate::policy::cost::{CostModel, ModelMeta, Priors};
 use crate::policy::distmind::{DistMindConfig, DistMindPolicy};
-use crate::policy::edf::EdfQueue;
+use crate::policy::edf::{EdfQueue, Slot};
 use crate::policy::training::TrainingJob;
 use crate::policy::{Balancer, Ewma, Gpu, Micros, PolicyKind, Where};
 
@@ -70,6 +78,11 @@ pub const PENDING_MAX: usize = 4096;
 pub const REQUESTS_MAX: usize = 65_536;
 /// Most models the dispatcher tracks.
 pub const MODELS_MAX: usize = 65_536;
+/// Most requests one batch carries unless configured: the profiles' largest
+/// measured batch, so the cost model interpolates rather than extrapolates.
+pub const BATCH_MAX_DEFAULT: u32 = 8;
+/// Most requests one batch may carry (the protocol's bound).
+pub const BATCH_MAX: u32 = BATCH_MEMBERS_MAX as u32 + 1;
 /// Default latency objective when neither the request nor controller.json
 /// gives one.
 pub const SLO_MS_DEFAULT: f64 = 1000.0;
@@ -94,6 +107,14 @@ pub struct DispatchConfig {
     pub slo_ms_by_family: BTreeMap<String, f64>,
     pub slo_ms_default: f64,
     pub window: u32,
+    /// Most requests per batch under the `slo` policy (1: no batching), and
+    /// per model family where it differs.
+    pub batch_max: u32,
+    pub batch_max_by_family: BTreeMap<String, u32>,
+    /// Switch-aware order under the `slo` policy: a batch for a resident
+    /// model may run before a head that has to be loaded when no queued
+    /// request is made late.
+    pub reorder: bool,
     pub distmind: DistMindConfig,
     pub priors: Priors,
     /// Training job for GPUs that train (`use_train`).
@@ -112,6 +133,9 @@ impl DispatchConfig {
             slo_ms_by_family: BTreeMap::new(),
             slo_ms_default: SLO_MS_DEFAULT,
             window: SLO_WINDOW_DEFAULT,
+            batch_max: BATCH_MAX_DEFAULT,
+            batch_max_by_family: BTreeMap::new(),
+            reorder: true,
             distmind,
             priors: Priors::default(),
             train_model: None,
@@ -120,16 +144,27 @@ impl DispatchConfig {
     }
 }
 
+/// A request that runs in the batch of another `Send`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchMate {
+    pub req: ReqId,
+    /// The time left before its deadline.
+    pub budget_ms: u64,
+}
+
 /// What the network layer must do.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Action {
     /// Send request `req` (its input is held by the network layer) to a GPU;
-    /// `budget_ms`: the time left before its deadline.
+    /// `budget_ms`: the time left before its deadline. `batch`: requests for
+    /// the same model that run in one batch with it (their inputs follow
+    /// `req`'s, in this order); each is answered under its own id.
     Send {
         req: ReqId,
         gpu: Gpu,
         model: String,
         budget_ms: u64,
+        batch: Vec<BatchMate>,
     },
     /// Answer `req` with this error; it is finished.
     Fail {
@@ -179,6 +214,12 @@ pub struct DispatchCounters {
     pub retried: u64,
     pub prefetches: u64,
     pub evictions: u64,
+    /// `Send`s (batches, a lone request being a batch of one) and the
+    /// requests they carried: their ratio is the mean batch size.
+    pub batches: u64,
+    pub batched_requests: u64,
+    /// Batches sent to a GPU that did not hold their model (it loads it).
+    pub model_switches: u64,
 }
 
 #[derive(Debug)]
@@ -198,6 +239,21 @@ struct Req {
     /// It was in flight on a lost runtime and was sent again: a second
     /// loss fails it.
     retried: bool,
+    /// Once sent: its batch (the head's id).
+    batch: Option<ReqId>,
+}
+
+/// A batch sent to a GPU (a lone request is a batch of one).
+#[derive(Debug)]
+struct Batch {
+    gi: usize,
+    /// Its estimated device time.
+    service: Micros,
+    /// Members not answered yet.
+    left: u32,
+    /// It no longer holds a slot of the GPU's window (its first reply came:
+    /// the device ran it).
+    released: bool,
 }
 
 /// A GPU's resident models, most recently used first, with a set beside
@@ -280,9 +336,19 @@ struct GpuState {
     /// Resident model ids, most recently used first.
     resident: Resident,
     resident_max: usize,
+    /// Batches sent and not answered.
     outstanding: u32,
     busy_until: Micros,
+    /// Estimated device time of the outstanding batches and of a prefetch
+    /// in progress: on every answer the GPU is busy until now plus these.
+    work_out: Micros,
+    prefetch_work: Micros,
     queue: EdfQueue<ReqId>,
+    /// Per model in `queue`: how many, and the latest deadline among them
+    /// (at least: removals leave it, so a joiner is never overestimated).
+    /// Stale after the queue is drained elsewhere: read only while the
+    /// queue is not empty, reset when it is.
+    queued_models: IdMap<u32, (u32, Micros)>,
     training: Option<TrainingJob>,
     /// A prefetch was sent and not yet confirmed by a snapshot.
     prefetching: bool,
@@ -300,6 +366,10 @@ struct HostState {
     /// The last snapshot applied (each is applied once: replies are fresher).
     snapshot_seq: u64,
     cached: IdSet<u32>,
+    /// Models the last snapshot said are cached that the dispatcher had not
+    /// been asked for yet (it learns models on first request): counted as
+    /// cached when they are (a warm cache is warm from the first request).
+    cached_unknown: HashSet<String>,
     cache_bytes: u64,
     link_up: bool,
     /// Why its runtime was lost, from [`Dispatcher::runtime_down`] until
@@ -345,6 +415,16 @@ pub struct Dispatcher {
     resident_on: Holders,
     /// Model -> GPUs the `distmind` policy assigned it to.
     assigned_to: Holders,
+    /// Batches sent and not fully answered, by their head's id.
+    batches: IdMap<ReqId, Batch>,
+}
+
+/// The batch a GPU runs next: slots of its queue, the first leading.
+#[derive(Debug)]
+struct BatchPlan {
+    members: Vec<Slot>,
+    /// Estimated device time of the batch.
+    service: Micros,
 }
 
 /// What [`Dispatcher::route_balanced`] did with a request.
@@ -373,6 +453,15 @@ impl Dispatcher {
         if cfg.slo_ms_default.is_nan() || cfg.slo_ms_default <= 0.0 {
             return Err("the default SLO must be positive".into());
         }
+        for (what, &b) in std::iter::once((&"every family".to_string(), &cfg.batch_max))
+            .chain(cfg.batch_max_by_family.iter())
+        {
+            if !(1..=BATCH_MAX).contains(&b) {
+                return Err(format!(
+                    "the maximum batch ({what}) must be 1..={BATCH_MAX} requests, got {b}"
+                ));
+            }
+        }
         Ok(Dispatcher {
             cost: CostModel::new(cfg.priors),
             cfg,
@@ -391,6 +480,7 @@ impl Dispatcher {
             only_model: None,
             resident_on: Holders::default(),
             assigned_to: Holders::default(),
+            batches: IdMap::default(),
         })
     }
 
@@ -430,6 +520,11 @@ impl Dispatcher {
             ));
         }
         let id = self.models.len() as u32;
+        for h in self.hosts.values_mut() {
+            if h.cached_unknown.remove(&meta.name) {
+                h.cached.insert(id);
+            }
+        }
         self.by_name.insert(meta.name.clone(), id);
         self.cost.register(id, &meta.family);
         self.models.push(Model {
@@ -511,6 +606,9 @@ impl Dispatcher {
                     },
                     outstanding: 0,
                     busy_until: now,
+                    work_out: 0,
+                    prefetch_work: 0,
+                    queued_models: IdMap::default(),
                     queue: EdfQueue::new(GPU_QUEUE_MAX),
                     training: None,
                     prefetching: false,
@@ -541,8 +639,15 @@ impl Dispatcher {
         };
         if !s.host_cached_truncated {
             let cached: IdSet<u32> = ids(&s.host_cached, &self.by_name).into_iter().collect();
+            let unknown = s
+                .host_cached
+                .iter()
+                .filter(|n| !self.by_name.contains_key(*n))
+                .cloned()
+                .collect();
             if let Some(h) = self.hosts.get_mut(&runtime) {
                 h.cached = cached;
+                h.cached_unknown = unknown;
             }
         }
         for d in &s.devices {
@@ -561,6 +666,7 @@ impl Dispatcher {
             }
             let g = &mut self.gpus[gi];
             g.prefetching = false;
+            g.prefetch_work = 0;
             g.training = d.training.as_ref().map(|_| TrainingJob {
                 started_at: 0,
                 iteration: (d.train_iteration_ms * 1e3) as Micros,
@@ -600,7 +706,10 @@ impl Dispatcher {
             let g = &mut self.gpus[gi];
             g.link_up = false;
             moved.extend(g.queue.drain());
+            g.queued_models.clear();
             g.outstanding = 0;
+            g.work_out = 0;
+            g.prefetch_work = 0;
             g.busy_until = now;
             g.training = None;
             g.prefetching = false;
@@ -636,6 +745,7 @@ impl Dispatcher {
             r.retried |= was_in_flight;
             r.displaced = Some(reason.clone());
             r.gpu = None;
+            r.batch = None;
             self.reroute(now, id, r, out);
             if was_in_flight && self.reqs.contains_key(&id) {
                 self.counters.retried += 1;
@@ -727,13 +837,34 @@ impl Dispatcher {
             .or_insert(0) += 1;
     }
 
-    /// Takes request `id` out of the table, releasing its GPU binding.
+    /// Takes request `id` out of the table, releasing its GPU binding and
+    /// its share of its batch (the batch's window slot goes with its first
+    /// member out).
     fn take(&mut self, id: ReqId) -> Option<Req> {
         let r = self.reqs.remove(&id)?;
         if let Some(gi) = r.gpu {
             self.unbind_gpu(gi, r.model);
         }
+        if let Some(head) = r.batch {
+            self.leave_batch(head);
+        }
         Some(r)
+    }
+
+    fn leave_batch(&mut self, head: ReqId) {
+        let Some(b) = self.batches.get_mut(&head) else {
+            return;
+        };
+        b.left = b.left.saturating_sub(1);
+        if !b.released {
+            b.released = true;
+            let g = &mut self.gpus[b.gi];
+            g.outstanding = g.outstanding.saturating_sub(1);
+            g.work_out = g.work_out.saturating_sub(b.service);
+        }
+        if b.left == 0 {
+            self.batches.remove(&head);
+        }
     }
 
     /// Ends request `id` (already out of the table) with an error: counts it
@@ -797,6 +928,7 @@ impl Dispatcher {
             sent_at: None,
             displaced: None,
             retried: false,
+            batch: None,
         };
         self.route(now, id, r, out);
         id
@@ -881,22 +1013,48 @@ impl Dispatcher {
         let meta = &self.models[r.model as usize].meta;
         let est = [Where::Resident, Where::HostCached, Where::Remote]
             .map(|at| self.cost.estimate(r.model, meta, at));
+        let increment = self.cost.batch_increment(r.model, meta);
+        let overhead = self.cost.overhead();
+        let batch_max = self.batch_max(r.model);
         let mut best: Option<(Micros, Where, usize, Micros)> = None;
         let mut earliest: Option<Micros> = None;
+        let least_service = increment.min(est[Where::Resident as usize]);
         for gi in 0..self.gpus.len() {
             if !self.routable(gi) || self.gpus[gi].queue.is_full() {
                 continue;
             }
+            // A lower bound of its finish here, cheap: a GPU that cannot
+            // beat the best so far, or the deadline, is not looked at
+            // further (routing over many GPUs stays fast).
+            let free = self.free_at(now, gi);
+            let q = &self.gpus[gi].queue;
+            let ahead = if q.last_deadline().is_none_or(|d| d <= r.deadline) {
+                q.work()
+            } else {
+                0
+            };
+            let bound = free + overhead + ahead + least_service;
+            if bound > r.deadline || best.is_some_and(|(f, ..)| bound > f) {
+                earliest = Some(earliest.map_or(bound, |e: Micros| e.min(bound)));
+                continue;
+            }
             let at = self.where_is(gi, r.model);
-            let service = est[at as usize];
+            // A request that joins the batch of one queued for its model
+            // adds only the batch increment to the device's work; counting
+            // it whole would reject what batching serves.
+            let service = if self.joins_a_batch(gi, r.model, r.deadline, batch_max) {
+                increment
+            } else {
+                est[at as usize]
+            };
             let adm = self.gpus[gi]
                 .queue
-                .admit(self.free_at(now, gi), r.deadline, service);
+                .admit(free, r.deadline, service, overhead);
             earliest = Some(earliest.map_or(adm.finish, |e: Micros| e.min(adm.finish)));
             if adm.feasible && best.is_none_or(|(f, w, _, _)| (adm.finish, at) < (f, w)) {
                 best = Some((adm.finish, at, gi, service));
                 // Nothing beats an idle GPU that holds the model.
-                if at == Where::Resident && adm.finish == now + service {
+                if at == Where::Resident && adm.finish == now + overhead + service {
                     break;
                 }
             }
@@ -936,6 +1094,13 @@ impl Dispatcher {
                     ),
                 ),
             };
+            log::debug!(
+                "dispatcher: {message}; estimates (resident, host-cached, remote) {est:?} us, overhead {overhead} us, \
+                 GPUs free at {:?} us from now",
+                (0..self.gpus.len())
+                    .map(|gi| self.free_at(now, gi) - now)
+                    .collect::<Vec<_>>()
+            );
             self.fail(id, code, message, out);
             return;
         };
@@ -947,10 +1112,15 @@ impl Dispatcher {
         let deadline = r.deadline;
         self.reqs.insert(id, r);
         self.bind_gpu(gi, model);
-        self.gpus[gi]
-            .queue
+        let g = &mut self.gpus[gi];
+        if g.queue.is_empty() {
+            g.queued_models.clear();
+        }
+        g.queue
             .push(deadline, service, id)
             .expect("admission skipped full queues");
+        let q = g.queued_models.entry(model).or_insert((0, 0));
+        *q = (q.0 + 1, q.1.max(deadline));
         self.expect_resident(gi, model);
         self.pump(now, gi, out);
     }
@@ -992,16 +1162,59 @@ impl Dispatcher {
         }
     }
 
-    /// Sends queued requests to GPU `gi` while it has room in its window.
+    /// The most requests one batch of `model` carries.
+    fn batch_max(&self, model: u32) -> u32 {
+        if self.cfg.policy != PolicyKind::Slo {
+            return 1;
+        }
+        self.cfg
+            .batch_max_by_family
+            .get(&self.models[model as usize].meta.family)
+            .copied()
+            .unwrap_or(self.cfg.batch_max)
+    }
+
+    /// Whether a request for `model` due at `deadline`, queued at GPU `gi`
+    /// now, would join the batch of one already queued there: every one
+    /// queued for the model is due no later (the earliest leads the batch
+    /// and pays for it), and the last batch they fill has room.
+    fn joins_a_batch(&self, gi: usize, model: u32, deadline: Micros, batch_max: u32) -> bool {
+        let g = &self.gpus[gi];
+        if batch_max <= 1 || g.queue.is_empty() {
+            return false;
+        }
+        g.queued_models
+            .get(&model)
+            .is_some_and(|&(n, latest)| n % batch_max != 0 && latest <= deadline)
+    }
+
+    /// Request `id` left GPU `gi`'s queue.
+    fn unqueue_model(&mut self, gi: usize, id: ReqId) {
+        let Some(model) = self.reqs.get(&id).map(|r| r.model) else {
+            return;
+        };
+        let q = &mut self.gpus[gi].queued_models;
+        if let Some(e) = q.get_mut(&model) {
+            e.0 = e.0.saturating_sub(1);
+            if e.0 == 0 {
+                q.remove(&model);
+            }
+        }
+    }
+
+    /// Sends queued batches to GPU `gi` while it has room in its window.
     fn pump(&mut self, now: Micros, gi: usize, out: &mut Vec<Action>) {
         while self.gpus[gi].outstanding < self.cfg.window {
-            let Some((deadline, service, id)) = self.gpus[gi].queue.pop() else {
+            let Some((slot, service, &id)) = self.gpus[gi].queue.iter().next() else {
                 return;
             };
-            let start = self.gpus[gi].busy_until.max(now);
-            if start + service > deadline {
-                // The estimate moved since admission; say so rather than
-                // run a request that will be late anyway.
+            if now + service > slot.0 {
+                // Late even on an idle device: say so rather than run it.
+                // (Estimates of the work ahead of it are estimates: one
+                // that may still make it goes, and the runtime drops it if
+                // its budget runs out in the device's queue.)
+                self.gpus[gi].queue.remove(slot);
+                self.unqueue_model(gi, id);
                 let r = self.take(id).expect("queued requests are alive");
                 let message = format!(
                     "request for {} can no longer meet its {:.0} ms SLO: dropped before it ran",
@@ -1010,23 +1223,240 @@ impl Dispatcher {
                 self.fail(id, ErrorCode::DeadlineExceeded, message, out);
                 continue;
             }
-            self.send(now, gi, id, service, out);
+            let plan = self.plan_batch(now, gi);
+            let ids: Vec<ReqId> = plan
+                .members
+                .iter()
+                .map(|&slot| {
+                    self.gpus[gi]
+                        .queue
+                        .remove(slot)
+                        .expect("planned from the queue")
+                        .2
+                })
+                .collect();
+            for &id in &ids {
+                self.unqueue_model(gi, id);
+            }
+            self.send_batch(now, gi, &ids, plan.service, out);
         }
     }
 
-    fn send(&mut self, now: Micros, gi: usize, id: ReqId, service: Micros, out: &mut Vec<Action>) {
-        let r = self.reqs.get_mut(&id).expect("sent requests are alive");
+    /// The batch GPU `gi` runs next: led by the EDF head's model, or, when
+    /// the head's model must be loaded, by a resident model whose batch
+    /// makes no queued request late even with its own time again as margin.
+    fn plan_batch(&self, now: Micros, gi: usize) -> BatchPlan {
+        let g = &self.gpus[gi];
+        let head = *g.queue.iter().next().expect("pumped a non-empty queue").2;
+        let head_model = self.reqs[&head].model;
+        if self.cfg.reorder && !g.resident.contains(&head_model) {
+            // A resident model with requests queued (most recently used
+            // first: the one the device keeps longest).
+            let alt = g
+                .resident
+                .iter()
+                .copied()
+                .find(|m| g.queued_models.get(m).is_some_and(|q| q.0 > 0));
+            if let Some(plan) = alt.and_then(|m| self.plan_for(now, gi, m, true)) {
+                return plan;
+            }
+        }
+        if g.queued_models.get(&head_model).is_none_or(|q| q.0 <= 1)
+            || self.batch_max(head_model) <= 1
+        {
+            // Nothing to coalesce: the head alone, as EDF sends it.
+            let slot = g.queue.iter().next().expect("pumped a non-empty queue").0;
+            return BatchPlan {
+                members: vec![slot],
+                service: self.head_time(gi),
+            };
+        }
+        self.plan_for(now, gi, head_model, false)
+            .expect("the head always leads its own batch")
+    }
+
+    /// A batch of `lead`'s queued requests (in EDF order) for GPU `gi`, as
+    /// large as the batch bound allows while the batch and every other
+    /// queued request that EDF would finish in time still finish in time
+    /// (on the cost model). `reorder`: `lead` is not the head's model; its
+    /// batch must keep twice its time of slack for the requests it passes,
+    /// or there is no plan.
+    fn plan_for(&self, now: Micros, gi: usize, lead: u32, reorder: bool) -> Option<BatchPlan> {
+        let g = &self.gpus[gi];
+        let meta = &self.models[lead as usize].meta;
+        let at = self.batch_at(gi, lead);
+        let one = self.cost.estimate(lead, meta, at);
+        let inc = self.cost.batch_increment(lead, meta);
+        let max = self.batch_max(lead) as usize;
+        let start = g.busy_until.max(now) + self.cost.overhead();
+        let batch_time = |n: usize| one + (n as u64 - 1) * inc;
+        let mut members: Vec<Slot> = Vec::new();
+        let mut member_deadline = Micros::MAX;
+        // Greedy: a request of `lead` joins while the batch still ends by
+        // every member's deadline and the requests it passes keep enough
+        // slack. EDF's finish of item i is `edf`; its finish with the batch
+        // first is edf + batch time - (service of the members before it),
+        // so each passed request allows the batch up to its slack plus
+        // that credit.
+        let head_now = self.head_time(gi);
+        let mut edf = start;
+        let mut credit: Micros = 0;
+        let mut allowance = Micros::MAX;
+        for (i, (slot, s, id)) in g.queue.iter().enumerate() {
+            let s = if i == 0 { head_now } else { s };
+            edf += s;
+            if members.len() < max && self.reqs[id].model == lead {
+                let t = batch_time(members.len() + 1);
+                let margin = if reorder { t } else { 0 };
+                let fits = start + t <= member_deadline.min(slot.0) && allowance >= t + margin;
+                if fits || (members.is_empty() && !reorder) {
+                    members.push(slot);
+                    member_deadline = member_deadline.min(slot.0);
+                    credit += s;
+                    continue;
+                }
+                if members.is_empty() {
+                    return None;
+                }
+                break;
+            }
+            if edf <= slot.0 {
+                allowance = allowance.min(slot.0 - edf + credit);
+            }
+        }
+        // Exact check of the whole schedule; shrink until it holds (the
+        // greedy bound misses only requests after the batch whose stored
+        // service is below the increment).
+        while members.len() > 1
+            && !self.batch_keeps_deadlines(gi, start, &members, batch_time(members.len()))
+        {
+            members.pop();
+        }
+        if reorder && !self.batch_keeps_deadlines(gi, start, &members, batch_time(members.len())) {
+            return None;
+        }
+        Some(BatchPlan {
+            service: batch_time(members.len()),
+            members,
+        })
+    }
+
+    /// Whether running `members` (slots of GPU `gi`'s queue) first as one
+    /// batch of `batch_time`, then the rest in EDF order, ends every member
+    /// by its deadline and every other request EDF would end in time in
+    /// time. Times from `start` (overhead included).
+    fn batch_keeps_deadlines(
+        &self,
+        gi: usize,
+        start: Micros,
+        members: &[Slot],
+        batch_time: Micros,
+    ) -> bool {
+        let mut t = start + batch_time;
+        if members.iter().any(|m| t > m.0) {
+            return false;
+        }
+        let head_now = self.head_time(gi);
+        let mut edf = start;
+        for (i, (slot, s, _)) in self.gpus[gi].queue.iter().enumerate() {
+            let s = if i == 0 { head_now } else { s };
+            edf += s;
+            if members.contains(&slot) {
+                continue;
+            }
+            t += s;
+            if t > slot.0 && edf <= slot.0 {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// The device time of GPU `gi`'s EDF head alone, where its model is now
+    /// (the others keep the estimate they were admitted with: where their
+    /// model will be is the head's doing).
+    fn head_time(&self, gi: usize) -> Micros {
+        let g = &self.gpus[gi];
+        g.queue.iter().next().map_or(0, |(_, _, id)| {
+            let r = &self.reqs[id];
+            let at = self.where_is(gi, r.model).max(r.at);
+            self.cost
+                .estimate(r.model, &self.models[r.model as usize].meta, at)
+        })
+    }
+
+    /// Where `model`'s next batch on GPU `gi` finds it. Admission marks a
+    /// model resident as soon as the request that loads it is queued (so
+    /// later requests are admitted as warm), so residency alone would
+    /// charge that load as a warm run: a queued request admitted as a
+    /// load keeps its load.
+    fn batch_at(&self, gi: usize, model: u32) -> Where {
+        let at = self.where_is(gi, model);
+        if at == Where::Remote {
+            return at;
+        }
+        self.gpus[gi]
+            .queue
+            .iter()
+            .map(|(_, _, id)| &self.reqs[id])
+            .filter(|r| r.model == model)
+            .fold(at, |a, r| a.max(r.at))
+    }
+
+    /// Sends `ids` (the first leads; all for one model) to GPU `gi` as one
+    /// batch of estimated device time `service`.
+    fn send_batch(
+        &mut self,
+        now: Micros,
+        gi: usize,
+        ids: &[ReqId],
+        service: Micros,
+        out: &mut Vec<Action>,
+    ) {
+        let head = ids[0];
+        let model = self.reqs[&head].model;
+        // Each load was admitted as the one request that finds its model
+        // not resident (admission expects it resident from then on).
+        let loads = ids.iter().any(|id| self.reqs[id].at != Where::Resident);
+        let budget = |r: &Req| r.deadline.saturating_sub(now).div_ceil(1000);
+        let mut batch = Vec::with_capacity(ids.len() - 1);
+        for &id in ids {
+            let r = self.reqs.get_mut(&id).expect("sent requests are alive");
+            r.sent_at = Some(now);
+            r.gpu = Some(gi);
+            r.batch = Some(head);
+            if id != head {
+                batch.push(BatchMate {
+                    req: id,
+                    budget_ms: budget(r),
+                });
+            }
+        }
         let g = &mut self.gpus[gi];
         g.busy_until = g.busy_until.max(now) + service;
+        g.work_out += service;
         g.outstanding += 1;
-        r.sent_at = Some(now);
-        r.gpu = Some(gi);
-        self.counters.sent += 1;
+        let gpu = g.gpu;
+        self.batches.insert(
+            head,
+            Batch {
+                gi,
+                service,
+                left: ids.len() as u32,
+                released: false,
+            },
+        );
+        let c = &mut self.counters;
+        c.sent += ids.len() as u64;
+        c.batches += 1;
+        c.batched_requests += ids.len() as u64;
+        c.model_switches += u64::from(loads);
         out.push(Action::Send {
-            req: id,
-            gpu: g.gpu,
-            model: self.models[r.model as usize].meta.name.clone(),
-            budget_ms: r.deadline.saturating_sub(now).div_ceil(1000),
+            req: head,
+            gpu,
+            model: self.models[model as usize].meta.name.clone(),
+            budget_ms: budget(&self.reqs[&head]),
+            batch,
         });
     }
 
@@ -1093,7 +1523,7 @@ impl Dispatcher {
         }
         self.expect_resident(gi, model);
         self.bind_gpu(gi, model);
-        self.send(now, gi, id, service, out);
+        self.send_batch(now, gi, &[id], service, out);
         Routed::Sent
     }
 
@@ -1207,14 +1637,15 @@ impl Dispatcher {
         c: &Completion<'_>,
         out: &mut Vec<Action>,
     ) -> Option<DispatchInfo> {
+        // The batch's first answer frees its window slot: the device ran it.
+        let first_answer = r_batch_open(&self.batches, self.reqs.get(&req));
         let r = self.take(req)?;
         let gi = r.gpu?;
-        {
+        if first_answer {
+            // Busy for what is still outstanding, from now: estimates that
+            // ran long or short do not accumulate over a busy period.
             let g = &mut self.gpus[gi];
-            g.outstanding = g.outstanding.saturating_sub(1);
-            if g.outstanding == 0 && g.queue.is_empty() {
-                g.busy_until = now;
-            }
+            g.busy_until = now + g.work_out + g.prefetch_work;
         }
         let total_ms = (now - r.arrival) as f64 / 1e3;
         if let Some(t) = c.timing {
@@ -1224,14 +1655,19 @@ impl Dispatcher {
                 ServePath::Cold => Where::Remote,
             };
             let rtt = r.sent_at.map(|s| (now - s) as f64 / 1e3);
-            self.cost.observe(
-                r.model,
-                &self.models[r.model as usize].meta,
-                at,
-                t.total_ms - t.queue_ms,
-                rtt,
-                t.total_ms,
-            );
+            let meta = &self.models[r.model as usize].meta;
+            let service_ms = t.total_ms - t.queue_ms;
+            if t.batch_requests <= 1 {
+                self.cost
+                    .observe(r.model, meta, at, service_ms, rtt, t.total_ms);
+            } else if first_answer {
+                // One observation per batch.
+                self.cost
+                    .observe_batch(r.model, meta, at, t.batch_requests, service_ms);
+                if let Some(rtt) = rtt {
+                    self.cost.observe_overhead(rtt, t.total_ms);
+                }
+            }
             let resident: Vec<u32> = c
                 .resident
                 .iter()
@@ -1352,8 +1788,7 @@ impl Dispatcher {
         for id in stuck {
             let r = self.take(id).expect("listed above");
             let Some(gi) = r.gpu else { continue };
-            let g = &mut self.gpus[gi];
-            g.outstanding = g.outstanding.saturating_sub(1);
+            let g = &self.gpus[gi];
             let message = format!(
                 "request for {} got no reply from {} within {} s; retry it",
                 self.models[r.model as usize].meta.name,
@@ -1454,7 +1889,9 @@ impl Dispatcher {
     }
 
     /// `slo` demand-driven placement: an idle GPU prefetches the most
-    /// requested model that is resident nowhere.
+    /// requested model that is resident nowhere, when it is clearly more
+    /// requested than every model the GPU holds (loading it may push one
+    /// out: hot models stay resident).
     fn prefetch_hot(&mut self, now: Micros, out: &mut Vec<Action>) {
         let resident: HashSet<u32> = self
             .gpus
@@ -1481,9 +1918,17 @@ impl Dispatcher {
             if !idle || !self.routable(gi) {
                 continue;
             }
-            let Some((_, m)) = hot.next() else {
+            let Some((rate, m)) = hot.next() else {
                 return;
             };
+            let coldest_held = self.gpus[gi]
+                .resident
+                .iter()
+                .map(|&r| (self.models[r as usize].rate.get().unwrap_or(0.0) * 1e3) as u64)
+                .min();
+            if coldest_held.is_some_and(|c| rate * 2 < c * 3) {
+                continue;
+            }
             let gpu = self.gpus[gi].gpu;
             self.occupy_with_prefetch(now, gi, m);
             self.expect_resident(gi, m);
@@ -1506,6 +1951,7 @@ impl Dispatcher {
             .saturating_sub(self.cost.estimate(model, meta, Where::Resident));
         let g = &mut self.gpus[gi];
         g.prefetching = true;
+        g.prefetch_work = load;
         g.busy_until = g.busy_until.max(now) + load;
     }
 
@@ -1519,10 +1965,36 @@ impl Dispatcher {
         }
     }
 
-    /// A prefetch finished (or failed): the GPU may prefetch again.
-    pub fn prefetch_done(&mut self, gpu: Gpu, resident: Option<&[String]>) {
+    /// A prefetch of `model` on `gpu` finished at the runtime: it took
+    /// `ms` and found the model `path` (nothing to do when resident). The
+    /// load it measured is what a request that finds the model there
+    /// pays beyond its compute.
+    pub fn prefetched(&mut self, gpu: Gpu, model: &str, path: ServePath, ms: f64) {
+        let Some(id) = self.by_name.get(model).copied() else {
+            return;
+        };
+        if !self.gpus.iter().any(|g| g.gpu == gpu) || !ms.is_finite() || ms < 0.0 {
+            return;
+        }
+        let at = match path {
+            ServePath::DeviceResident => return,
+            ServePath::HostCached => Where::HostCached,
+            ServePath::Cold => Where::Remote,
+        };
+        let meta = &self.models[id as usize].meta;
+        let compute = self.cost.estimate(id, meta, Where::Resident) as f64 / 1e3;
+        let meta = meta.clone();
+        self.cost.observe(id, &meta, at, ms + compute, None, 0.0);
+    }
+
+    /// A prefetch finished (or failed) at `now`: the GPU may prefetch again,
+    /// and is busy only with what it has outstanding.
+    pub fn prefetch_done(&mut self, now: Micros, gpu: Gpu, resident: Option<&[String]>) {
         if let Some(gi) = self.gpus.iter().position(|g| g.gpu == gpu) {
-            self.gpus[gi].prefetching = false;
+            let g = &mut self.gpus[gi];
+            g.prefetching = false;
+            g.prefetch_work = 0;
+            g.busy_until = now + g.work_out;
             if let Some(names) = resident {
                 let ids = names
                     .iter()
@@ -1570,6 +2042,14 @@ impl Dispatcher {
     pub fn snapshot_seq(&self, runtime: u32) -> u64 {
         self.hosts.get(&runtime).map_or(0, |h| h.snapshot_seq)
     }
+}
+
+/// Whether `r` (alive) belongs to a batch none of whose members has been
+/// answered yet.
+fn r_batch_open(batches: &IdMap<ReqId, Batch>, r: Option<&Req>) -> bool {
+    r.and_then(|r| r.batch)
+        .and_then(|h| batches.get(&h))
+        .is_some_and(|b| !b.released)
 }
 
 #[cfg(test)]

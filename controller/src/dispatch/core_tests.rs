@@ -24,7 +24,11 @@ fn cfg(policy: PolicyKind) -> DispatchConfig {
         net_bytes_per_s: 1e8,
         h2d_bytes_per_s: 1e9,
         compute_ms: 10.0,
+        batch_increment: 0.1,
     };
+    // One request at a time unless a test batches: the admission and order
+    // tests count whole requests.
+    c.batch_max = 1;
     c
 }
 
@@ -1018,4 +1022,481 @@ fn random_losses_and_returns_keep_every_request_ending_exactly_once() {
         let c = d.counters();
         assert!(c.retried > 0 && c.unavailable > 0, "{policy}: {c:?}");
     }
+}
+
+// ----------------------------------------------------------------------
+// Admission that tracks the device, batching, switch-aware order.
+// ----------------------------------------------------------------------
+
+/// A workload and a device for [`run_device`]: requests every `gap_ms`
+/// with `slo_ms`; batches take `device_ms` plus `inc_ms` per extra
+/// request; replies reach the dispatcher `net_ms` after the device.
+struct Load {
+    requests: u64,
+    gap_ms: f64,
+    slo_ms: f64,
+    device_ms: f64,
+    inc_ms: f64,
+    net_ms: f64,
+}
+
+/// A device as the runtime runs it (batches in arrival order) under `l`,
+/// every request for `model`. Returns (rejected, late, served).
+fn run_device(d: &mut Dispatcher, model: u32, l: &Load) -> (u64, u64, u64) {
+    use std::collections::BTreeMap;
+    let Load {
+        requests,
+        gap_ms,
+        slo_ms,
+        device_ms,
+        inc_ms,
+        net_ms,
+    } = *l;
+    let us = |ms: f64| (ms * 1e3) as Micros;
+    let resident = vec![d.model_name(model).to_string()];
+    // Replies due: time -> (req, batch size, device time).
+    let mut replies: BTreeMap<(Micros, ReqId), (u32, f64)> = BTreeMap::new();
+    let mut device_free: Micros = 0;
+    let mut arrival: HashMap<ReqId, Micros> = HashMap::new();
+    let (mut late, mut served) = (0, 0);
+    let mut out = Vec::new();
+    let mut next = 0u64;
+    let handle = |out: &mut Vec<Action>,
+                  now: Micros,
+                  replies: &mut BTreeMap<(Micros, ReqId), (u32, f64)>,
+                  device_free: &mut Micros| {
+        for a in out.drain(..) {
+            if let Action::Send { req, batch, .. } = a {
+                let n = batch.len() as u32 + 1;
+                let took = device_ms + inc_ms * f64::from(n - 1);
+                let start = (*device_free).max(now);
+                *device_free = start + us(took);
+                for id in std::iter::once(req).chain(batch.iter().map(|m| m.req)) {
+                    replies.insert((*device_free + us(net_ms), id), (n, took));
+                }
+            }
+        }
+    };
+    loop {
+        let t_arrive = us(next as f64 * gap_ms);
+        let t_reply = replies.keys().next().map(|k| k.0);
+        match t_reply {
+            Some(t) if next >= requests || t <= t_arrive => {
+                let ((now, id), (n, took)) = replies.pop_first().unwrap();
+                let mut t = timing(ServePath::DeviceResident, took);
+                t.batch_requests = n;
+                let c = Completion {
+                    timing: Some(&t),
+                    resident: &resident,
+                };
+                d.complete(now, id, &c, &mut out).unwrap();
+                served += 1;
+                if now - arrival[&id] > us(slo_ms) {
+                    late += 1;
+                }
+                handle(&mut out, now, &mut replies, &mut device_free);
+            }
+            _ if next < requests => {
+                let id = d.submit(t_arrive, model, Some(slo_ms), &mut out);
+                arrival.insert(id, t_arrive);
+                next += 1;
+                handle(&mut out, t_arrive, &mut replies, &mut device_free);
+            }
+            _ => break,
+        }
+    }
+    (d.counters().rejected, late, served)
+}
+
+/// The `slo` policy at 83% load with replies 3 ms behind the device: it
+/// served everything in time, but rejected most requests, when its view of
+/// the device drifted. Every estimate carried the round trip's overhead as
+/// device time, and the device was only seen free again once idle at a
+/// reply, which a continuously busy window never is.
+#[test]
+fn a_busy_device_with_slow_replies_is_not_seen_ever_busier() {
+    let mut d = dispatcher(PolicyKind::Slo, 1);
+    let m = model(&mut d, "a");
+    make_resident(&mut d, 0, "a");
+    let load = Load {
+        requests: 2000,
+        gap_ms: 12.0,
+        slo_ms: 60.0,
+        device_ms: 10.0,
+        inc_ms: 0.0,
+        net_ms: 3.0,
+    };
+    let (rejected, late, served) = run_device(&mut d, m, &load);
+    assert_eq!((rejected, late, served), (0, 0, 2000));
+}
+
+/// Batching under overload: one model, requests every 4 ms, 10 ms each
+/// alone and 1 ms per extra request in a batch. One at a time the device
+/// serves 100 req/s of the 250 offered; with batches of up to 8 all of
+/// them, in time, and admission counts a request that joins a batch as
+/// its increment (it would reject most of them otherwise).
+#[test]
+fn batches_serve_what_one_at_a_time_cannot_and_admission_counts_them() {
+    let run = |batch_max: u32| {
+        let mut c = cfg(PolicyKind::Slo);
+        c.batch_max = batch_max;
+        let mut d = Dispatcher::new(c).unwrap();
+        d.runtime_seen(0, 0, 1, &[0], 1 << 30, 4, None, &mut Vec::new());
+        d.link_up(0);
+        let m = model(&mut d, "a");
+        make_resident(&mut d, 0, "a");
+        // The fitted increment: one batch of 8 observed.
+        let meta = d.models[m as usize].meta.clone();
+        d.cost.observe(m, &meta, Where::Resident, 10.0, None, 10.0);
+        d.cost.observe_batch(m, &meta, Where::Resident, 8, 17.0);
+        let load = Load {
+            requests: 1000,
+            gap_ms: 4.0,
+            slo_ms: 100.0,
+            device_ms: 10.0,
+            inc_ms: 1.0,
+            net_ms: 0.5,
+        };
+        let r = run_device(&mut d, m, &load);
+        (r, d.counters().clone())
+    };
+    let ((rejected, late, served), _) = run(1);
+    assert!(rejected > 500, "one at a time: {rejected} rejected");
+    assert_eq!(late + served, 1000 - rejected + late);
+    let ((rejected, late, served), c) = run(8);
+    assert_eq!((rejected, late, served), (0, 0, 1000));
+    let mean = c.batched_requests as f64 / c.batches as f64;
+    assert!(mean > 2.0 && mean <= 8.0, "mean batch {mean}");
+}
+
+/// A dispatcher whose one GPU is busy (an outstanding request holds its
+/// window of 1) with a random queue behind it, models "a".."c", "a"
+/// resident, costs observed (10 ms resident, 30 ms to load, 2 ms per extra
+/// request in a batch).
+fn random_queue(rng: &mut rand::rngs::StdRng, reorder: bool) -> (Dispatcher, ReqId) {
+    use rand::Rng;
+    let mut c = cfg(PolicyKind::Slo);
+    c.batch_max = 4;
+    c.window = 1;
+    c.reorder = reorder;
+    let mut d = Dispatcher::new(c).unwrap();
+    d.runtime_seen(0, 0, 1, &[0], 1 << 30, 4, None, &mut Vec::new());
+    d.link_up(0);
+    let ms: Vec<u32> = ["a", "b", "c"].iter().map(|n| model(&mut d, n)).collect();
+    make_resident(&mut d, 0, "a");
+    let meta = d.models[0].meta.clone();
+    d.cost.observe(0, &meta, Where::Resident, 10.0, None, 10.0);
+    d.cost
+        .observe(0, &meta, Where::HostCached, 30.0, None, 30.0);
+    d.cost.observe_batch(0, &meta, Where::Resident, 2, 12.0);
+    let mut out = Vec::new();
+    let first = d.submit(0, ms[0], Some(1000.0), &mut out);
+    for i in 0..rng.gen_range(1..12) {
+        let m = ms[rng.gen_range(0..3)];
+        d.submit(i, m, Some(rng.gen_range(20.0..300.0)), &mut out);
+    }
+    (d, first)
+}
+
+/// A queue as it was: (slot, service, model, id) in EDF order.
+type QueueView = Vec<(Slot, Micros, u32, ReqId)>;
+
+/// Completes `first` at `now` and returns the queue as it was before and
+/// the batch sent next (its head and members).
+fn next_batch(
+    d: &mut Dispatcher,
+    first: ReqId,
+    now: Micros,
+) -> (QueueView, Option<(ReqId, Vec<BatchMate>)>) {
+    let queue: Vec<_> = d.gpus[0]
+        .queue
+        .iter()
+        .map(|(slot, s, id)| (slot, s, d.reqs[id].model, *id))
+        .collect();
+    let mut out = Vec::new();
+    let t = timing(ServePath::DeviceResident, 10.0);
+    let resident = vec!["a".to_string()];
+    d.complete(now, first, &c_of(&t, &resident), &mut out);
+    let send = out.into_iter().find_map(|a| match a {
+        Action::Send { req, batch, .. } => Some((req, batch)),
+        _ => None,
+    });
+    (queue, send)
+}
+
+/// Device time of a request for `model` alone and of each extra request,
+/// on the dispatcher's cost model (as the schedule below uses them).
+fn costs(d: &Dispatcher, model: u32) -> (Micros, Micros) {
+    let meta = &d.models[model as usize].meta;
+    let at = d.where_is(0, model);
+    (
+        d.cost.estimate(model, meta, at),
+        d.cost.batch_increment(model, meta),
+    )
+}
+
+/// Checks, on the cost model, that the batch sent ends every member in
+/// time and makes no other queued request late that EDF one at a time
+/// (with the same estimates) ends in time.
+fn check_batch(
+    d: &Dispatcher,
+    now: Micros,
+    queue: &[(Slot, Micros, u32, ReqId)],
+    send: &(ReqId, Vec<BatchMate>),
+) {
+    let ids: Vec<ReqId> = std::iter::once(send.0)
+        .chain(send.1.iter().map(|m| m.req))
+        .collect();
+    let lead = queue.iter().find(|q| q.3 == send.0).unwrap().2;
+    let (one, inc) = costs(d, lead);
+    let start = now + d.cost.overhead();
+    let batch_end = start + one + inc * (ids.len() as u64 - 1);
+    let mut t = batch_end;
+    let mut edf = start;
+    for (i, &(slot, s, model, id)) in queue.iter().enumerate() {
+        // EDF runs its head where the head's model is now; the rest as
+        // admitted.
+        let s = if i == 0 { costs(d, model).0 } else { s };
+        edf += s;
+        if ids.contains(&id) {
+            assert_eq!(model, lead, "a batch carries one model");
+            // The head alone is what EDF sends, late or not.
+            let late_head_alone = ids.len() == 1 && id == queue[0].3;
+            assert!(
+                batch_end <= slot.0 || late_head_alone,
+                "member {id} ends at {batch_end} past its deadline {}: {queue:?} batch {ids:?}",
+                slot.0
+            );
+            continue;
+        }
+        t += s;
+        assert!(
+            t <= slot.0 || edf > slot.0,
+            "request {id} (deadline {}) ends at {t}; EDF alone ends it at {edf}: {queue:?} batch {ids:?}",
+            slot.0
+        );
+    }
+    // Members are taken in EDF order: none of the model's skipped between.
+    let positions: Vec<usize> = ids
+        .iter()
+        .map(|id| queue.iter().position(|q| q.3 == *id).unwrap())
+        .collect();
+    assert!(positions.windows(2).all(|w| w[0] < w[1]), "{positions:?}");
+}
+
+#[test]
+fn batches_never_break_a_deadline_on_the_cost_model() {
+    use rand::SeedableRng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut batched = 0;
+    for _ in 0..2000 {
+        let (mut d, first) = random_queue(&mut rng, false);
+        let now = 10 * MS;
+        let (queue, send) = next_batch(&mut d, first, now);
+        let Some(send) = send else { continue };
+        // Without reordering the EDF head leads.
+        assert_eq!(send.0, queue[0].3);
+        check_batch(&d, now, &queue, &send);
+        batched += usize::from(!send.1.is_empty());
+    }
+    assert!(batched > 200, "only {batched} of 2000 queues batched");
+}
+
+#[test]
+fn reordering_never_misses_a_deadline_edf_would_meet() {
+    use rand::SeedableRng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let mut reordered = 0;
+    for _ in 0..2000 {
+        let (mut d, first) = random_queue(&mut rng, true);
+        let now = 10 * MS;
+        let (queue, send) = next_batch(&mut d, first, now);
+        let Some(send) = send else { continue };
+        if send.0 != queue[0].3 {
+            reordered += 1;
+            // Only a resident model passes a head that must be loaded.
+            assert_eq!(queue.iter().find(|q| q.3 == send.0).unwrap().2, 0);
+            assert_ne!(queue[0].2, 0);
+        }
+        check_batch(&d, now, &queue, &send);
+    }
+    assert!(reordered > 100, "only {reordered} of 2000 queues reordered");
+}
+
+#[test]
+fn a_batch_is_answered_per_request_and_frees_its_slot_once() {
+    let mut c = cfg(PolicyKind::Slo);
+    c.window = 1;
+    c.batch_max = 8;
+    let mut d = Dispatcher::new(c).unwrap();
+    d.runtime_seen(0, 0, 1, &[0], 1 << 30, 4, None, &mut Vec::new());
+    d.link_up(0);
+    let a = model(&mut d, "a");
+    let b = model(&mut d, "b");
+    make_resident(&mut d, 0, "a");
+    let mut out = Vec::new();
+    let first = d.submit(0, a, Some(1000.0), &mut out);
+    let mates: Vec<ReqId> = (0..3)
+        .map(|_| d.submit(0, a, Some(1000.0), &mut out))
+        .collect();
+    let other = d.submit(0, b, Some(1000.0), &mut out);
+    assert_eq!(sent(&out), vec![(first, gpu(0))]);
+    out.clear();
+    let resident = vec!["a".to_string()];
+    let t = timing(ServePath::DeviceResident, 10.0);
+    d.complete(10 * MS, first, &c_of(&t, &resident), &mut out);
+    // One Send: the three for "a" together; "b" waits for the window.
+    let sends: Vec<_> = out
+        .iter()
+        .filter_map(|a| match a {
+            Action::Send { req, batch, .. } => {
+                Some((*req, batch.iter().map(|m| m.req).collect::<Vec<_>>()))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(sends, vec![(mates[0], vec![mates[1], mates[2]])]);
+    out.clear();
+    let mut t = timing(ServePath::DeviceResident, 12.0);
+    t.batch_requests = 3;
+    // The first reply frees the window: "b" goes.
+    let info = d
+        .complete(22 * MS, mates[1], &c_of(&t, &resident), &mut out)
+        .unwrap();
+    assert_eq!(info.total_ms, 22.0);
+    assert_eq!(sent(&out), vec![(other, gpu(0))]);
+    out.clear();
+    for &id in &[mates[0], mates[2]] {
+        assert!(d
+            .complete(22 * MS, id, &c_of(&t, &resident), &mut out)
+            .is_some());
+        assert!(out.is_empty(), "the slot is freed once: {out:?}");
+    }
+    // Each answered once.
+    assert!(d
+        .complete(23 * MS, mates[0], &c_of(&t, &resident), &mut out)
+        .is_none());
+    let c = d.counters();
+    assert_eq!(
+        (c.sent, c.completed, c.batches, c.batched_requests),
+        (5, 4, 3, 5)
+    );
+    assert_eq!(d.gpus[0].outstanding, 1);
+    assert!(d.batches.len() == 1, "only b's batch is open");
+    // The batch of 3 fitted the increment: 1 ms per extra request.
+    let meta = d.models[a as usize].meta.clone();
+    assert_eq!(d.cost.batch_increment(a, &meta), 1_000);
+}
+
+/// An idle GPU prefetching a hot model was charged the prior's load time
+/// until it went idle again at a reply, so for that long the `slo` policy
+/// rejected even requests for the model it held. The prefetch's own reply
+/// ends the charge, and its measured load replaces the prior.
+#[test]
+fn a_prefetch_occupies_its_gpu_until_its_reply_only() {
+    let mut d = dispatcher(PolicyKind::Slo, 1);
+    let a = model(&mut d, "a");
+    let b = model(&mut d, "b");
+    make_resident(&mut d, 0, "a");
+    // "b" is requested much more than "a" and resident nowhere.
+    d.models[a as usize].rate.observe(1.0);
+    d.models[b as usize].rate.observe(10.0);
+    let mut out = Vec::new();
+    d.tick(0, &mut out);
+    let prefetch = out
+        .iter()
+        .any(|x| matches!(x, Action::Prefetch { model, .. } if model == "b"));
+    assert!(prefetch, "{out:?}");
+    out.clear();
+    // The prior says 10 ms of upload: meanwhile a 15 ms SLO cannot be met.
+    let r = d.submit(MS, a, Some(15.0), &mut out);
+    assert_eq!(failed(&out), vec![(r, ErrorCode::Rejected)]);
+    out.clear();
+    // The runtime took 2 ms.
+    d.prefetched(gpu(0), "b", ServePath::HostCached, 2.0);
+    d.prefetch_done(2 * MS, gpu(0), None);
+    let r = d.submit(2 * MS, a, Some(15.0), &mut out);
+    assert_eq!(sent(&out), vec![(r, gpu(0))]);
+    // Loading "b" from the host cache is now 2 ms + its compute.
+    let meta = d.models[b as usize].meta.clone();
+    assert_eq!(d.cost.estimate(b, &meta, Where::HostCached), 12 * MS);
+}
+
+#[test]
+fn an_idle_gpu_prefetches_only_what_is_clearly_hotter_than_what_it_holds() {
+    for (rate_b, prefetches) in [(1.2, false), (2.0, true)] {
+        let mut d = dispatcher(PolicyKind::Slo, 1);
+        let a = model(&mut d, "a");
+        let b = model(&mut d, "b");
+        make_resident(&mut d, 0, "a");
+        d.models[a as usize].rate.observe(1.0);
+        d.models[b as usize].rate.observe(rate_b);
+        let mut out = Vec::new();
+        d.tick(0, &mut out);
+        let sent = out.iter().any(|x| matches!(x, Action::Prefetch { .. }));
+        assert_eq!(sent, prefetches, "b at {rate_b}x a's rate: {out:?}");
+    }
+}
+
+/// The dispatcher learns a model on its first request; a snapshot that
+/// named it cached before then was dropped, so a warm host cache looked
+/// cold (remote) until the next heartbeat, and the `slo` policy rejected
+/// every request for a model not resident for that long.
+#[test]
+fn a_warm_cache_is_warm_for_models_first_asked_for_after_the_snapshot() {
+    let mut d = dispatcher(PolicyKind::Slo, 1);
+    let snap = RuntimeSnapshot {
+        devices: vec![DeviceSnapshot {
+            device: 0,
+            ..Default::default()
+        }],
+        host_cached: vec!["a".into()],
+        host_cached_truncated: false,
+    };
+    d.runtime_seen(
+        0,
+        0,
+        1,
+        &[0],
+        1 << 30,
+        4,
+        Some((next_seq(), &snap)),
+        &mut Vec::new(),
+    );
+    let a = model(&mut d, "a");
+    let b = model(&mut d, "b");
+    assert_eq!(d.where_is(0, a), Where::HostCached);
+    assert_eq!(d.where_is(0, b), Where::Remote);
+    // 20 ms from the host cache, 120 ms remote: a 50 ms SLO is met for "a".
+    let mut out = Vec::new();
+    let r = d.submit(0, a, Some(50.0), &mut out);
+    assert_eq!(sent(&out), vec![(r, gpu(0))]);
+}
+
+#[test]
+fn a_queued_request_is_dropped_only_when_late_even_on_an_idle_device() {
+    let mut d = dispatcher(PolicyKind::Slo, 1);
+    let a = model(&mut d, "a");
+    make_resident(&mut d, 0, "a");
+    let mut out = Vec::new();
+    // 10 ms each, a window of 2: r1 and r2 go at once, r3 (due at 35 ms)
+    // waits and is estimated to end at 30 ms.
+    let r1 = d.submit(0, a, Some(100.0), &mut out);
+    let r2 = d.submit(0, a, Some(100.0), &mut out);
+    let r3 = d.submit(0, a, Some(35.0), &mut out);
+    let r4 = d.submit(0, a, Some(100.0), &mut out);
+    assert_eq!(sent(&out), vec![(r1, gpu(0)), (r2, gpu(0))]);
+    out.clear();
+    let t = timing(ServePath::DeviceResident, 10.0);
+    let res = vec!["a".to_string()];
+    // r1 answered late, at 18 ms: with r2 estimated ahead of it r3 would
+    // end at 38 ms, but the device may be quicker than that estimate: r3
+    // goes (the runtime drops it if its budget runs out there).
+    d.complete(18 * MS, r1, &c_of(&t, &res), &mut out);
+    assert_eq!(sent(&out), vec![(r3, gpu(0))]);
+    out.clear();
+    // r4's turn at 95 ms: it cannot end by 100 ms even alone.
+    d.complete(95 * MS, r2, &c_of(&t, &res), &mut out);
+    assert!(sent(&out).is_empty());
+    assert_eq!(failed(&out), vec![(r4, ErrorCode::DeadlineExceeded)]);
 }

@@ -48,6 +48,9 @@ pub struct DispatchMetrics {
     runtimes_linked: Gauge,
     prefetches: Gauge,
     evictions: Gauge,
+    batches: Gauge,
+    batched_requests: Gauge,
+    model_switches: Gauge,
     pub runtimes_alive: Gauge,
     pub memservers_alive: Gauge,
     pub models: Gauge,
@@ -89,6 +92,9 @@ impl DispatchMetrics {
             runtimes_linked: Gauge::default(),
             prefetches: Gauge::default(),
             evictions: Gauge::default(),
+            batches: Gauge::default(),
+            batched_requests: Gauge::default(),
+            model_switches: Gauge::default(),
             runtimes_alive: Gauge::default(),
             memservers_alive: Gauge::default(),
             models: Gauge::default(),
@@ -161,6 +167,21 @@ impl DispatchMetrics {
                 m.evictions.clone(),
             );
             r.register(
+                "batches",
+                "Batches sent to GPUs (a lone request is a batch of one), since start",
+                m.batches.clone(),
+            );
+            r.register(
+                "batched_requests",
+                "Requests the batches carried, since start (over batches: the mean batch size)",
+                m.batched_requests.clone(),
+            );
+            r.register(
+                "model_switches",
+                "Batches sent to a GPU that had to load their model, since start",
+                m.model_switches.clone(),
+            );
+            r.register(
                 "runtimes_alive",
                 "GPU servers heartbeating",
                 m.runtimes_alive.clone(),
@@ -218,6 +239,9 @@ impl DispatchMetrics {
         self.runtimes_linked.set(d.runtimes_linked() as i64);
         self.prefetches.set(c.prefetches as i64);
         self.evictions.set(c.evictions as i64);
+        self.batches.set(c.batches as i64);
+        self.batched_requests.set(c.batched_requests as i64);
+        self.model_switches.set(c.model_switches as i64);
     }
 
     /// The text exposition.

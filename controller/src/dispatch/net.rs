@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use distmind_common::handshake::{self, ClusterKey};
 use distmind_common::limits::{CONTROL_FRAME_BYTES_MAX, NAME_BYTES_MAX};
 use distmind_common::proto::{
-    ErrorCode, ErrorReply, RuntimeReply, RuntimeRequest, RUNTIME_OUTPUTS_MAX,
+    BatchMember, ErrorCode, ErrorReply, RuntimeReply, RuntimeRequest, RUNTIME_OUTPUTS_MAX,
 };
 use distmind_common::wire::{self, FrameKind, Role, WireError};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
@@ -33,7 +33,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
-use super::core::{Action, Completion, Dispatcher, ReqId};
+use super::core::{Action, BatchMate, Completion, Dispatcher, ReqId};
 use super::metrics::{DispatchMetrics, UNRESOLVED_MODEL};
 use crate::policy::cost::ModelMeta;
 use crate::policy::{Gpu, Micros};
@@ -102,7 +102,10 @@ enum Event {
 }
 
 enum LinkMsg {
-    Request(RuntimeRequest, Option<Arc<Vec<u8>>>),
+    /// A request and the input frames that follow it (one per request of a
+    /// batched `Infer`, none for control requests). Inputs are shared with
+    /// the held request: one in flight on a lost runtime is sent again.
+    Request(RuntimeRequest, Vec<Arc<Vec<u8>>>),
 }
 
 struct Inflight {
@@ -466,7 +469,13 @@ impl CoreTask {
                 r => log::debug!("dispatcher: {what} on {gpu}: {r:?}"),
             }
             if what == "prefetch" {
-                self.d.prefetch_done(gpu, None);
+                if let RuntimeReply::Prefetched {
+                    model, path, ms, ..
+                } = &reply
+                {
+                    self.d.prefetched(gpu, model, *path, *ms);
+                }
+                self.d.prefetch_done(now, gpu, None);
             }
             return;
         }
@@ -541,38 +550,8 @@ impl CoreTask {
                     gpu,
                     model,
                     budget_ms,
-                } => {
-                    let Some(f) = self.inflight.get(&req) else {
-                        continue;
-                    };
-                    let input = f.input.clone();
-                    let msg = LinkMsg::Request(
-                        RuntimeRequest::Infer {
-                            id: req,
-                            model,
-                            deadline_ms: Some(budget_ms),
-                            trace: f.trace,
-                            device: Some(gpu.device),
-                            batch: Vec::new(),
-                            catalog_version: None,
-                        },
-                        Some(input),
-                    );
-                    match self.send_link(gpu.runtime, msg) {
-                        Ok(()) => {}
-                        // The link's task ended after queueing its LinkDown
-                        // (it closes its queue only on return): the request
-                        // is in flight on a lost runtime, which `runtime_down`
-                        // settles when that event arrives.
-                        Err(SendError::Closed) => {}
-                        Err(SendError::NoLink(why) | SendError::Full(why)) => {
-                            let now = self.now();
-                            self.d
-                                .complete(now, req, &Completion::default(), &mut self.actions);
-                            self.fail(req, ErrorReply::new(ErrorCode::Internal, why));
-                        }
-                    }
-                }
+                    batch,
+                } => self.send_infer(req, gpu, model, budget_ms, batch),
                 Action::Fail { req, error } => self.fail(req, error),
                 Action::Prefetch { gpu, model } => {
                     let id = self.control_id(gpu, "prefetch");
@@ -582,11 +561,12 @@ impl CoreTask {
                             model,
                             device: Some(gpu.device),
                         },
-                        None,
+                        Vec::new(),
                     );
                     if self.send_link(gpu.runtime, msg).is_err() {
                         self.controls.remove(&id);
-                        self.d.prefetch_done(gpu, None);
+                        let now = self.now();
+                        self.d.prefetch_done(now, gpu, None);
                     }
                 }
                 Action::Evict { runtime, model } => {
@@ -598,7 +578,7 @@ impl CoreTask {
                             model,
                             host_only: true,
                         },
-                        None,
+                        Vec::new(),
                     );
                     if self.send_link(runtime, msg).is_err() {
                         self.controls.remove(&id);
@@ -612,7 +592,7 @@ impl CoreTask {
                             device: gpu.device,
                             model,
                         },
-                        None,
+                        Vec::new(),
                     );
                     if self.send_link(gpu.runtime, msg).is_err() {
                         self.controls.remove(&id);
@@ -623,6 +603,77 @@ impl CoreTask {
         if !self.actions.is_empty() {
             // Failing a send can queue more actions (the next request).
             self.flush();
+        }
+    }
+
+    /// One `Infer` for a batch: `req` leads, its members follow in order,
+    /// each with its own input frame. Ids on the link are the dispatcher's
+    /// request ids, so every reply maps back to its own client.
+    fn send_infer(
+        &mut self,
+        req: ReqId,
+        gpu: Gpu,
+        model: String,
+        budget_ms: u64,
+        batch: Vec<BatchMate>,
+    ) {
+        let mut inputs = Vec::with_capacity(batch.len() + 1);
+        let mut ids = Vec::with_capacity(batch.len() + 1);
+        let mut members = Vec::with_capacity(batch.len());
+        let (mut trace, mut head_budget) = (false, budget_ms);
+        let all = std::iter::once(BatchMate { req, budget_ms }).chain(batch);
+        for m in all {
+            // The dispatcher sends only requests it was given and not yet
+            // answered; one missing here would be a bug, so it is left out
+            // of the batch rather than sent without its input.
+            let Some(f) = self.inflight.get_mut(&m.req) else {
+                log::error!(
+                    "dispatcher: request {} to send is not held; left out",
+                    m.req
+                );
+                continue;
+            };
+            inputs.push(f.input.clone());
+            if ids.is_empty() {
+                (trace, head_budget) = (f.trace, m.budget_ms);
+            } else {
+                members.push(BatchMember {
+                    id: m.req,
+                    deadline_ms: Some(m.budget_ms),
+                    trace: f.trace,
+                });
+            }
+            ids.push(m.req);
+        }
+        let Some(&head) = ids.first() else {
+            return;
+        };
+        let msg = LinkMsg::Request(
+            RuntimeRequest::Infer {
+                id: head,
+                model,
+                deadline_ms: Some(head_budget),
+                trace,
+                device: Some(gpu.device),
+                batch: members,
+                catalog_version: None,
+            },
+            inputs,
+        );
+        match self.send_link(gpu.runtime, msg) {
+            Ok(()) => {}
+            // The link's task ended after queueing its LinkDown (it closes
+            // its queue only on return): the batch is in flight on a lost
+            // runtime, which `runtime_down` settles when that event arrives.
+            Err(SendError::Closed) => {}
+            Err(SendError::NoLink(why) | SendError::Full(why)) => {
+                let now = self.now();
+                for id in ids {
+                    self.d
+                        .complete(now, id, &Completion::default(), &mut self.actions);
+                    self.fail(id, ErrorReply::new(ErrorCode::Internal, why.clone()));
+                }
+            }
         }
     }
 
@@ -756,7 +807,7 @@ async fn link(
                     reader.abort();
                     return; // the dispatcher dropped the link
                 };
-                if let Err(e) = write_request(&mut wr, &req, input.as_deref().map(Vec::as_slice)).await {
+                if let Err(e) = write_request(&mut wr, &req, &input).await {
                     reader.abort();
                     break format!("cannot write to {addr}: {e}");
                 }
@@ -778,11 +829,11 @@ impl Drop for AbortOnDrop {
 async fn write_request<W: AsyncWrite + Unpin>(
     w: &mut W,
     req: &RuntimeRequest,
-    input: Option<&[u8]>,
+    inputs: &[Arc<Vec<u8>>],
 ) -> Result<(), WireError> {
     wire::send_message(w, req).await?;
-    if let Some(input) = input {
-        wire::write_frame(w, FrameKind::WriteChunk, &[input]).await?;
+    for input in inputs {
+        wire::write_frame(w, FrameKind::WriteChunk, &[input.as_slice()]).await?;
     }
     w.flush().await?;
     Ok(())

@@ -6,7 +6,8 @@
 //! deadline AND every request already queued still finishes before its
 //! own: admission never makes an admitted request late. "Finishes" uses the
 //! service-time estimates of [`super::cost`] and the time the device frees
-//! up (its outstanding work and a training iteration to yield).
+//! up (its outstanding work and a training iteration to yield), plus the
+//! latency every request pays beyond its device time (`overhead`).
 
 use std::collections::BTreeMap;
 
@@ -21,10 +22,13 @@ pub struct Admission {
     pub feasible: bool,
 }
 
+/// Where an item sits in an [`EdfQueue`]: its deadline and arrival order.
+pub type Slot = (Micros, u64);
+
 /// A bounded EDF queue of `T`.
 #[derive(Debug)]
 pub struct EdfQueue<T> {
-    q: BTreeMap<(Micros, u64), (Micros, T)>,
+    q: BTreeMap<Slot, (Micros, T)>,
     seq: u64,
     work: Micros,
     cap: usize,
@@ -59,8 +63,21 @@ impl<T> EdfQueue<T> {
     }
 
     /// Would a request with `deadline` and `service` be admitted, with the
-    /// device free from `free_at`? Does not change the queue.
-    pub fn admit(&self, free_at: Micros, deadline: Micros, service: Micros) -> Admission {
+    /// device free from `free_at` and `overhead` of latency added to every
+    /// request's finish? Does not change the queue.
+    pub fn admit(
+        &self,
+        free_at: Micros,
+        deadline: Micros,
+        service: Micros,
+        overhead: Micros,
+    ) -> Admission {
+        // Every finish moves by the overhead: compare device finishes with
+        // deadlines that much earlier.
+        self.admit_device(free_at + overhead, deadline, service)
+    }
+
+    fn admit_device(&self, free_at: Micros, deadline: Micros, service: Micros) -> Admission {
         if self.q.is_empty() {
             let finish = free_at + service;
             return Admission {
@@ -120,6 +137,23 @@ impl<T> EdfQueue<T> {
     /// The earliest deadline queued.
     pub fn peek_deadline(&self) -> Option<Micros> {
         self.q.keys().next().map(|&(d, _)| d)
+    }
+
+    /// The latest deadline queued.
+    pub fn last_deadline(&self) -> Option<Micros> {
+        self.q.keys().next_back().map(|&(d, _)| d)
+    }
+
+    /// The queue in EDF order: (slot, service, item).
+    pub fn iter(&self) -> impl Iterator<Item = (Slot, Micros, &T)> {
+        self.q.iter().map(|(&k, (s, t))| (k, *s, t))
+    }
+
+    /// Takes the item at `slot` out of the queue: (deadline, service, item).
+    pub fn remove(&mut self, slot: Slot) -> Option<(Micros, Micros, T)> {
+        let (s, item) = self.q.remove(&slot)?;
+        self.work -= s;
+        Some((slot.0, s, item))
     }
 
     /// Empties the queue, in deadline order.
@@ -218,7 +252,7 @@ mod tests {
             queued.sort_by_key(|&(d, _)| d);
             let free_at = rng.gen_range(0..10);
             let new = (rng.gen_range(1..70), rng.gen_range(1..15));
-            let a = q.admit(free_at, new.0, new.1);
+            let a = q.admit(free_at, new.0, new.1, 0);
             assert_eq!(
                 a.feasible,
                 feasible_by_simulation(&queued, free_at, new),
@@ -233,11 +267,27 @@ mod tests {
         q.push(20, 10, ()).unwrap(); // finishes at 10 from 0
                                      // Deadline 15, 5 long: it goes first and finishes at 5, but the
                                      // queued one would finish at 15, still in time.
-        assert!(q.admit(0, 15, 5).feasible);
+        assert!(q.admit(0, 15, 5, 0).feasible);
         // 12 long: it would finish at 12 <= 15 but push the queued one to 22.
-        let a = q.admit(0, 15, 12);
+        let a = q.admit(0, 15, 12, 0);
         assert_eq!((a.finish, a.feasible), (12, false));
         // Its own deadline cannot be met at all.
-        assert!(!q.admit(0, 30, 25).feasible);
+        assert!(!q.admit(0, 30, 25, 0).feasible);
+        // 6 ms of overhead on every reply: 5 + 6 > 10, and the queued one
+        // would end at 15 + 6 > 20.
+        assert!(q.admit(0, 15, 5, 0).feasible);
+        assert!(!q.admit(0, 15, 5, 6).feasible);
+        assert!(q.admit(0, 15, 4, 1).feasible);
+    }
+
+    #[test]
+    fn remove_by_slot_keeps_the_work_sum() {
+        let mut q = EdfQueue::new(4);
+        q.push(10, 3, 'a').unwrap();
+        q.push(20, 4, 'b').unwrap();
+        let slot = q.iter().find(|(_, _, &t)| t == 'b').unwrap().0;
+        assert_eq!(q.remove(slot), Some((20, 4, 'b')));
+        assert_eq!(q.work(), 3);
+        assert_eq!(q.remove(slot), None);
     }
 }

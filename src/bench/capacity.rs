@@ -1,0 +1,434 @@
+//! `distmind bench capacity`: capacity at SLO, the standard measure of
+//! serving systems. The highest Poisson rate at which at least 99% of the
+//! requests sent finish within a 100 ms SLO, found by a rate sweep, for the
+//! mps baseline and for DistMind with the `slo` policy, on one
+//! configuration and in one run; the ratio of the two is the figure.
+//!
+//! The configuration is the end-to-end test's (`ae/2_e2e`): ResNet-152
+//! variants on one simulated GPU (`sim` executor, GPU time from a profile)
+//! with parameter memory for half of them, 2 memory servers, Zipf 0.9,
+//! batch 1, and equal memory: every system holds the whole set in its GPU
+//! server's host memory (`--half-cached`: DistMind holds half, warm). Every
+//! point is a real cluster of processes (`distmind up`); `--emulate-link`
+//! runs them on an emulated link.
+//!
+//! Per rate the CSV says why: the fraction within the SLO, the fraction
+//! rejected at admission, the dispatcher's mean batch size and the model
+//! switches (batches that had to load their model) per second.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser};
+use distmind_common::metrics::sample_value;
+
+use crate::up::{self, UpArgs};
+
+/// Stored MiB of one full-size ResNet-152 package (as `ae/lib.sh` sizes it).
+const RESNET152_STORED_MIB: u64 = 232;
+
+#[derive(Args, Debug, Clone)]
+pub struct CapacityArgs {
+    /// Settings directory (cluster.key, controller.json, profiles).
+    #[arg(long, default_value = "settings")]
+    pub settings: PathBuf,
+    /// Offered rates (req/s, emulated under --emulate-link), swept in
+    /// ascending order; each system's sweep ends at its first rate below
+    /// the target.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "100,200,300,400,500,600,800,1000,1200"
+    )]
+    pub rates: Vec<f64>,
+    /// Workload per rate (emulated time under --emulate-link).
+    #[arg(long, default_value = "10s", value_parser = crate::loadgen::parse_duration)]
+    pub duration: Duration,
+    /// ResNet-152 variants.
+    #[arg(long, default_value_t = 8)]
+    pub models: u64,
+    /// Latency SLO of every request, ms.
+    #[arg(long, default_value_t = 100)]
+    pub slo_ms: u64,
+    /// Fraction of the requests sent that must finish within the SLO.
+    #[arg(long, default_value_t = 0.99)]
+    pub target: f64,
+    /// Zipf exponent of model popularity.
+    #[arg(long, default_value_t = 0.9)]
+    pub zipf: f64,
+    /// GPU profile of the sim executor (default: `distmind up`'s).
+    #[arg(long)]
+    pub profile: Option<PathBuf>,
+    /// DistMind's host cache holds half the set (warm) instead of all of it.
+    #[arg(long)]
+    pub half_cached: bool,
+    /// Keep sweeping a system past its first rate below the target.
+    #[arg(long)]
+    pub full_sweep: bool,
+    /// Append one row per (system, rate) to this CSV.
+    #[arg(long)]
+    pub csv: Option<PathBuf>,
+    /// Where the model packages go, reused by every point (default: a
+    /// temporary directory, removed).
+    #[arg(long)]
+    pub work_dir: Option<PathBuf>,
+    /// Seed of the model weights and of the workload.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[command(flatten)]
+    pub emulate: crate::emulate::EmulateArgs,
+}
+
+/// One point of a sweep.
+#[derive(Debug, Clone)]
+struct Point {
+    system: &'static str,
+    rate: f64,
+    sent: u64,
+    within: f64,
+    rejected: f64,
+    p99_ms: f64,
+    mean_batch: f64,
+    switches_per_s: f64,
+}
+
+const CSV_HEADER: &str = "system,rate_rps,sent,within_slo,rejected_frac,p99_ms,mean_batch,\
+switches_per_s,models,slo_ms,memory,link";
+
+/// `distmind up` as a parser, so every point runs with the flags `up` takes.
+#[derive(Parser)]
+struct UpCli {
+    #[command(flatten)]
+    up: UpArgs,
+}
+
+/// The highest rate of a sweep before its first miss (`None`: even the
+/// lowest missed).
+fn capacity(points: &[Point], target: f64) -> Option<f64> {
+    points
+        .iter()
+        .take_while(|p| p.within >= target)
+        .map(|p| p.rate)
+        .last()
+}
+
+pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(!a.rates.is_empty(), "--rates needs at least one rate");
+    anyhow::ensure!(
+        a.rates.iter().all(|r| r.is_finite() && *r > 0.0),
+        "every rate of --rates must be a positive number, got {:?}",
+        a.rates
+    );
+    anyhow::ensure!(
+        a.target > 0.0 && a.target <= 1.0,
+        "--target is a fraction in (0, 1], got {}",
+        a.target
+    );
+    anyhow::ensure!(
+        a.models >= 2,
+        "--models must be at least 2, got {}",
+        a.models
+    );
+    let mut rates = a.rates.clone();
+    rates.sort_by(f64::total_cmp);
+    rates.dedup();
+    let work = match &a.work_dir {
+        Some(d) => Tmp::Kept(d.clone()),
+        None => Tmp::Removed(
+            std::env::temp_dir().join(format!("distmind-capacity-{}", std::process::id())),
+        ),
+    };
+    let n = a.models;
+    let mib = RESNET152_STORED_MIB;
+    let whole = format!("{}MiB", n * mib + 64);
+    let half = format!("{}MiB", n * mib / 2 + 8);
+    let memory = if a.half_cached { "half" } else { "equal" };
+    let link = a
+        .emulate
+        .emulate_link
+        .clone()
+        .unwrap_or_else(|| "loopback".into());
+    println!(
+        "capacity bench: {} ResNet-152 variants, 1 sim GPU (memory for half), 2 memory servers, Zipf {}, \
+         batch 1, {} ms SLO, target {:.1}% within; DistMind's host cache: {}; link: {link}; {:.0} s per rate",
+        n,
+        a.zipf,
+        a.slo_ms,
+        a.target * 1e2,
+        if a.half_cached { "half the set" } else { "the whole set" },
+        a.duration.as_secs_f64()
+    );
+    let mut all = Vec::new();
+    let mut caps = Vec::new();
+    for (system, cache) in [
+        ("mps", &whole),
+        ("distmind", if a.half_cached { &half } else { &whole }),
+    ] {
+        let mut points = Vec::new();
+        for &rate in &rates {
+            let mut argv: Vec<String> = [
+                "up",
+                "--executor",
+                "sim",
+                "--family",
+                "resnet152",
+                "--mode",
+                "poisson",
+                "--batch",
+                "1",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+            let dur_ms = a.duration.as_millis();
+            argv.extend([
+                "--settings".into(),
+                a.settings.display().to_string(),
+                "--models".into(),
+                n.to_string(),
+                "--rate".into(),
+                rate.to_string(),
+                "--duration".into(),
+                format!("{dur_ms}ms"),
+                "--zipf".into(),
+                a.zipf.to_string(),
+                "--slo-ms".into(),
+                a.slo_ms.to_string(),
+                "--seed".into(),
+                a.seed.to_string(),
+                "--capacity".into(),
+                format!("{}MiB", n * mib * 11 / 20 + 64),
+                "--device-memory".into(),
+                format!("{}MiB", n * mib / 2),
+                "--cache".into(),
+                cache.clone(),
+                "--work-dir".into(),
+                work.path().display().to_string(),
+                "--system".into(),
+                system.into(),
+            ]);
+            if system == "distmind" {
+                argv.extend(["--policy".into(), "slo".into(), "--warm-cache".into()]);
+            }
+            if let Some(p) = &a.profile {
+                argv.extend(["--profile".into(), p.display().to_string()]);
+            }
+            if let Some(l) = &a.emulate.emulate_link {
+                argv.extend(["--emulate-link".into(), l.clone()]);
+            }
+            if let Some(l) = &a.emulate.emulate_loopback {
+                argv.extend(["--emulate-loopback".into(), l.clone()]);
+            }
+            let up_args = UpCli::try_parse_from(&argv)
+                .map_err(|e| anyhow::anyhow!("the up flags of a point: {e}"))?
+                .up;
+            println!("\n== {system} at {rate} req/s ==");
+            let o = up::run_one(
+                &up_args,
+                distmind_runtime::exec::ExecutorKind::Sim,
+                "the capacity bench runs the sim executor",
+            )?;
+            let r = &o.report;
+            let sent = r.sent.max(1) as f64;
+            let within = r
+                .slo
+                .as_ref()
+                .map_or(0.0, |s| s.ok_within_slo as f64 / sent);
+            let m = &o.controller_metrics;
+            let get = |name: &str| sample_value(m, name, &[]).unwrap_or(0.0);
+            let batches = get("distmind_controller_batches");
+            let p = Point {
+                system,
+                rate,
+                sent: r.sent,
+                within,
+                rejected: r.rejected as f64 / sent,
+                p99_ms: r.latency.p99_ms,
+                mean_batch: if batches > 0.0 {
+                    get("distmind_controller_batched_requests") / batches
+                } else {
+                    0.0
+                },
+                switches_per_s: get("distmind_controller_model_switches") / r.elapsed_s.max(1e-9),
+            };
+            println!(
+                "capacity point: {system} {rate} req/s: {:.2}% within the SLO, {:.2}% rejected, p99 {:.1} ms, \
+                 mean batch {:.2}, {:.1} model switches/s",
+                p.within * 1e2,
+                p.rejected * 1e2,
+                p.p99_ms,
+                p.mean_batch,
+                p.switches_per_s
+            );
+            let below = p.within < a.target;
+            points.push(p);
+            if below && !a.full_sweep {
+                break;
+            }
+        }
+        caps.push(capacity(&points, a.target));
+        all.extend(points);
+    }
+    println!(
+        "\n{:<9} {:>9} {:>8} {:>10} {:>9} {:>8} {:>10} {:>11}",
+        "system", "rate", "sent", "within", "rejected", "p99 ms", "mean batch", "switches/s"
+    );
+    for p in &all {
+        println!(
+            "{:<9} {:>9.0} {:>8} {:>9.2}% {:>8.2}% {:>8.1} {:>10.2} {:>11.1}",
+            p.system,
+            p.rate,
+            p.sent,
+            p.within * 1e2,
+            p.rejected * 1e2,
+            p.p99_ms,
+            p.mean_batch,
+            p.switches_per_s
+        );
+    }
+    let show = |c: Option<f64>| c.map_or_else(|| format!("below {}", rates[0]), |r| format!("{r}"));
+    println!(
+        "capacity at SLO (req/s, >= {:.1}% within {} ms): mps {}, distmind (slo) {}",
+        a.target * 1e2,
+        a.slo_ms,
+        show(caps[0]),
+        show(caps[1])
+    );
+    // Rejections where mps still keeps the target: slo should serve those.
+    let mps_ok: Vec<f64> = all
+        .iter()
+        .filter(|p| p.system == "mps" && p.within >= a.target)
+        .map(|p| p.rate)
+        .collect();
+    let worst_reject = all
+        .iter()
+        .filter(|p| p.system == "distmind" && mps_ok.contains(&p.rate))
+        .map(|p| p.rejected)
+        .fold(0.0, f64::max);
+    println!(
+        "slo rejects at most {:.2}% at the rates where mps keeps the target (goal: under 1%)",
+        worst_reject * 1e2
+    );
+    match caps.as_slice() {
+        [Some(m), Some(d)] => println!("capacity ratio {:.2}", d / m),
+        [None, Some(_)] => println!(
+            "capacity ratio undefined: mps missed the target at the lowest rate, {}",
+            rates[0]
+        ),
+        [_, None] => println!("capacity ratio 0: distmind missed the target at the lowest rate"),
+        _ => unreachable!("two systems"),
+    }
+    if caps[1] == rates.last().copied() {
+        println!(
+            "(distmind kept the target at the highest rate swept: its capacity is at least that)"
+        );
+    }
+    if let Some(path) = &a.csv {
+        let mut lines = String::new();
+        for p in &all {
+            lines.push_str(&format!(
+                "{},{},{},{:.4},{:.4},{:.2},{:.3},{:.2},{},{},{},{}\n",
+                p.system,
+                p.rate,
+                p.sent,
+                p.within,
+                p.rejected,
+                p.p99_ms,
+                p.mean_batch,
+                p.switches_per_s,
+                n,
+                a.slo_ms,
+                memory,
+                link
+            ));
+        }
+        super::append_csv(path, CSV_HEADER, &lines)?;
+        println!(
+            "capacity: {} rows appended to {}",
+            all.len(),
+            path.display()
+        );
+    }
+    std::io::stdout().flush().ok();
+    Ok(())
+}
+
+/// The packages' directory: a temporary one is removed at the end.
+enum Tmp {
+    Kept(PathBuf),
+    Removed(PathBuf),
+}
+
+impl Tmp {
+    fn path(&self) -> &PathBuf {
+        match self {
+            Tmp::Kept(p) | Tmp::Removed(p) => p,
+        }
+    }
+}
+
+impl Drop for Tmp {
+    fn drop(&mut self) {
+        if let Tmp::Removed(p) = self {
+            let _ = std::fs::remove_dir_all(p);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(system: &'static str, rate: f64, within: f64) -> Point {
+        Point {
+            system,
+            rate,
+            sent: 100,
+            within,
+            rejected: 0.0,
+            p99_ms: 1.0,
+            mean_batch: 1.0,
+            switches_per_s: 0.0,
+        }
+    }
+
+    #[test]
+    fn capacity_is_the_last_rate_before_the_first_miss() {
+        let pts = [
+            p("mps", 100.0, 1.0),
+            p("mps", 200.0, 0.995),
+            p("mps", 300.0, 0.9),
+            p("mps", 400.0, 1.0),
+        ];
+        assert_eq!(capacity(&pts, 0.99), Some(200.0));
+        assert_eq!(capacity(&pts[2..], 0.99), None);
+    }
+
+    #[test]
+    fn every_point_parses_as_up_flags() {
+        let argv = [
+            "up",
+            "--executor",
+            "sim",
+            "--system",
+            "mps",
+            "--models",
+            "8",
+            "--rate",
+            "150",
+            "--duration",
+            "1500ms",
+            "--cache",
+            "1920MiB",
+            "--device-memory",
+            "928MiB",
+            "--capacity",
+            "1084MiB",
+        ];
+        let a = UpCli::try_parse_from(argv).unwrap().up;
+        assert_eq!(a.rate, 150.0);
+        assert_eq!(a.duration, Some(Duration::from_millis(1500)));
+        assert_eq!(a.models, Some(8));
+    }
+}
