@@ -648,6 +648,13 @@ impl CoreTask {
         let Some(&head) = ids.first() else {
             return;
         };
+        // The catalog's version of the model now: a runtime whose compiled
+        // plan is older refreshes it once (a redeploy), others never ask.
+        let catalog_version = lock(&self.state)
+            .catalog()
+            .get(&model)
+            .ok()
+            .map(|e| e.version);
         let msg = LinkMsg::Request(
             RuntimeRequest::Infer {
                 id: head,
@@ -656,7 +663,7 @@ impl CoreTask {
                 trace,
                 device: Some(gpu.device),
                 batch: members,
-                catalog_version: None,
+                catalog_version,
             },
             inputs,
         );

@@ -37,7 +37,10 @@ pub struct Priors {
     /// Compute time of a model never seen run.
     pub compute_ms: f64,
     /// Each request a batch adds, as a fraction of one request's compute,
-    /// until batches have been observed (estimated profiles: 0.02-0.1).
+    /// until batches have been observed. 1 (no gain) by default: admission
+    /// counts on batching only once the device has shown it (a GPU's
+    /// estimated profiles give 0.02-0.1; the cpu executor about 1, and a
+    /// smaller prior there over-admits whatever joins a batch).
     pub batch_increment: f64,
 }
 
@@ -48,7 +51,7 @@ impl Default for Priors {
             net_bytes_per_s: 1.25e9,
             h2d_bytes_per_s: 10e9,
             compute_ms: 10.0,
-            batch_increment: 0.15,
+            batch_increment: 1.0,
         }
     }
 }
