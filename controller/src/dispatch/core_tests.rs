@@ -1500,3 +1500,68 @@ fn a_queued_request_is_dropped_only_when_late_even_on_an_idle_device() {
     assert!(sent(&out).is_empty());
     assert_eq!(failed(&out), vec![(r4, ErrorCode::DeadlineExceeded)]);
 }
+
+/// Replies from a continuously busy GPU come 20 ms apart for requests the
+/// runtime timed at 10 ms: the dispatcher measures the other 10 ms per
+/// request and admits fewer requests against a deadline than the estimate
+/// alone would.
+#[test]
+fn device_time_beyond_the_estimate_is_measured_and_admitted_against() {
+    let mut d = dispatcher(PolicyKind::Slo, 1);
+    let m = model(&mut d, "a");
+    make_resident(&mut d, 0, "a");
+    let t = timing(ServePath::DeviceResident, 10.0);
+    let mut out = Vec::new();
+    let mut live: VecDeque<ReqId> = VecDeque::new();
+    let mut now = 0;
+    // Keep two outstanding; answer the oldest every 20 ms.
+    for _ in 0..40 {
+        let r = d.submit(now, m, Some(1000.0), &mut out);
+        assert!(failed(&out).is_empty(), "{out:?}");
+        live.push_back(r);
+        out.clear();
+        if live.len() > 2 {
+            now += 20 * MS;
+            let done = live.pop_front().unwrap();
+            assert!(d.complete(now, done, &c_of(&t, &[]), &mut out).is_some());
+            out.clear();
+        }
+    }
+    let serial = d.serial_us(0);
+    assert!(
+        (8 * MS..=12 * MS).contains(&serial),
+        "measured {serial} us beyond the estimate, expected about 10 ms"
+    );
+    // Replies on time measure nothing more: a fresh dispatcher answered
+    // every 10 ms stays near zero.
+    let mut d2 = dispatcher(PolicyKind::Slo, 1);
+    let m2 = model(&mut d2, "a");
+    make_resident(&mut d2, 0, "a");
+    let (mut live, mut now) = (VecDeque::new(), 0);
+    for _ in 0..40 {
+        live.push_back(d2.submit(now, m2, Some(1000.0), &mut out));
+        out.clear();
+        if live.len() > 2 {
+            now += 10 * MS;
+            let done = live.pop_front().unwrap();
+            assert!(d2.complete(now, done, &c_of(&t, &[]), &mut out).is_some());
+            out.clear();
+        }
+    }
+    assert!(d2.serial_us(0) <= MS, "{}", d2.serial_us(0));
+    // Admission counts it: with 20 ms per request, fewer requests fit a
+    // 100 ms deadline than with 10.
+    let fit = |d: &mut Dispatcher, m: u32, at: Micros| {
+        let mut out = Vec::new();
+        for _ in 0..20 {
+            d.submit(at, m, Some(100.0), &mut out);
+        }
+        20 - failed(&out).len()
+    };
+    let slow = fit(&mut d, m, now + 1_000 * MS);
+    let fast = fit(&mut d2, m2, now + 1_000 * MS);
+    assert!(
+        slow < fast,
+        "admitted {slow} with 20 ms per request, {fast} with 10 ms"
+    );
+}
