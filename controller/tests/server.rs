@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::{key, model, wait_until, TestServer, TIMEOUT};
 use distmind_common::handshake::{ClusterKey, HandshakeError};
 use distmind_common::limits::CONTROL_FRAME_BYTES_MAX;
-use distmind_common::proto::{ControllerReply, ControllerRequest, ErrorCode};
+use distmind_common::proto::{ControllerReply, ControllerRequest, ErrorCode, ModelEntry};
 use distmind_common::wire;
 use distmind_controller::{ClientError, ControllerClient};
 
@@ -45,16 +45,27 @@ fn catalog_put_get_replace_remove() {
         ms[0].id
     );
 
+    // The catalog gives every stored entry its version: compare the rest.
+    let versioned = |mut e: ModelEntry, version: u64| {
+        e.version = version;
+        e
+    };
     let v1 = model("bert-a", 3, &ms);
     assert_eq!(c.put_model(v1.clone()).unwrap(), None);
-    assert_eq!(c.get_model("bert-a").unwrap(), v1);
+    let got = c.get_model("bert-a").unwrap();
+    assert!(got.version >= 1);
+    let v1 = versioned(v1, got.version);
+    assert_eq!(got, v1);
     c.put_model(model("alpha", 1, &ms)).unwrap();
     let v2 = model("bert-a", 5, &ms);
     assert_eq!(
         c.put_model(v2.clone()).unwrap(),
-        Some(v1),
+        Some(v1.clone()),
         "put returns the replaced entry"
     );
+    let got = c.get_model("bert-a").unwrap();
+    assert!(got.version > v1.version, "a redeploy gets a newer version");
+    let v2 = versioned(v2, got.version);
     let names: Vec<(String, u32)> = c
         .list_models()
         .unwrap()
