@@ -264,6 +264,7 @@ impl<'t, S: JobSink> Driver<'t, S> {
             l.reads -= 1;
         }
         let (addr, start, len) = (r.addr, r.local_offset as usize, r.len as usize);
+        let read_failed = c.result.is_err();
         let result = c.result.map_err(|e| e.to_string()).and_then(|()| {
             if !a.job.opts().verify {
                 return Ok(());
@@ -281,7 +282,16 @@ impl<'t, S: JobSink> Driver<'t, S> {
             Landed::Pending | Landed::Retried | Landed::Failed => {}
         }
         if let Some(addr) = failed_addr {
-            self.peers.unlearn(&addr);
+            if read_failed {
+                // The server failed a read (lost, or refused it): drop the
+                // connection, which fails every read still in flight to it
+                // at once (a one-sided path to a dead server may never
+                // complete them otherwise); they retry on their replicas.
+                self.peers.forget(self.t, &addr);
+            } else {
+                // Bytes that did not verify: ask the transport again.
+                self.peers.unlearn(&addr);
+            }
         }
     }
 
