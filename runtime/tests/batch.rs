@@ -9,20 +9,20 @@
 //! (to float rounding, see [`ROW_TOLERANCE`]); a request whose input does not fit, or whose deadline passed,
 //! is answered with its error while the rest of its batch still runs.
 
+mod common;
+
 use std::collections::HashMap;
 use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use distmind_common::checksum::{checksum, to_hex};
 use distmind_common::handshake::{self, ClusterKey};
 use distmind_common::proto::{
-    BatchMember, ErrorCode, GroupLocation, Location, ModelEntry, RuntimeReply, RuntimeRequest,
-    Slice, BATCH_MEMBERS_MAX,
+    BatchMember, ErrorCode, RuntimeReply, RuntimeRequest, BATCH_MEMBERS_MAX,
 };
 use distmind_common::wire::{self, FrameKind, Role};
 use distmind_controller::{Controller, ControllerClient, ControllerConfig};
-use distmind_memserver::{Memserver, MemserverClient, MemserverConfig};
+use distmind_memserver::{Memserver, MemserverConfig};
 use distmind_models::{generate, Family, GenOptions, Package, Scale};
 use distmind_runtime::client::{BatchInput, InferOptions, Response, RuntimeClient};
 use distmind_runtime::exec::cpu::CpuExecutor;
@@ -184,50 +184,7 @@ impl Drop for Cluster {
 
 /// Writes every group of `pkg` as one slice on `memserver` and registers it.
 fn deploy(controller: &mut ControllerClient, memserver: &str, pkg: &Package) {
-    let m = &pkg.manifest;
-    let mut ms = MemserverClient::connect(memserver, &key(), TIMEOUT).unwrap();
-    let id = controller
-        .list_memservers()
-        .unwrap()
-        .iter()
-        .find(|s| s.addr == memserver)
-        .expect("registered")
-        .id;
-    let groups = (0..m.groups.len())
-        .map(|g| {
-            let bytes = pkg.group_bytes(g).unwrap();
-            let offset = ms.alloc(bytes.len() as u64, &m.name).unwrap();
-            ms.write(offset, &bytes).unwrap();
-            ms.commit(offset, checksum(&bytes)).unwrap();
-            GroupLocation {
-                index: g as u32,
-                bytes: bytes.len() as u64,
-                checksum: to_hex(checksum(&bytes)),
-                slices: vec![Slice {
-                    group_offset: 0,
-                    len: bytes.len() as u64,
-                    checksum: to_hex(checksum(&bytes)),
-                    replicas: vec![Location {
-                        memserver: id,
-                        addr: memserver.to_string(),
-                        offset,
-                    }],
-                }],
-            }
-        })
-        .collect();
-    controller
-        .put_model(ModelEntry {
-            name: m.name.clone(),
-            family: m.family.to_string(),
-            total_bytes: m.stored_bytes,
-            strategy: "test".into(),
-            replication: 1,
-            version: 0,
-            groups,
-            manifest: serde_json::to_value(m).unwrap(),
-        })
-        .unwrap();
+    common::deploy(controller, memserver, pkg, &key(), TIMEOUT);
 }
 
 fn output(r: &Response) -> &distmind_runtime::client::Inference {

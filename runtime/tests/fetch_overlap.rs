@@ -11,15 +11,16 @@
 //! host memory) must overlap for most of their length; with fetches one at
 //! a time the second window starts only when the first ended.
 
+mod common;
+
 use std::path::Path;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use distmind_common::checksum::{checksum, to_hex};
 use distmind_common::handshake::ClusterKey;
-use distmind_common::proto::{GroupLocation, Location, ModelEntry, ServePath, Slice};
+use distmind_common::proto::ServePath;
 use distmind_controller::{Controller, ControllerClient, ControllerConfig};
-use distmind_memserver::{Memserver, MemserverClient, MemserverConfig};
+use distmind_memserver::{Memserver, MemserverConfig};
 use distmind_models::{generate, Family, GenOptions, Package, Scale};
 use distmind_runtime::client::{InferOptions, Inference, RuntimeClient};
 use distmind_runtime::exec::cpu::CpuExecutor;
@@ -53,50 +54,7 @@ fn packages(dir: &Path) -> Vec<Package> {
 
 /// Writes every group of `pkg` as one slice on `memserver` and registers it.
 fn deploy(controller: &mut ControllerClient, memserver: &str, pkg: &Package) {
-    let m = &pkg.manifest;
-    let mut ms = MemserverClient::connect(memserver, &key(), TIMEOUT).unwrap();
-    let id = controller
-        .list_memservers()
-        .unwrap()
-        .iter()
-        .find(|s| s.addr == memserver)
-        .expect("registered")
-        .id;
-    let groups = (0..m.groups.len())
-        .map(|g| {
-            let bytes = pkg.group_bytes(g).unwrap();
-            let offset = ms.alloc(bytes.len() as u64, &m.name).unwrap();
-            ms.write(offset, &bytes).unwrap();
-            ms.commit(offset, checksum(&bytes)).unwrap();
-            GroupLocation {
-                index: g as u32,
-                bytes: bytes.len() as u64,
-                checksum: to_hex(checksum(&bytes)),
-                slices: vec![Slice {
-                    group_offset: 0,
-                    len: bytes.len() as u64,
-                    checksum: to_hex(checksum(&bytes)),
-                    replicas: vec![Location {
-                        memserver: id,
-                        addr: memserver.to_string(),
-                        offset,
-                    }],
-                }],
-            }
-        })
-        .collect();
-    controller
-        .put_model(ModelEntry {
-            name: m.name.clone(),
-            family: m.family.to_string(),
-            total_bytes: m.stored_bytes,
-            strategy: "test".into(),
-            replication: 1,
-            version: 0,
-            groups,
-            manifest: serde_json::to_value(m).unwrap(),
-        })
-        .unwrap();
+    common::deploy(controller, memserver, pkg, &key(), TIMEOUT);
 }
 
 fn input(pkg: &Package) -> HostTensor {
