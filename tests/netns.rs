@@ -1,15 +1,24 @@
-//! A multi-host cluster on one machine: `distmind cluster up` in remote
-//! mode over a stand-in ssh into five network namespaces (controller, two
-//! memory servers, two GPU servers) joined by a bridge, tiny models
+//! A multi-host cluster on one machine: five network namespaces
+//! (controller, two memory servers, two GPU servers) joined by a bridge,
+//! each running Debian's OpenSSH server; `distmind cluster up` in remote
+//! mode reaches every host with the real ssh client, tiny models are
 //! deployed and a short workload sent from the test's own namespace, then
-//! `cluster down`.
+//! `cluster status` and `cluster down`, also over ssh.
+//!
+//! Every ssh file is the test's own, in its temporary directory (whose name
+//! has a blank, so every path crosses the remote shell quoted): a host key
+//! per sshd, a client key, `authorized_keys`, `known_hosts` and a client
+//! config (`StrictHostKeyChecking yes`, `BatchMode yes`) passed as
+//! `--ssh "ssh -F '<config>'"`. Each sshd runs `-D -e -f <its config>`
+//! (`UsePAM no`, its own pid file) and is stopped by its pid when the test
+//! ends, pass or fail.
 //!
 //! Links (tests/support/netns.rs: a `tbf` qdisc on both ends of a host's
 //! veth): ms1, ms2 and gpu1 at 10 Gbit/s, gpu2 at 500 Mbit/s (a slower GPU
 //! server NIC, as in a mixed cluster); the controller's link is not
-//! limited. Needs root, `ip` and `tc`; otherwise it prints
-//! `skipped: <reason>` and passes. Run with
-//! `cargo test --release --test netns -- --nocapture`.
+//! limited. Needs root, `ip`, `tc`, `/usr/sbin/sshd`, `ssh` and
+//! `ssh-keygen`; otherwise it prints `skipped: <reason>` and passes. Run
+//! with `cargo test --release --test netns -- --nocapture`.
 
 mod support;
 
@@ -28,6 +37,8 @@ const METADATA_PORT: u16 = 7777;
 const MEMSERVER_PORT: u16 = 7778;
 const CLIENT_PORT: u16 = 9999;
 const CACHE_PORT: u16 = 10009;
+/// The ssh user (username.txt); the test runs as root.
+const USER: &str = "root";
 
 /// The shipped settings in `dir/settings`, made remote: the controller on
 /// ctl, memory servers on ms1 and ms2, GPU servers on gpu1 and gpu2, ssh
@@ -47,7 +58,7 @@ fn remote_settings(dir: &Path, lab: &netns::Lab) -> PathBuf {
                 lab.host("gpu1").ip,
                 lab.host("gpu2").ip
             ),
-            "username.txt" => "root\n".into(),
+            "username.txt" => format!("{USER}\n"),
             "controller.json" | "mps_controller.json" => text.replace("127.0.0.1", ctl),
             "config.sh" => {
                 let t = text
@@ -62,7 +73,7 @@ fn remote_settings(dir: &Path, lab: &netns::Lab) -> PathBuf {
 }
 
 /// Stops the recorded cluster (over the recorded ssh), pass or fail; drops
-/// before the lab, so the namespaces still exist.
+/// before the sshds and the lab, so both still exist.
 struct Down(PathBuf);
 
 impl Drop for Down {
@@ -79,7 +90,7 @@ fn running(pid: u32) -> bool {
 
 #[test]
 fn a_remote_cluster_on_five_namespaces_serves_a_workload() {
-    if let Err(why) = netns::can_run() {
+    if let Err(why) = netns::can_run().and_then(|()| netns::can_run_sshd(USER)) {
         eprintln!("skipped: {why}");
         return;
     }
@@ -99,15 +110,30 @@ fn a_remote_cluster_on_five_namespaces_serves_a_workload() {
         qdisc.contains("tbf") && qdisc.contains("500Mbit"),
         "{qdisc}"
     );
-    let tmp = tempfile::tempdir().unwrap();
+    // A blank in every path: the remote scripts must quote them all.
+    let tmp = tempfile::Builder::new()
+        .prefix("distmind netns ")
+        .tempdir()
+        .unwrap();
     let settings = remote_settings(tmp.path(), &lab);
-    let ssh = lab.ssh_script(tmp.path());
+    let sshds = lab
+        .start_sshds(&tmp.path().join("ssh"), USER)
+        .unwrap_or_else(|e| panic!("starting sshd on every host: {e}"));
+    let ssh = sshds.ssh_command();
+    for h in &lab.hosts {
+        assert_eq!(
+            sshds.pid_file(&h.role).trim(),
+            sshds.pid(&h.role).to_string(),
+            "sshd on {} wrote its own pid file",
+            h.role
+        );
+    }
     let run = tmp.path().join("run");
     let _down = Down(run.clone());
     let ctl = lab.host("ctl").ip.clone();
     let metadata = format!("{ctl}:{METADATA_PORT}");
     eprintln!(
-        "lab {} on {}.0/24 ready after {:?}",
+        "lab {} on {}.0/24 with an sshd on every host ready after {:?}",
         lab.prefix,
         lab.net,
         t0.elapsed()
@@ -119,7 +145,7 @@ fn a_remote_cluster_on_five_namespaces_serves_a_workload() {
         &run,
         &[
             "--ssh",
-            ssh.to_str().unwrap(),
+            &ssh,
             "--executor",
             "cpu",
             "--memserver-capacity",
@@ -132,13 +158,23 @@ fn a_remote_cluster_on_five_namespaces_serves_a_workload() {
     assert!(ok, "cluster up failed:\n{out}\n{err}");
     assert!(out.contains("5 services healthy"), "{out}");
     eprintln!("cluster up after {:?}", t0.elapsed());
-    let calls = std::fs::read_to_string(tmp.path().join("ssh.log")).unwrap();
-    assert!(
-        calls
-            .lines()
-            .all(|l| l.starts_with("-o BatchMode=yes root@")),
-        "every ssh call: -o BatchMode=yes root@<host>:\n{calls}"
-    );
+    // Every host let the test's client key in, and nothing else.
+    for h in &lab.hosts {
+        let log = sshds.log(&h.role);
+        assert!(
+            log.contains(&format!("Accepted publickey for {USER} from {} ", lab.root_ip)),
+            "sshd on {}:\n{log}",
+            h.role
+        );
+        assert!(
+            // `Accepted <method> for <user> from ...`, one per login.
+            log.lines()
+                .filter(|l| l.starts_with("Accepted ") && l.contains(" for "))
+                .all(|l| l.starts_with("Accepted publickey for ")),
+            "sshd on {}:\n{log}",
+            h.role
+        );
+    }
 
     // cluster.json: mode, host and pid of every service, each on its own host.
     let state: Value =
@@ -170,8 +206,27 @@ fn a_remote_cluster_on_five_namespaces_serves_a_workload() {
             "{name} (pid {pid}) not in {}: {in_ns}",
             lab.host(role).ns
         );
+        // Started by that host's sshd: sshd put the connection into its
+        // environment, with the host's own address at port 22.
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+        let env = String::from_utf8_lossy(&env);
+        let conn = env
+            .split('\0')
+            .find_map(|v| v.strip_prefix("SSH_CONNECTION="))
+            .unwrap_or_else(|| panic!("{name} (pid {pid}) was not started over ssh"));
+        let conn: Vec<&str> = conn.split(' ').collect();
+        assert_eq!(
+            (conn[0], conn[2], conn[3]),
+            (lab.root_ip.as_str(), lab.host(role).ip.as_str(), "22"),
+            "{name}: SSH_CONNECTION"
+        );
         pids.push(pid);
     }
+
+    // A second `up` finds the recorded services alive, over ssh, and starts
+    // nothing.
+    let (ok, out, err) = cluster("up", &settings, &run, &["--ssh", &ssh]);
+    assert!(!ok && err.contains("is still running"), "{out}\n{err}");
 
     let (ok, out, err) = cluster("status", &settings, &run, &[]);
     assert!(ok, "{out}\n{err}");
@@ -261,8 +316,35 @@ fn a_remote_cluster_on_five_namespaces_serves_a_workload() {
         "{served:?}"
     );
 
+    // Hosts that cannot be reached (no sshd on that port): status and
+    // down say so, naming ssh's failure, and stop nothing; the cluster
+    // stays recorded.
+    let wrong = format!("{ssh} -p 2222");
+    let (ok, out, err) = cluster("status", &settings, &run, &["--ssh", &wrong]);
+    assert!(!ok, "{out}\n{err}");
+    assert_eq!(
+        out.lines().filter(|l| l.contains(" unknown ")).count(),
+        5,
+        "{out}"
+    );
+    assert!(
+        out.contains("exit 255") && out.contains("Connection refused"),
+        "{out}"
+    );
+    let (ok, out, err) = cluster("down", &settings, &run, &["--ssh", &wrong]);
+    assert!(!ok && err.contains("not stopped"), "{out}\n{err}");
+    assert_eq!(
+        out.lines().filter(|l| l.contains("NOT stopped")).count(),
+        5,
+        "{out}"
+    );
+    assert!(pids.iter().all(|&p| running(p)), "nothing stopped");
+    assert!(run.join("cluster.json").exists());
+
+    // The recorded ssh command stops them.
     let (ok, out, err) = cluster("down", &settings, &run, &[]);
     assert!(ok, "{out}\n{err}");
+    eprintln!("{out}");
     assert_eq!(
         out.lines().filter(|l| l.contains("stopped")).count(),
         5,

@@ -91,9 +91,11 @@ pub struct CommonArgs {
     /// remote mode the same path holds each host's logs on that host.
     #[arg(long)]
     pub run_dir: Option<PathBuf>,
-    /// Remote mode: the ssh command, split on blanks (e.g. "ssh -p 2222 -i key"); run as
-    /// `<ssh...> -o BatchMode=yes <user>@<host> <command>`. Default: `ssh` for `up`; for
-    /// `status` and `down`, the command `up` used (recorded in cluster.json).
+    /// Remote mode: the ssh command with its options (port, identity file, config file), split
+    /// like a shell splits it, quotes keeping a path with blanks whole: e.g. "ssh -p 2222 -i
+    /// key" or "ssh -F '/etc/distmind/ssh config'". Run as `<ssh...> -o BatchMode=yes
+    /// <user>@<host> sh -c '<script>'`, so it never waits for a password. Default: `ssh` for
+    /// `up`; for `status` and `down`, the command `up` used (recorded in cluster.json).
     #[arg(long)]
     pub ssh: Option<String>,
 }
@@ -145,7 +147,7 @@ pub enum RunMode {
 pub struct RemoteHost {
     pub host: String,
     pub user: String,
-    /// The ssh command `up` used (split on blanks).
+    /// The ssh command `up` used, one argument per element.
     pub ssh: Vec<String>,
 }
 

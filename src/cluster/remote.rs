@@ -21,15 +21,18 @@ pub(super) const SSH_TIMEOUT: Duration = Duration::from_secs(30);
 /// One host, reached over ssh.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Target<'a> {
-    /// The ssh command, split on blanks (`["ssh", "-p", "2222"]`).
+    /// The ssh command, one argument per element (`["ssh", "-p", "2222"]`).
     pub ssh: &'a [String],
     pub user: &'a str,
     pub host: &'a str,
 }
 
-/// `--ssh "ssh -p 2222"` -> `["ssh", "-p", "2222"]`.
+/// `--ssh "ssh -p 2222"` -> `["ssh", "-p", "2222"]`: split like a POSIX
+/// shell does (`"ssh -F '/my keys/config'"` keeps the quoted path whole).
 pub(super) fn parse_ssh(cmd: &str) -> anyhow::Result<Vec<String>> {
-    let argv: Vec<String> = cmd.split_whitespace().map(str::to_string).collect();
+    let Some(argv) = shlex::split(cmd) else {
+        bail!("--ssh {cmd:?}: an unclosed quote or a trailing backslash");
+    };
     if argv.is_empty() {
         bail!("--ssh is empty: give the ssh command, e.g. \"ssh\" or \"ssh -p 2222\"");
     }
@@ -292,9 +295,15 @@ mod tests {
     }
 
     #[test]
-    fn ssh_command_is_split_on_blanks() {
+    fn ssh_command_is_split_like_a_shell() {
         assert_eq!(parse_ssh(" ssh  -p 2222 ").unwrap(), ["ssh", "-p", "2222"]);
+        assert_eq!(
+            parse_ssh(r#"ssh -F '/my keys/config' -i "/a b/id" -o User=x\ y"#).unwrap(),
+            ["ssh", "-F", "/my keys/config", "-i", "/a b/id", "-o", "User=x y"]
+        );
         assert!(parse_ssh("  ").is_err());
+        let e = parse_ssh("ssh -F 'unclosed").unwrap_err().to_string();
+        assert!(e.contains("unclosed quote"), "{e}");
     }
 
     /// A stand-in for ssh that drops `-o X` and `user@host` and runs the

@@ -187,43 +187,6 @@ impl Lab {
         all.extend_from_slice(argv);
         cmd(&all)
     }
-
-    /// Writes `dir/ssh`: a stand-in for ssh that skips options (`-o X`,
-    /// `-p X`, `-i X`, `-l X`, other `-x`), maps `user@<ip>` to that host's
-    /// namespace and runs the command there with `sh -c` (like sshd, the
-    /// arguments joined by blanks); an unknown host is ssh's exit 255.
-    /// Every invocation's arguments (to the first line break) are appended
-    /// to `dir/ssh.log`.
-    pub fn ssh_script(&self, dir: &Path) -> PathBuf {
-        let path = dir.join("ssh");
-        let log = dir.join("ssh.log");
-        let mut table = String::new();
-        for h in &self.hosts {
-            table.push_str(&format!("  {}) ns={} ;;\n", h.ip, h.ns));
-        }
-        let script = format!(
-            "#!/bin/sh\n\
-             # ssh stand-in for tests/netns.rs: user@<ip> -> ip netns exec <ns>\n\
-             echo \"$*\" | head -n 1 >> '{log}'\n\
-             while [ $# -gt 0 ]; do\n\
-             \x20 case \"$1\" in\n\
-             \x20   -o|-p|-i|-l) shift 2 ;;\n\
-             \x20   -*) shift ;;\n\
-             \x20   *) break ;;\n\
-             \x20 esac\n\
-             done\n\
-             dest=\"$1\"; shift\n\
-             case \"${{dest#*@}}\" in\n\
-             {table}\
-             \x20 *) echo \"ssh: connect to host ${{dest#*@}} port 22: No route to host\" >&2; exit 255 ;;\n\
-             esac\n\
-             exec ip netns exec \"$ns\" sh -c \"$*\"\n",
-            log = log.display()
-        );
-        std::fs::write(&path, script).unwrap();
-        cmd(&["chmod", "+x", path.to_str().unwrap()]).unwrap();
-        path
-    }
 }
 
 impl Drop for Lab {
@@ -242,6 +205,301 @@ impl Drop for Lab {
         if let Some(link) = &self.root_link {
             // Usually gone with its peer in the switch namespace.
             let _ = cmd(&["ip", "link", "del", link]);
+        }
+    }
+}
+
+/// Debian's OpenSSH server.
+pub const SSHD: &str = "/usr/sbin/sshd";
+
+/// sshd's privilege separation directory (compiled in; Debian's ssh.service
+/// creates it at boot, a bare container may lack it).
+const PRIVSEP_DIR: &str = "/run/sshd";
+
+/// `tool`'s path in `PATH`, if it is there.
+fn which(tool: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(tool))
+        .find(|p| p.is_file())
+}
+
+/// Why a real OpenSSH server and client cannot be used here, if they
+/// cannot: no `sshd`, `ssh` or `ssh-keygen`, or `user`'s password field is
+/// locked (`!` in /etc/shadow: sshd without PAM refuses every login of a
+/// locked account, keys included). Call after [`can_run`].
+pub fn can_run_sshd(user: &str) -> Result<(), String> {
+    if !Path::new(SSHD).is_file() {
+        return Err(format!(
+            "no OpenSSH server at {SSHD} (Debian: apt-get install openssh-server)"
+        ));
+    }
+    for tool in ["ssh", "ssh-keygen"] {
+        if which(tool).is_none() {
+            return Err(format!(
+                "no `{tool}` in PATH (Debian: apt-get install openssh-client)"
+            ));
+        }
+    }
+    let shadow = std::fs::read_to_string("/etc/shadow").unwrap_or_default();
+    let locked = shadow.lines().any(|l| {
+        l.strip_prefix(user)
+            .and_then(|r| r.strip_prefix(':'))
+            .is_some_and(|pw| pw.starts_with('!'))
+    });
+    if locked {
+        return Err(format!(
+            "{user}'s password is locked ('!' in /etc/shadow), and sshd with UsePAM no refuses \
+             every login of a locked account"
+        ));
+    }
+    Ok(())
+}
+
+/// One sshd of [`Sshds`].
+struct Daemon {
+    role: String,
+    child: std::process::Child,
+    log: PathBuf,
+}
+
+/// A real OpenSSH server in every host namespace of a [`Lab`]
+/// ([`Lab::start_sshds`]), with every file it and the client use under one
+/// directory of the test: host keys, the client key, `authorized_keys`,
+/// `known_hosts`, each sshd's config, pid file and log. Nothing in
+/// `~/.ssh` or `/etc/ssh` is read or written. Dropping it stops each sshd
+/// by its pid (SIGTERM, then SIGKILL), pass or fail.
+pub struct Sshds {
+    /// The client's config, for `ssh -F`: the client key only, the test's
+    /// `known_hosts` with `StrictHostKeyChecking yes`, `BatchMode yes`.
+    pub client_config: PathBuf,
+    dir: PathBuf,
+    daemons: Vec<Daemon>,
+    /// [`PRIVSEP_DIR`] was made here (and is removed again on drop).
+    made_privsep_dir: bool,
+}
+
+/// `s` as one double-quoted word of an ssh or sshd config file.
+fn conf_quote(s: &Path) -> String {
+    let s = s.to_string_lossy();
+    assert!(!s.contains('"'), "a config path with a double quote: {s}");
+    format!("\"{s}\"")
+}
+
+fn keygen(path: &Path, comment: &str) -> Result<String, String> {
+    let p = path.to_str().ok_or("a key path that is not UTF-8")?;
+    cmd(&[
+        "ssh-keygen",
+        "-q",
+        "-t",
+        "ed25519",
+        "-N",
+        "",
+        "-C",
+        comment,
+        "-f",
+        p,
+    ])?;
+    std::fs::read_to_string(path.with_extension("pub"))
+        .map_err(|e| format!("reading {}.pub: {e}", path.display()))
+}
+
+impl Lab {
+    /// Starts `sshd -D -e -f <its config>` in every host's namespace, on the
+    /// host's address, port 22, admitting `user` with the client key the
+    /// test makes (public key only, `UsePAM no`); returns once every host
+    /// accepted an `ssh -F <client_config> <user>@<ip> true`.
+    pub fn start_sshds(&self, dir: &Path, user: &str) -> Result<Sshds, String> {
+        std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        let mut sshds = Sshds {
+            client_config: dir.join("ssh_config"),
+            dir: dir.to_path_buf(),
+            daemons: Vec::new(),
+            made_privsep_dir: false,
+        };
+        if !Path::new(PRIVSEP_DIR).is_dir() {
+            // What ssh.service's RuntimeDirectory would have made.
+            std::fs::create_dir(PRIVSEP_DIR)
+                .map_err(|e| format!("creating sshd's {PRIVSEP_DIR}: {e}"))?;
+            sshds.made_privsep_dir = true;
+            cmd(&["chmod", "755", PRIVSEP_DIR])?;
+        }
+        // On any error `sshds` drops here and stops what was started.
+        let client_key = dir.join("client_key");
+        let authorized = keygen(&client_key, "distmind netns test client")?;
+        let authorized_keys = dir.join("authorized_keys");
+        std::fs::write(&authorized_keys, authorized).map_err(|e| e.to_string())?;
+        let mut known_hosts = String::new();
+        for h in &self.hosts {
+            let key = dir.join(format!("{}_host_key", h.role));
+            let public = keygen(&key, &format!("distmind netns test host {}", h.role))?;
+            // `<ip> <type> <key>` (port 22: no brackets).
+            let mut words = public.split_whitespace();
+            let (ty, k) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
+            known_hosts.push_str(&format!("{} {ty} {k}\n", h.ip));
+            let config = dir.join(format!("{}_sshd_config", h.role));
+            std::fs::write(
+                &config,
+                format!(
+                    "# sshd of the netns test's host {role}: its own files only\n\
+                     ListenAddress {ip}:22\n\
+                     HostKey {key}\n\
+                     PidFile {pid}\n\
+                     AuthorizedKeysFile {authorized}\n\
+                     AllowUsers {user}\n\
+                     PermitRootLogin prohibit-password\n\
+                     PubkeyAuthentication yes\n\
+                     PasswordAuthentication no\n\
+                     KbdInteractiveAuthentication no\n\
+                     UsePAM no\n\
+                     # Its files sit under /tmp (mode 1777), which StrictModes refuses.\n\
+                     StrictModes no\n\
+                     X11Forwarding no\n\
+                     AllowTcpForwarding no\n\
+                     AllowAgentForwarding no\n\
+                     PermitTunnel no\n\
+                     PrintMotd no\n\
+                     PrintLastLog no\n\
+                     LogLevel VERBOSE\n",
+                    role = h.role,
+                    ip = h.ip,
+                    key = conf_quote(&key),
+                    pid = conf_quote(&dir.join(format!("{}_sshd.pid", h.role))),
+                    authorized = conf_quote(&authorized_keys),
+                ),
+            )
+            .map_err(|e| e.to_string())?;
+            let log = dir.join(format!("{}_sshd.log", h.role));
+            let out = std::fs::File::create(&log).map_err(|e| e.to_string())?;
+            let err = out.try_clone().map_err(|e| e.to_string())?;
+            // `ip netns exec` execs sshd: the child's pid is sshd's.
+            let child = Command::new("ip")
+                .args(["netns", "exec", &h.ns, SSHD, "-D", "-e", "-f"])
+                .arg(&config)
+                .stdin(std::process::Stdio::null())
+                .stdout(out)
+                .stderr(err)
+                .spawn()
+                .map_err(|e| format!("starting {SSHD} in {}: {e}", h.ns))?;
+            sshds.daemons.push(Daemon {
+                role: h.role.clone(),
+                child,
+                log,
+            });
+        }
+        let known = dir.join("known_hosts");
+        std::fs::write(&known, known_hosts).map_err(|e| e.to_string())?;
+        std::fs::write(
+            &sshds.client_config,
+            format!(
+                "# ssh client of the netns test: its own key and known_hosts only\n\
+                 Host *\n\
+                 \x20   IdentityFile {key}\n\
+                 \x20   IdentitiesOnly yes\n\
+                 \x20   UserKnownHostsFile {known}\n\
+                 \x20   GlobalKnownHostsFile /dev/null\n\
+                 \x20   StrictHostKeyChecking yes\n\
+                 \x20   UpdateHostKeys no\n\
+                 \x20   BatchMode yes\n\
+                 \x20   PasswordAuthentication no\n\
+                 \x20   KbdInteractiveAuthentication no\n\
+                 \x20   ConnectTimeout 10\n\
+                 \x20   LogLevel ERROR\n",
+                key = conf_quote(&client_key),
+                known = conf_quote(&known),
+            ),
+        )
+        .map_err(|e| e.to_string())?;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        for i in 0..sshds.daemons.len() {
+            let ip = self.host(&sshds.daemons[i].role).ip.clone();
+            loop {
+                let d = &mut sshds.daemons[i];
+                if let Ok(Some(status)) = d.child.try_wait() {
+                    return Err(format!(
+                        "sshd on {} exited ({status}): {}",
+                        d.role,
+                        std::fs::read_to_string(&d.log).unwrap_or_default().trim()
+                    ));
+                }
+                let probe = sshds.ssh(user, &ip, "true");
+                match probe {
+                    Ok(_) => break,
+                    Err(e) if std::time::Instant::now() >= deadline => {
+                        let d = &sshds.daemons[i];
+                        return Err(format!(
+                            "sshd on {} ({ip}) does not let {user} in: {e}; its log:\n{}",
+                            d.role,
+                            std::fs::read_to_string(&d.log).unwrap_or_default().trim()
+                        ));
+                    }
+                    Err(_) => std::thread::sleep(std::time::Duration::from_millis(100)),
+                }
+            }
+        }
+        Ok(sshds)
+    }
+}
+
+impl Sshds {
+    /// `--ssh` for distmind: the real client with the test's config.
+    pub fn ssh_command(&self) -> String {
+        let path = self.client_config.to_string_lossy();
+        assert!(!path.contains('\''), "{path}");
+        format!("ssh -F '{path}'")
+    }
+
+    /// Runs `command` on `user@ip` with the real client; its stdout.
+    pub fn ssh(&self, user: &str, ip: &str, command: &str) -> Result<String, String> {
+        let config = self.client_config.to_str().ok_or("a config path that is not UTF-8")?;
+        cmd(&["ssh", "-F", config, &format!("{user}@{ip}"), command])
+    }
+
+    /// The pid of the sshd on `role`.
+    pub fn pid(&self, role: &str) -> u32 {
+        self.daemon(role).child.id()
+    }
+
+    /// What the sshd on `role` logged so far.
+    pub fn log(&self, role: &str) -> String {
+        std::fs::read_to_string(&self.daemon(role).log).unwrap_or_default()
+    }
+
+    /// What the sshd on `role` wrote to its own pid file.
+    pub fn pid_file(&self, role: &str) -> String {
+        std::fs::read_to_string(self.dir.join(format!("{role}_sshd.pid"))).unwrap_or_default()
+    }
+
+    fn daemon(&self, role: &str) -> &Daemon {
+        self.daemons
+            .iter()
+            .find(|d| d.role == role)
+            .unwrap_or_else(|| panic!("no sshd on {role}"))
+    }
+}
+
+impl Drop for Sshds {
+    fn drop(&mut self) {
+        for d in &mut self.daemons {
+            let pid = d.child.id();
+            let _ = cmd(&["kill", "-TERM", &pid.to_string()]);
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+            let mut exited = false;
+            while std::time::Instant::now() < deadline {
+                if let Ok(Some(_)) = d.child.try_wait() {
+                    exited = true;
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            if !exited {
+                eprintln!("sshd on {} (pid {pid}) ignored SIGTERM: SIGKILL", d.role);
+                let _ = d.child.kill();
+                let _ = d.child.wait();
+            }
+        }
+        if self.made_privsep_dir {
+            let _ = std::fs::remove_dir(PRIVSEP_DIR);
         }
     }
 }
