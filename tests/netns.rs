@@ -139,21 +139,42 @@ fn a_remote_cluster_on_five_namespaces_serves_a_workload() {
         t0.elapsed()
     );
 
-    let (ok, out, err) = cluster(
-        "up",
-        &settings,
-        &run,
-        &[
+    // A GPU server that cannot start (its --cache, quotes and blank
+    // included, reaches it as given and is refused): `up` names it, shows
+    // the end of its log on its host, and stops over ssh the three
+    // services it had started.
+    let bad = "12 parsecs'";
+    let up_args = |cache: &'static str| {
+        [
             "--ssh",
-            &ssh,
+            ssh.as_str(),
             "--executor",
             "cpu",
             "--memserver-capacity",
             "64MiB",
             "--cache",
-            "128MiB",
-        ],
+            cache,
+        ]
+    };
+    let (ok, out, err) = cluster("up", &settings, &run, &up_args(bad));
+    assert!(!ok, "{out}\n{err}");
+    assert!(
+        err.contains(&format!("runtime-1 on {} (pid ", lab.host("gpu1").ip))
+            && err.contains("exited during start-up")
+            && err.contains(&format!("invalid size \"{bad}\""))
+            && err.contains("the services started before it were stopped again"),
+        "{err}"
     );
+    let started: Vec<u32> = out
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(2)?.parse().ok())
+        .collect();
+    assert_eq!(started.len(), 3, "controller and memory servers: {out}");
+    assert!(started.iter().all(|&p| !running(p)), "{out}");
+    assert!(!run.join("cluster.json").exists());
+    eprintln!("a GPU server that cannot start, handled after {:?}", t0.elapsed());
+
+    let (ok, out, err) = cluster("up", &settings, &run, &up_args("128MiB"));
     eprintln!("{out}{err}");
     assert!(ok, "cluster up failed:\n{out}\n{err}");
     assert!(out.contains("5 services healthy"), "{out}");
