@@ -242,7 +242,7 @@ fn remote_mode_over_a_local_ssh_stand_in_starts_and_stops_by_pid() {
     assert!(
         calls
             .lines()
-            .all(|l| l.starts_with("-p 2222 -o BatchMode=yes ubuntu@127.0.0.1 sh -c ")),
+            .all(|l| l == "-p 2222 -o BatchMode=yes ubuntu@127.0.0.1 sh -s"),
         "{calls}"
     );
     let state: serde_json::Value =

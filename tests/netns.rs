@@ -172,7 +172,10 @@ fn a_remote_cluster_on_five_namespaces_serves_a_workload() {
     assert_eq!(started.len(), 3, "controller and memory servers: {out}");
     assert!(started.iter().all(|&p| !running(p)), "{out}");
     assert!(!run.join("cluster.json").exists());
-    eprintln!("a GPU server that cannot start, handled after {:?}", t0.elapsed());
+    eprintln!(
+        "a GPU server that cannot start, handled after {:?}",
+        t0.elapsed()
+    );
 
     let (ok, out, err) = cluster("up", &settings, &run, &up_args("128MiB"));
     eprintln!("{out}{err}");
@@ -183,7 +186,10 @@ fn a_remote_cluster_on_five_namespaces_serves_a_workload() {
     for h in &lab.hosts {
         let log = sshds.log(&h.role);
         assert!(
-            log.contains(&format!("Accepted publickey for {USER} from {} ", lab.root_ip)),
+            log.contains(&format!(
+                "Accepted publickey for {USER} from {} ",
+                lab.root_ip
+            )),
             "sshd on {}:\n{log}",
             h.role
         );

@@ -16,9 +16,10 @@
 //! Every host runs the same binary path (this one's) with the same settings
 //! directory path, from the settings' parent, its output and log in the
 //! same run directory path on that host (`nohup`, stdin from /dev/null);
-//! ssh is invoked as `<--ssh...> -o BatchMode=yes <user>@<host> sh -c
-//! '<script>'` with every argument single-quoted. Addresses are explicit
-//! (see [`plan`]): metrics on the service's port + `--metrics-port-offset`.
+//! ssh is invoked as `<--ssh...> -o BatchMode=yes <user>@<host> sh -s`,
+//! the script (every argument in it single-quoted) on its stdin. Addresses
+//! are explicit (see [`plan`]): metrics on the service's port +
+//! `--metrics-port-offset`.
 //! Readiness is the same rule, checked over the network (`/health`) plus
 //! the ready lines read back over ssh; a service that fails shows the tail
 //! of its remote log (`tail -c 4096`).
@@ -94,7 +95,8 @@ pub struct CommonArgs {
     /// Remote mode: the ssh command with its options (port, identity file, config file), split
     /// like a shell splits it, quotes keeping a path with blanks whole: e.g. "ssh -p 2222 -i
     /// key" or "ssh -F '/etc/distmind/ssh config'". Run as `<ssh...> -o BatchMode=yes
-    /// <user>@<host> sh -c '<script>'`, so it never waits for a password. Default: `ssh` for
+    /// <user>@<host> sh -s` (the script on stdin), so it never waits for a password and works
+    /// whatever the user's login shell. Default: `ssh` for
     /// `up`; for `status` and `down`, the command `up` used (recorded in cluster.json).
     #[arg(long)]
     pub ssh: Option<String>,

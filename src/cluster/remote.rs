@@ -1,12 +1,17 @@
 //! Remote mode's only way to a host: one ssh invocation per action,
-//! `<ssh...> -o BatchMode=yes <user>@<host> sh -c '<script>'`.
+//! `<ssh...> -o BatchMode=yes <user>@<host> sh -s`, the script on ssh's
+//! stdin. The login shell of the remote user (bash, zsh, tcsh, fish) only
+//! ever parses `sh -s`, so its quoting rules never touch the script; the
+//! script is read by `sh`.
 //!
-//! Every argument of a script is single-quoted ([`quote`]), so paths and
-//! flags reach the remote shell as they are. Processes are found again only
-//! by the pid (and the pid's start time, field 22 of `/proc/<pid>/stat`)
-//! recorded when they were started, never by name.
+//! Every argument in a script is single-quoted ([`quote`]), so paths and
+//! flags reach the service as they are. Processes are found again only by
+//! the pid (and the pid's start time, field 22 of `/proc/<pid>/stat`)
+//! recorded when they were started, never by name. What a script answers
+//! is read from its last output line, so whatever the remote user's shell
+//! start-up files print before it is ignored.
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
@@ -53,18 +58,17 @@ impl Target<'_> {
         format!("{}@{}", self.user, self.host)
     }
 
-    /// Runs `script` with `sh -c` on the host; its stdout on success.
-    /// Exit 255 is ssh's own failure (unreachable host, login refused) and
-    /// names the host and ssh's stderr; any other failure names the host and
-    /// the script's stderr.
+    /// Runs `script` with `sh -s` on the host (the script on ssh's stdin);
+    /// its stdout on success. Exit 255 is ssh's own failure (unreachable
+    /// host, login refused) and names the host and ssh's stderr; any other
+    /// failure names the host and the script's stderr.
     pub fn exec(&self, script: &str, timeout: Duration) -> anyhow::Result<String> {
-        let remote = format!("sh -c {}", quote(script));
         let mut child = Command::new(&self.ssh[0])
             .args(&self.ssh[1..])
             .args(["-o", "BatchMode=yes"])
             .arg(self.dest())
-            .arg(&remote)
-            .stdin(Stdio::null())
+            .args(["sh", "-s"])
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -75,6 +79,12 @@ impl Target<'_> {
                     self.host
                 )
             })?;
+        // Scripts are a few hundred bytes: they fit the pipe, so this never
+        // blocks. An ssh that already failed closed it; its exit status
+        // says why.
+        if let Some(mut stdin) = child.stdin.take() {
+            let _ = stdin.write_all(script.as_bytes());
+        }
         let (tx, rx) = mpsc::channel();
         for (i, pipe) in [
             child
@@ -213,7 +223,7 @@ impl Target<'_> {
             "{}\nif alive; then echo alive; else echo dead; fi\n",
             alive_fn(pid, ticks)
         );
-        Ok(self.exec(&script, SSH_TIMEOUT)?.trim() == "alive")
+        Ok(last_line(&self.exec(&script, SSH_TIMEOUT)?) == "alive")
     }
 
     /// `kill -TERM`, up to `grace` polling `kill -0`, then `kill -KILL`;
@@ -235,7 +245,7 @@ impl Target<'_> {
             grace.as_secs()
         );
         let text = self.exec(&script, grace + SSH_TIMEOUT)?;
-        Ok(text.trim().to_string())
+        Ok(last_line(&text).to_string())
     }
 
     /// The file's text (`cat`).
@@ -253,6 +263,15 @@ impl Target<'_> {
             Err(e) => format!("    (could not read it over ssh: {e:#})"),
         }
     }
+}
+
+/// The last non-blank line of a script's output, trimmed: its answer.
+fn last_line(text: &str) -> &str {
+    text.lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or("")
 }
 
 /// A shell function `alive`: the pid exists (`kill -0`), is no zombie and,
@@ -299,7 +318,15 @@ mod tests {
         assert_eq!(parse_ssh(" ssh  -p 2222 ").unwrap(), ["ssh", "-p", "2222"]);
         assert_eq!(
             parse_ssh(r#"ssh -F '/my keys/config' -i "/a b/id" -o User=x\ y"#).unwrap(),
-            ["ssh", "-F", "/my keys/config", "-i", "/a b/id", "-o", "User=x y"]
+            [
+                "ssh",
+                "-F",
+                "/my keys/config",
+                "-i",
+                "/a b/id",
+                "-o",
+                "User=x y"
+            ]
         );
         assert!(parse_ssh("  ").is_err());
         let e = parse_ssh("ssh -F 'unclosed").unwrap_err().to_string();
@@ -307,14 +334,15 @@ mod tests {
     }
 
     /// A stand-in for ssh that drops `-o X` and `user@host` and runs the
-    /// command here.
+    /// command here, its stdin passed on, after a greeting on stdout (as a
+    /// chatty shell start-up file would print).
     fn local_ssh(dir: &Path) -> Vec<String> {
         let path = dir.join("ssh");
         std::fs::write(
             &path,
             "#!/bin/sh\nwhile [ \"$1\" = -o ]; do shift 2; done\ncase \"$1\" in *@unreachable) \
              echo 'ssh: connect to host unreachable port 22: No route to host' >&2; exit 255;; esac\n\
-             shift\nexec sh -c \"$*\"\n",
+             shift\necho 'Welcome: alive and well'\nexec sh -c \"$*\"\n",
         )
         .unwrap();
         Command::new("chmod").arg("+x").arg(&path).status().unwrap();

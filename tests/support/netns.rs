@@ -451,7 +451,10 @@ impl Sshds {
 
     /// Runs `command` on `user@ip` with the real client; its stdout.
     pub fn ssh(&self, user: &str, ip: &str, command: &str) -> Result<String, String> {
-        let config = self.client_config.to_str().ok_or("a config path that is not UTF-8")?;
+        let config = self
+            .client_config
+            .to_str()
+            .ok_or("a config path that is not UTF-8")?;
         cmd(&["ssh", "-F", config, &format!("{user}@{ip}"), command])
     }
 
