@@ -96,8 +96,8 @@ pub struct CommonArgs {
     /// like a shell splits it, quotes keeping a path with blanks whole: e.g. "ssh -p 2222 -i
     /// key" or "ssh -F '/etc/distmind/ssh config'". Run as `<ssh...> -o BatchMode=yes
     /// <user>@<host> sh -s` (the script on stdin), so it never waits for a password and works
-    /// whatever the user's login shell. Default: `ssh` for
-    /// `up`; for `status` and `down`, the command `up` used (recorded in cluster.json).
+    /// whatever the user's login shell. Default: `ssh` for `up`; for `status` and `down`, the
+    /// command `up` used (recorded in cluster.json).
     #[arg(long)]
     pub ssh: Option<String>,
 }
