@@ -11,6 +11,10 @@
 //! both ends of its link (egress of its `eth0` and of the bridge port
 //! toward it), so it limits both directions.
 //!
+//! [`Lab::start_sshds`] runs Debian's OpenSSH server in every host
+//! namespace, with keys, `known_hosts` and configs the test makes
+//! ([`Sshds`]), so a test reaches each host with the real ssh client.
+//!
 //! Dropping the [`Lab`] removes everything, pass or fail: processes still
 //! in its namespaces (found with `ip netns pids`, killed by pid), the
 //! namespaces, the veth in the test's namespace. Include with
