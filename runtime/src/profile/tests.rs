@@ -366,7 +366,8 @@ fn layer_times_scale_with_the_tokens() {
 /// How far scaling the profiled length's times lands from the roofline
 /// estimate made at the request's length (both estimates; the scaled one
 /// is what the sim executor uses for a profile it cannot re-estimate, such
-/// as a measured one). Printed with `--nocapture`; within 2x either way.
+/// as a measured one). Printed with `--nocapture`; measured within 4%
+/// (0.96 to 1.03), asserted within 1.25x either way.
 #[test]
 fn token_scaling_stays_near_the_roofline_at_other_lengths() {
     let peaks = Peaks::H200_ESTIMATED;
@@ -404,7 +405,7 @@ fn token_scaling_stays_near_the_roofline_at_other_lengths() {
                 scaled.total_s * 1e3,
                 roofline.total_s * 1e3
             );
-            assert!((0.5..=2.0).contains(&ratio), "{family} L={len}: {ratio}");
+            assert!((0.8..=1.25).contains(&ratio), "{family} L={len}: {ratio}");
         }
     }
 }
