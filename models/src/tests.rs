@@ -271,6 +271,13 @@ fn every_tiny_family_round_trips() {
         }
         let text = inspect(&pkg);
         assert!(text.contains(&m.layers[0].name) && text.contains(&m.groups[0].checksum));
+        let input = format!(
+            "input  {}: {}, default {:?}",
+            m.inputs[0].name,
+            m.inputs[0].expected(),
+            m.inputs[0].shape
+        );
+        assert!(text.contains(&input), "{text}");
         // The weights file is standard safetensors.
         let raw = std::fs::read(dirs[0].join(WEIGHTS_FILE)).unwrap();
         let st = safetensors::SafeTensors::deserialize(&raw).unwrap();
