@@ -7,7 +7,9 @@
 //! Batched `Infer`: a batch
 //! answers every request under its own id with the rows it gets alone
 //! (to float rounding, see [`ROW_TOLERANCE`]); a request whose input does not fit, or whose deadline passed,
-//! is answered with its error while the rest of its batch still runs.
+//! is answered with its error while the rest of its batch still runs; a
+//! batch of transformer requests of different lengths runs one group per
+//! length.
 
 mod common;
 

@@ -61,8 +61,9 @@ pub(crate) fn encode_frames(outputs: &[HostTensor]) -> Vec<Vec<u8>> {
 }
 
 /// One queued inference: a request alone, or a batch of requests for the
-/// same model that run as one (rows concatenated along dimension 0) and are
-/// answered one by one.
+/// same model that run as one per input shape (rows concatenated along
+/// dimension 0; requests of different sequence lengths in separate runs)
+/// and are answered one by one.
 pub struct Job {
     pub(crate) model: String,
     /// The requests, in the order their input frames came: at least one,
