@@ -28,8 +28,11 @@ use distmind_memserver::{Memserver, MemserverConfig};
 use distmind_models::{generate, Family, GenOptions, Package, Scale};
 use distmind_runtime::client::{BatchInput, InferOptions, Response, RuntimeClient};
 use distmind_runtime::exec::cpu::CpuExecutor;
+use distmind_runtime::exec::sim::SimExecutor;
+use distmind_runtime::exec::Executor;
 use distmind_runtime::exec::{HostTensor, TensorData};
 use distmind_runtime::npy::encode_npy;
+use distmind_runtime::profile::{Profile, SHIPPED_ESTIMATED_PATH};
 use distmind_runtime::server::{RuntimeConfig, RuntimeMonitor, RuntimeServer};
 use tokio::sync::watch;
 
@@ -59,8 +62,13 @@ impl Cluster {
         Cluster::start_with(Family::Resnet152)
     }
 
-    /// The cluster serving a tiny package of `family`.
+    /// The cluster serving a tiny package of `family` on the cpu executor.
     fn start_with(family: Family) -> Cluster {
+        Cluster::start_on(family, Arc::new(CpuExecutor::new()))
+    }
+
+    /// The cluster serving a tiny package of `family` on `executor`.
+    fn start_on(family: Family, executor: Arc<dyn Executor>) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let opts = GenOptions {
             scale: Scale::Tiny,
@@ -108,7 +116,7 @@ impl Cluster {
             "127.0.0.1:0".parse().unwrap(),
             key(),
             controller.clone(),
-            Arc::new(CpuExecutor::new()),
+            executor,
         );
         config.cache_bytes = 32 << 20;
         config.cache_block_bytes = 64 << 10;
@@ -398,6 +406,56 @@ fn a_batch_of_different_lengths_runs_one_group_per_length() {
             output(&replies[&answered[2]]).timing.compute_ms
         );
     }
+}
+
+/// The groups of a mixed-length batch run one after the other: a request
+/// of a later group whose deadline passes while an earlier group runs is
+/// answered with `DeadlineExceeded` saying so, not run. The sim executor at
+/// a 1000x dilated clock makes the first group take about a second, and
+/// the deadline is a third of its measured time alone.
+#[test]
+fn a_later_length_group_whose_deadline_passes_meanwhile_is_not_run() {
+    let profile = Profile::load(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join(SHIPPED_ESTIMATED_PATH),
+    )
+    .unwrap();
+    let sim = SimExecutor::with_dilation(profile, 1000.0).unwrap();
+    let c = Cluster::start_on(Family::Gpt2, Arc::new(sim));
+    let mut client = c.client();
+    let first = c.tokens(2, 64, 1);
+    let later = c.tokens(1, 16, 2);
+    // Alone (and warm: the model resident after the first run).
+    c.alone(&mut client, &first);
+    let start = Instant::now();
+    c.alone(&mut client, &first);
+    let first_alone = start.elapsed();
+    assert!(
+        first_alone > Duration::from_millis(300),
+        "the first group must take long enough to outlast the deadline: {first_alone:?}"
+    );
+    let deadline_ms = (first_alone.as_millis() / 3) as u64;
+    println!("first group alone: {first_alone:?}; the later request's deadline: {deadline_ms} ms");
+    let requests = [
+        plain(&first),
+        BatchInput {
+            input: &later,
+            deadline_ms: Some(deadline_ms),
+            trace: false,
+        },
+    ];
+    let (ids, replies) = c.batch(&mut client, &requests);
+    let i = output(&replies[&ids[0]]);
+    assert_eq!(i.outputs[0].shape, [2, 64, 32]);
+    assert_eq!(i.timing.batch_requests, 1);
+    let (code, message) = error(&replies[&ids[1]]);
+    assert_eq!(code, ErrorCode::DeadlineExceeded, "{message}");
+    assert!(
+        message.contains(&format!("deadline of {deadline_ms} ms"))
+            && message.contains("requests of other shapes"),
+        "{message}"
+    );
 }
 
 #[test]
