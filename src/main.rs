@@ -195,6 +195,9 @@ struct GenCmd {
     #[arg(long)]
     out: PathBuf,
     /// full: the evaluation's exact shapes; tiny: same structure, a few MB at most, for tests.
+    /// Requests choose the batch size, and for bert_base and gpt2 the sequence length up to
+    /// the position table (full: 512 and 1024 tokens, tiny: 64); the preset's length (full
+    /// 512, tiny 16) is the default the profiles time.
     #[arg(long, default_value = "full")]
     scale: distmind_models::Scale,
     /// Seed of the random weights (variant i uses seed + i).
@@ -224,6 +227,10 @@ for the CNNs from the tensor shapes (stage and block counts, widths, classes; Ba
 at torchvision's defaults), or from a distmind config (--config, a manifest's `config` object).
 Smaller and larger variants of each architecture import the same way.
 
+Input shapes: every package serves any batch size; a bert_base or gpt2 package serves any
+sequence length up to its position table (--seq-len only sets the default length), and a
+CNN package its --image-size.
+
 Example:
   distmind model import --family gpt2 --weights model.safetensors --config config.json \\
       --out models/gpt2-finetuned --seq-len 128")]
@@ -246,7 +253,9 @@ struct ImportCmd {
     /// CNN input height and width [default: 224; inception_v3 299].
     #[arg(long)]
     image_size: Option<usize>,
-    /// Transformer sequence length [default: min(512, the config's positions)].
+    /// Transformer default sequence length: the manifest's input shape and the length GPU
+    /// profiles are scaled from; requests may send any length up to the config's positions
+    /// [default: min(512, the config's positions)].
     #[arg(long)]
     seq_len: Option<usize>,
     /// Largest parameter group in bytes (as for `model gen`).

@@ -227,6 +227,122 @@ fn imported_gpt2_matches_pytorch() {
     check_golden("gpt2");
 }
 
+/// One BERT and one GPT-2 package, imported once (default length 64, a
+/// 128-row position table), answer requests of 16, 64 and 128 tokens with
+/// what PyTorch computes at each length (`*_seqs` goldens); 129 tokens are
+/// refused naming the bound.
+#[test]
+fn one_transformer_package_serves_every_length_like_pytorch() {
+    let tmp = tempfile::tempdir().unwrap();
+    for case in ["bert_base_seqs", "gpt2_seqs"] {
+        let r = Reference::open(golden(case));
+        let pkg = tmp.path().join(format!("{case}-imported"));
+        let args = r.import_args(&pkg);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        ok(distmind(&args), &format!("{case}: model import"));
+        let manifest = read_json(&pkg.join("manifest.json"));
+        assert_eq!(
+            manifest["inputs"][0]["shape"],
+            serde_json::json!([2, 64]),
+            "{case}: the default shape"
+        );
+        assert_eq!(
+            manifest["inputs"][0]["variable"][1],
+            serde_json::json!({"dim": 1, "kind": "sequence", "max": 128}),
+            "{case}: the manifest states the variable length"
+        );
+        let cases = r.meta["seq_cases"]
+            .as_array()
+            .expect("meta.json: seq_cases");
+        let lens: Vec<u64> = cases
+            .iter()
+            .map(|c| c["seq_len"].as_u64().unwrap())
+            .collect();
+        assert_eq!(lens, [16, 64, 128], "{case}");
+        for c in cases {
+            let len = c["seq_len"].as_u64().unwrap();
+            let label = format!("{case} L={len}");
+            let out = tmp.path().join(format!("{case}-L{len}.npy"));
+            let input = r.dir.join(c["input"]["file"].as_str().unwrap());
+            ok(
+                distmind(&[
+                    "infer",
+                    "--model",
+                    s(&pkg),
+                    "--input",
+                    s(&input),
+                    "--output",
+                    s(&out),
+                    "--executor",
+                    "cpu",
+                ]),
+                &format!("{label}: infer"),
+            );
+            for o in c["outputs"].as_array().unwrap() {
+                let name = o["name"].as_str().unwrap();
+                let file = o["file"].as_str().unwrap();
+                let ours = if file == format!("output.L{len}.npy") {
+                    out.clone()
+                } else {
+                    tmp.path().join(format!("{case}-L{len}.{name}.npy"))
+                };
+                let want = read_npy_f32(&r.dir.join(file));
+                let got = read_npy_f32(&ours);
+                assert_eq!(got.shape, want.shape, "{label}: {name} shape");
+                let e = compare(&got.data, &want.data);
+                println!(
+                    "{label}: {name} {:?}: max rel err {:.2e} (max abs {:.2e})",
+                    want.shape, e.max_rel, e.max_abs
+                );
+                assert!(
+                    e.max_rel <= MAX_REL_ERR,
+                    "{label}: {name} differs from PyTorch: max rel err {:.3e} > {MAX_REL_ERR:.0e}",
+                    e.max_rel
+                );
+            }
+        }
+        // One past the position table: refused, naming the model's bound.
+        let long = tmp.path().join(format!("{case}-L129-input.npy"));
+        write_tokens_npy(&long, 1, 129);
+        let err = failed(
+            distmind(&[
+                "infer",
+                "--model",
+                s(&pkg),
+                "--input",
+                s(&long),
+                "--output",
+                s(&tmp.path().join("never.npy")),
+                "--executor",
+                "cpu",
+            ]),
+            &format!("{case}: 129 tokens"),
+        );
+        assert!(
+            err.contains("[1, 129]") && err.contains("tokens 1..=128"),
+            "{case}: {err}"
+        );
+    }
+}
+
+/// Writes an `int64` `.npy` of `rows x len` token ids (all 1).
+fn write_tokens_npy(path: &Path, rows: usize, len: usize) {
+    let mut header =
+        format!("{{'descr': '<i8', 'fortran_order': False, 'shape': ({rows}, {len}), }}");
+    // Magic, version, header length, then the header padded to 64 bytes.
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
+    bytes.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    bytes.extend_from_slice(header.as_bytes());
+    for _ in 0..rows * len {
+        bytes.extend_from_slice(&1i64.to_le_bytes());
+    }
+    std::fs::write(path, bytes).unwrap();
+}
+
 const HALF_CASES: [(&str, &str); 3] = [
     ("resnet152_f16", "F16"),
     ("gpt2_bf16", "BF16"),

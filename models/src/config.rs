@@ -176,12 +176,38 @@ impl ModelConfig {
         self
     }
 
-    /// The preset this config equals, batch size aside: `Full`, `Tiny`, or
-    /// `None` for a config of its own (an imported smaller or larger variant).
+    /// The default sequence length of a transformer's token input; `None`
+    /// for the CNNs.
+    pub fn seq_len(&self) -> Option<usize> {
+        match self {
+            ModelConfig::BertBase(c) => Some(c.seq_len),
+            ModelConfig::Gpt2(c) => Some(c.seq_len),
+            _ => None,
+        }
+    }
+
+    /// The same config with another default sequence length (CNNs have
+    /// none and are returned unchanged).
+    pub fn with_seq_len(mut self, len: usize) -> Self {
+        match &mut self {
+            ModelConfig::BertBase(c) => c.seq_len = len,
+            ModelConfig::Gpt2(c) => c.seq_len = len,
+            _ => {}
+        }
+        self
+    }
+
+    /// The preset this config equals, batch size and sequence length aside
+    /// (requests choose both): `Full`, `Tiny`, or `None` for a config of its
+    /// own (an imported smaller or larger variant).
     pub fn preset(&self) -> Option<Scale> {
-        [Scale::Full, Scale::Tiny]
-            .into_iter()
-            .find(|&s| self.family().config(s).with_batch_size(self.batch_size()) == *self)
+        [Scale::Full, Scale::Tiny].into_iter().find(|&s| {
+            let mut preset = self.family().config(s).with_batch_size(self.batch_size());
+            if let Some(len) = self.seq_len() {
+                preset = preset.with_seq_len(len);
+            }
+            preset == *self
+        })
     }
 
     /// Builds the layer graph and parameter declarations.
@@ -327,7 +353,11 @@ pub struct BertConfig {
     pub type_vocab_size: usize,
     pub layer_norm_eps: f64,
     pub activation: GeluApprox,
+    /// The default batch size (of the manifest's input shape).
     pub batch_size: usize,
+    /// The default sequence length: the manifest's input shape and the
+    /// length GPU profiles time. Requests choose any length from 1 to
+    /// `max_positions`.
     pub seq_len: usize,
 }
 
@@ -373,7 +403,11 @@ pub struct Gpt2Config {
     pub max_positions: usize,
     pub layer_norm_eps: f64,
     pub activation: GeluApprox,
+    /// The default batch size (of the manifest's input shape).
     pub batch_size: usize,
+    /// The default sequence length: the manifest's input shape and the
+    /// length GPU profiles time. Requests choose any length from 1 to
+    /// `max_positions`.
     pub seq_len: usize,
 }
 

@@ -21,12 +21,201 @@ impl Dtype {
     }
 }
 
-/// Shape and type of a model input.
+/// Shape and type of a model input, and which of its dimensions each
+/// request chooses.
+///
+/// `shape` is the default shape (the batch size and sequence length the
+/// package was generated or imported at, which GPU profiles are taken at);
+/// a request may differ from it in the dimensions `variable` names, within
+/// their bounds, and must equal it in every other.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorSpec {
     pub name: String,
     pub shape: Vec<usize>,
     pub dtype: Dtype,
+    /// The dimensions a request chooses, in dimension order. Absent from
+    /// manifests written before requests could choose more than the batch:
+    /// then dimension 0 (the batch) only.
+    #[serde(default = "batch_only")]
+    pub variable: Vec<VariableDim>,
+}
+
+/// What a [`VariableDim`] counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DimKind {
+    /// Inputs in one request (dimension 0 of every input).
+    Batch,
+    /// Tokens per sequence, bounded by the model's position table.
+    Sequence,
+}
+
+impl DimKind {
+    /// The dimension's name in messages: `batch` or `tokens`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DimKind::Batch => "batch",
+            DimKind::Sequence => "tokens",
+        }
+    }
+}
+
+/// One input dimension a request chooses: any size from 1 to `max`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VariableDim {
+    /// Index into the input's shape.
+    pub dim: usize,
+    pub kind: DimKind,
+    /// Largest size the model accepts (a sequence: its position table's
+    /// rows); `None`: no bound of the model's own (a batch, bounded only by
+    /// what a server accepts in one request).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max: Option<usize>,
+}
+
+/// The variable dimensions of an input written before manifests stated
+/// them: the batch, as every executor always accepted.
+pub fn batch_only() -> Vec<VariableDim> {
+    vec![VariableDim {
+        dim: 0,
+        kind: DimKind::Batch,
+        max: None,
+    }]
+}
+
+impl TensorSpec {
+    /// A spec whose requests choose only the batch (dimension 0).
+    pub fn batched(name: impl Into<String>, shape: Vec<usize>, dtype: Dtype) -> Self {
+        TensorSpec {
+            name: name.into(),
+            shape,
+            dtype,
+            variable: batch_only(),
+        }
+    }
+
+    /// The variable dimension `dim`, if requests choose it.
+    pub fn variable_dim(&self, dim: usize) -> Option<&VariableDim> {
+        self.variable.iter().find(|v| v.dim == dim)
+    }
+
+    /// The shape as the Open Inference Protocol (KServe v2 / Triton) reports
+    /// it in model metadata: `-1` for every dimension a request chooses, the
+    /// size for every other.
+    pub fn protocol_shape(&self) -> Vec<i64> {
+        self.shape
+            .iter()
+            .enumerate()
+            .map(|(d, &n)| match self.variable_dim(d) {
+                Some(_) => -1,
+                None => n as i64,
+            })
+            .collect()
+    }
+
+    /// The element type's name in messages: `f32` or `i64`.
+    pub fn dtype_name(&self) -> &'static str {
+        match self.dtype {
+            Dtype::F32 => "f32",
+            Dtype::I64 => "i64",
+        }
+    }
+
+    /// What a request must send, for messages: `i64 [batch, tokens]
+    /// (batch >= 1, tokens 1..=128)`, `f32 [batch, 3, 224, 224] (batch >= 1)`.
+    pub fn expected(&self) -> String {
+        let dims: Vec<String> = self
+            .shape
+            .iter()
+            .enumerate()
+            .map(|(d, n)| match self.variable_dim(d) {
+                Some(v) => v.kind.as_str().to_string(),
+                None => n.to_string(),
+            })
+            .collect();
+        let bounds: Vec<String> = self
+            .variable
+            .iter()
+            .map(|v| match v.max {
+                Some(max) => format!("{} 1..={max}", v.kind.as_str()),
+                None => format!("{} >= 1", v.kind.as_str()),
+            })
+            .collect();
+        if bounds.is_empty() {
+            format!("{} [{}]", self.dtype_name(), dims.join(", "))
+        } else {
+            format!(
+                "{} [{}] ({})",
+                self.dtype_name(),
+                dims.join(", "),
+                bounds.join(", ")
+            )
+        }
+    }
+
+    /// Whether a request's shape fits: the same rank, every variable
+    /// dimension within 1..=its bound, every other equal to `shape`'s. The
+    /// error says which dimension is wrong (the caller names the model and
+    /// adds [`TensorSpec::expected`]).
+    pub fn check_shape(&self, shape: &[usize]) -> Result<(), String> {
+        if shape.len() != self.shape.len() {
+            return Err(format!(
+                "{} dimensions instead of {}",
+                shape.len(),
+                self.shape.len()
+            ));
+        }
+        for (d, (&got, &want)) in shape.iter().zip(&self.shape).enumerate() {
+            match self.variable_dim(d) {
+                Some(v) => {
+                    if got == 0 {
+                        return Err(format!("dimension {d} ({}) is 0", v.kind.as_str()));
+                    }
+                    if let Some(max) = v.max.filter(|&m| got > m) {
+                        return Err(format!(
+                            "dimension {d} ({}) is {got}, more than the model's {max}",
+                            v.kind.as_str()
+                        ));
+                    }
+                }
+                None if got != want => {
+                    return Err(format!("dimension {d} is {got}, the model's is {want}"));
+                }
+                None => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks the declaration itself: variable dimensions inside the rank,
+    /// in order, each at most once, bounds >= 1 and the default shape
+    /// within them.
+    pub fn validate(&self) -> Result<(), String> {
+        let mut last: Option<usize> = None;
+        for v in &self.variable {
+            if v.dim >= self.shape.len() {
+                return Err(format!(
+                    "input {}: variable dimension {} outside its {} dimensions",
+                    self.name,
+                    v.dim,
+                    self.shape.len()
+                ));
+            }
+            if last.is_some_and(|l| l >= v.dim) {
+                return Err(format!(
+                    "input {}: variable dimensions out of order or repeated at {}",
+                    self.name, v.dim
+                ));
+            }
+            last = Some(v.dim);
+        }
+        self.check_shape(&self.shape).map_err(|why| {
+            format!(
+                "input {}: the default shape {:?}: {why}",
+                self.name, self.shape
+            )
+        })
+    }
 }
 
 /// A model output: the output of layer `layer`, with its shape and type.

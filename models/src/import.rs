@@ -68,7 +68,8 @@ pub struct ImportOptions {
     pub batch_size: Option<usize>,
     /// CNN input height and width (default: the config's, else 224; Inception 299).
     pub image_size: Option<usize>,
-    /// Transformer sequence length (default: the config's, else min(512, positions)).
+    /// Transformer default sequence length (default: the config's, else
+    /// min(512, positions)); requests choose any length up to the positions.
     pub seq_len: Option<usize>,
     pub group_bytes: u64,
     /// Leave out tensors that are not part of the base model (task heads)

@@ -46,7 +46,14 @@ pub fn inspect(pkg: &Package) -> String {
         }
     }
     for i in &m.inputs {
-        let _ = writeln!(s, "input  {}: {:?} {:?}", i.name, i.dtype, i.shape);
+        // What a request may send, then the default shape profiles time.
+        let _ = writeln!(
+            s,
+            "input  {}: {}, default {:?}",
+            i.name,
+            i.expected(),
+            i.shape
+        );
     }
     for o in &m.outputs {
         let _ = writeln!(

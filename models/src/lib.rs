@@ -37,7 +37,7 @@ pub use config::{
 pub use dtype::ParamDtype;
 pub use error::{ModelError, Result};
 pub use generate::{generate, generate_named, variant_name, GenOptions};
-pub use graph::{Architecture, Dtype, Layer, Op, OutputSpec, TensorSpec};
+pub use graph::{Architecture, DimKind, Dtype, Layer, Op, OutputSpec, TensorSpec, VariableDim};
 pub use import::{import, ImportOptions};
 pub use inspect::inspect;
 pub use package::{write_package, GroupEntry, Manifest, Origin, Package, PackageSpec, ParamEntry};

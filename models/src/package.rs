@@ -151,6 +151,123 @@ impl Manifest {
     pub fn device_param_offset(&self, p: &ParamEntry) -> u64 {
         self.groups[p.group].device_offset(self.param_dtype) + p.device_offset(self.param_dtype)
     }
+
+    /// Checks a request's input shapes against [`Manifest::inputs`] (one
+    /// shape per input, each fitting [`TensorSpec::check_shape`]). The error
+    /// names the model, the input, what was expected with its variable
+    /// dimensions, and what came.
+    pub fn check_input_shapes(&self, shapes: &[&[usize]]) -> std::result::Result<(), String> {
+        if shapes.len() != self.inputs.len() {
+            return Err(format!(
+                "model {} takes {} input(s), the request has {}",
+                self.name,
+                self.inputs.len(),
+                shapes.len()
+            ));
+        }
+        for (spec, shape) in self.inputs.iter().zip(shapes) {
+            spec.check_shape(shape).map_err(|why| {
+                format!(
+                    "model {}: input {} is {shape:?}, expected {}: {why}",
+                    self.name,
+                    spec.name,
+                    spec.expected()
+                )
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The output shapes for a request of input shapes `shapes` (checked
+    /// with [`Manifest::check_input_shapes`]), by the shape rules of
+    /// [`crate::shape`]: what an executor answers for that request.
+    pub fn output_shapes(
+        &self,
+        shapes: &[&[usize]],
+    ) -> std::result::Result<Vec<Vec<usize>>, String> {
+        self.check_input_shapes(shapes)?;
+        let inputs: Vec<TensorSpec> = self
+            .inputs
+            .iter()
+            .zip(shapes)
+            .map(|(spec, shape)| TensorSpec {
+                shape: shape.to_vec(),
+                ..spec.clone()
+            })
+            .collect();
+        let params: HashMap<&str, &[usize]> = self
+            .params
+            .iter()
+            .map(|p| (p.name.as_str(), p.shape.as_slice()))
+            .collect();
+        let shapes = shape::infer(&self.layers, &inputs, |n| params.get(n).copied()).map_err(
+            |(l, what)| {
+                format!(
+                    "model {}: layer {l} ({}): {what}",
+                    self.name,
+                    self.layers.get(l).map_or("?", |l| l.name.as_str())
+                )
+            },
+        )?;
+        self.outputs
+            .iter()
+            .map(|o| {
+                shapes.get(o.layer).map(|s| s.dims.clone()).ok_or_else(|| {
+                    format!(
+                        "model {}: output {} reads missing layer {}",
+                        self.name, o.name, o.layer
+                    )
+                })
+            })
+            .collect()
+    }
+
+    /// Every output's shape as the Open Inference Protocol reports it in
+    /// model metadata: `-1` for every dimension that follows a variable
+    /// input dimension (found by changing each variable input dimension in
+    /// turn and seeing which output dimensions move), the size otherwise.
+    pub fn output_protocol_shapes(&self) -> Vec<Vec<i64>> {
+        let default: Vec<&[usize]> = self.inputs.iter().map(|i| i.shape.as_slice()).collect();
+        let base: Vec<Vec<usize>> = match self.output_shapes(&default) {
+            Ok(s) => s,
+            // An opened package infers at its default shape; a manifest
+            // that does not reports its declared shapes.
+            Err(_) => self.outputs.iter().map(|o| o.shape.clone()).collect(),
+        };
+        let mut out: Vec<Vec<i64>> = base
+            .iter()
+            .map(|s| s.iter().map(|&n| n as i64).collect())
+            .collect();
+        for (i, spec) in self.inputs.iter().enumerate() {
+            for v in &spec.variable {
+                let n = spec.shape[v.dim];
+                // Another size inside the bound: one more, or one less at the bound.
+                let other = if v.max.is_some_and(|m| n >= m) {
+                    n - 1
+                } else {
+                    n + 1
+                };
+                if other == 0 {
+                    continue;
+                }
+                let mut moved: Vec<Vec<usize>> =
+                    self.inputs.iter().map(|i| i.shape.clone()).collect();
+                moved[i][v.dim] = other;
+                let moved: Vec<&[usize]> = moved.iter().map(Vec::as_slice).collect();
+                let Ok(shapes) = self.output_shapes(&moved) else {
+                    continue;
+                };
+                for ((o, b), m) in out.iter_mut().zip(&base).zip(&shapes) {
+                    for (d, (x, y)) in b.iter().zip(m).enumerate() {
+                        if x != y {
+                            o[d] = -1;
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
 }
 
 /// The checkpoint an imported package was made from (`distmind model import`).
@@ -596,10 +713,46 @@ fn check_manifest(m: &Manifest) -> Result<Vec<std::ops::Range<usize>>, String> {
             return Err(format!("param {} listed twice", p.name));
         }
     }
+    for spec in &m.inputs {
+        spec.validate()?;
+    }
     let shapes = shape::infer(&m.layers, &m.inputs, |n| {
         names.get(n).map(|&(i, _)| m.params[i].shape.as_slice())
     })
     .map_err(|(l, what)| format!("layer {l} ({}): {what}", m.layers[l].name))?;
+    // Every bounded variable dimension at its bound must fit the graph too
+    // (a sequence bound no larger than the position table), so a request
+    // the input check accepts never fails in a layer.
+    if m.inputs
+        .iter()
+        .any(|i| i.variable.iter().any(|v| v.max.is_some()))
+    {
+        let at_max: Vec<TensorSpec> = m
+            .inputs
+            .iter()
+            .map(|spec| {
+                let mut shape = spec.shape.clone();
+                for v in &spec.variable {
+                    if let Some(max) = v.max {
+                        shape[v.dim] = max;
+                    }
+                }
+                TensorSpec {
+                    shape,
+                    ..spec.clone()
+                }
+            })
+            .collect();
+        shape::infer(&m.layers, &at_max, |n| {
+            names.get(n).map(|&(i, _)| m.params[i].shape.as_slice())
+        })
+        .map_err(|(l, what)| {
+            format!(
+                "layer {l} ({}) at the inputs' largest shapes: {what}",
+                m.layers[l].name
+            )
+        })?;
+    }
     for o in &m.outputs {
         let s = shapes
             .get(o.layer)

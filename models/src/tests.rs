@@ -271,6 +271,13 @@ fn every_tiny_family_round_trips() {
         }
         let text = inspect(&pkg);
         assert!(text.contains(&m.layers[0].name) && text.contains(&m.groups[0].checksum));
+        let input = format!(
+            "input  {}: {}, default {:?}",
+            m.inputs[0].name,
+            m.inputs[0].expected(),
+            m.inputs[0].shape
+        );
+        assert!(text.contains(&input), "{text}");
         // The weights file is standard safetensors.
         let raw = std::fs::read(dirs[0].join(WEIGHTS_FILE)).unwrap();
         let st = safetensors::SafeTensors::deserialize(&raw).unwrap();
@@ -577,4 +584,119 @@ fn full_scale_packages_round_trip() {
         );
         std::fs::remove_dir_all(&d).unwrap();
     }
+}
+
+/// Requests choose the batch of every input and the length of token
+/// inputs up to the position table: the manifest says so, checks shapes
+/// against it, reports -1 for those dimensions and infers output shapes.
+#[test]
+fn inputs_state_which_dimensions_requests_choose() {
+    let dir = tempfile::tempdir().unwrap();
+    for family in [Family::BertBase, Family::Gpt2] {
+        let pkg =
+            Package::open(generate(&tiny_opts(family, dir.path())).unwrap().remove(0)).unwrap();
+        let m = &pkg.manifest;
+        let spec = &m.inputs[0];
+        assert_eq!(spec.shape, [1, 16], "{family}: the default shape");
+        assert_eq!(spec.protocol_shape(), [-1, -1], "{family}");
+        assert_eq!(
+            spec.expected(),
+            "i64 [batch, tokens] (batch >= 1, tokens 1..=64)"
+        );
+        for ok in [[1usize, 1], [3, 16], [2, 64]] {
+            m.check_input_shapes(&[&ok]).unwrap();
+        }
+        let too_long = m.check_input_shapes(&[&[1, 65]]).unwrap_err();
+        assert!(
+            too_long.contains(&m.name)
+                && too_long.contains("[1, 65]")
+                && too_long.contains("tokens 1..=64")
+                && too_long.contains("more than the model's 64"),
+            "{too_long}"
+        );
+        let rank = m.check_input_shapes(&[&[16]]).unwrap_err();
+        assert!(rank.contains("1 dimensions instead of 2"), "{rank}");
+        assert!(m
+            .check_input_shapes(&[&[0, 16]])
+            .unwrap_err()
+            .contains("(batch) is 0"));
+        // Output shapes follow the request's; metadata reports them as -1.
+        let out = m.output_shapes(&[&[3, 40]]).unwrap();
+        let protocol = m.output_protocol_shapes();
+        match family {
+            Family::Gpt2 => {
+                assert_eq!(out, vec![vec![3, 40, 32]]);
+                assert_eq!(protocol, vec![vec![-1, -1, 32]]);
+            }
+            _ => {
+                assert_eq!(out, vec![vec![3, 40, 32], vec![3, 32]]);
+                assert_eq!(protocol, vec![vec![-1, -1, 32], vec![-1, 32]]);
+            }
+        }
+    }
+    let pkg = Package::open(
+        generate(&tiny_opts(Family::Resnet152, dir.path()))
+            .unwrap()
+            .remove(0),
+    )
+    .unwrap();
+    let m = &pkg.manifest;
+    assert_eq!(m.inputs[0].protocol_shape(), [-1, 3, 32, 32]);
+    assert_eq!(m.output_protocol_shapes(), vec![vec![-1, 1000]]);
+    m.check_input_shapes(&[&[5, 3, 32, 32]]).unwrap();
+    let e = m.check_input_shapes(&[&[1, 3, 64, 64]]).unwrap_err();
+    assert!(
+        e.contains("f32 [batch, 3, 32, 32] (batch >= 1)")
+            && e.contains("dimension 2 is 64, the model's is 32"),
+        "{e}"
+    );
+}
+
+/// A manifest written before inputs stated their variable dimensions
+/// serves any batch at its one length; a declared bound beyond the
+/// position table is refused when the package opens.
+#[test]
+fn variable_dimensions_default_to_the_batch_and_are_validated() {
+    let dir = tempfile::tempdir().unwrap();
+    let pkg_dir = generate(&tiny_opts(Family::Gpt2, dir.path()))
+        .unwrap()
+        .remove(0);
+    let path = pkg_dir.join(MANIFEST_FILE);
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut m: serde_json::Value = serde_json::from_str(&text).unwrap();
+    m["inputs"][0].as_object_mut().unwrap().remove("variable");
+    std::fs::write(&path, m.to_string()).unwrap();
+    let old = Package::open(&pkg_dir).unwrap();
+    assert_eq!(old.manifest.inputs[0].protocol_shape(), [-1, 16]);
+    assert!(old.manifest.check_input_shapes(&[&[1, 17]]).is_err());
+    old.manifest.check_input_shapes(&[&[4, 16]]).unwrap();
+
+    let mut m: serde_json::Value = serde_json::from_str(&text).unwrap();
+    m["inputs"][0]["variable"][1]["max"] = serde_json::json!(65);
+    std::fs::write(&path, m.to_string()).unwrap();
+    let err = open_err(&pkg_dir).to_string();
+    assert!(
+        err.contains("largest shapes") && err.contains("longer than 64 positions"),
+        "{err}"
+    );
+    let mut m: serde_json::Value = serde_json::from_str(&text).unwrap();
+    m["inputs"][0]["variable"][1]["dim"] = serde_json::json!(2);
+    std::fs::write(&path, m.to_string()).unwrap();
+    let err = open_err(&pkg_dir).to_string();
+    assert!(err.contains("variable dimension 2 outside"), "{err}");
+}
+
+/// The default length is not part of the architecture: a transformer at
+/// another length is still its preset (the profiles cover it, scaled).
+#[test]
+fn the_default_length_does_not_change_the_preset() {
+    for family in [Family::BertBase, Family::Gpt2] {
+        let c = family
+            .config(Scale::Full)
+            .with_seq_len(128)
+            .with_batch_size(2);
+        assert_eq!(c.preset(), Some(Scale::Full));
+        assert_eq!(c.seq_len(), Some(128));
+    }
+    assert_eq!(Family::Resnet152.config(Scale::Tiny).seq_len(), None);
 }

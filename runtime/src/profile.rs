@@ -12,6 +12,10 @@
 //!
 //! - [`Profile::load`] reads and validates a file; [`Profile::get`] looks a
 //!   model up, interpolating between batches when the exact one is absent.
+//! - Transformer entries are timed at the preset's sequence length
+//!   ([`profiled_seq_len`]); a request of another length takes
+//!   [`ModelProfile::at_seq_len`], the times scaled by its tokens (an
+//!   interpolation, stated there).
 //! - [`estimate`] (in `profile/estimate.rs`) computes a model's profile from
 //!   its architecture and [`Peaks::H200_ESTIMATED`]; [`estimated_h200`] builds
 //!   the shipped `settings/profiles/h200-estimated.json`, and
@@ -205,6 +209,59 @@ impl ModelProfile {
             layers,
         }
     }
+}
+
+impl ModelProfile {
+    /// This profile at `len` tokens per sequence instead of the `profiled`
+    /// length it was timed at (transformers; see [`profiled_seq_len`]).
+    /// Per layer, `overhead_s` (the launch overhead) stays and the rest of
+    /// its time scales with the tokens, `len / profiled`; attention layers
+    /// scale with its square (their score matrix is `L x L` per head). No
+    /// layer falls below `floors_s[i]` (its launch overhead and one read of
+    /// its weights, which do not shrink with the tokens). FLOPs and bytes
+    /// scale the same way.
+    ///
+    /// This is an interpolation (below `profiled`) or extrapolation (above)
+    /// of one timed length, not a measurement: real kernels are less
+    /// efficient on short sequences than linear scaling says, and attention
+    /// sits between linear (memory-bound) and quadratic (compute-bound).
+    pub fn at_seq_len(
+        &self,
+        profiled: usize,
+        len: usize,
+        overhead_s: f64,
+        floors_s: &[f64],
+    ) -> ModelProfile {
+        let r = len as f64 / profiled.max(1) as f64;
+        let layers: Vec<LayerProfile> = self
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                let f = if l.op == "attention" { r * r } else { r };
+                let rest = (l.time_s - overhead_s).max(0.0);
+                let floor = floors_s.get(i).copied().unwrap_or(0.0);
+                LayerProfile {
+                    flops: (l.flops as f64 * f).round() as u64,
+                    bytes: (l.bytes as f64 * f).round() as u64,
+                    time_s: (overhead_s.min(l.time_s) + rest * f).max(floor),
+                    ..l.clone()
+                }
+            })
+            .collect();
+        ModelProfile {
+            total_s: layers.iter().map(|l| l.time_s).sum(),
+            layers,
+        }
+    }
+}
+
+/// The sequence length a profile's transformer entries are timed at: the
+/// preset's default length (`bert_base` and `gpt2`: 512 tokens full, 16
+/// tiny), whatever length a package was generated or imported at. `None`
+/// for the CNNs, whose requests choose only the batch.
+pub fn profiled_seq_len(family: Family, scale: Scale) -> Option<usize> {
+    family.config(scale).seq_len()
 }
 
 /// A training iteration takes this many forward passes at its batch: the

@@ -382,3 +382,64 @@ fn infer_files_writes_the_last_output_and_names_the_others() {
     let e = infer_files(&pkg.dir, &input, &dir.path().join("out.bin"), &exec).unwrap_err();
     assert!(e.to_string().contains(".npy"), "{e}");
 }
+
+/// GPT-2 is causal: position `j` sees tokens `0..=j` only, so the first 16
+/// positions of a 64-token run equal a 16-token run of the same prefix
+/// (the position table rows are the same too), whichever length ran first
+/// on the program. Another prefix gives other rows, and one token past the
+/// position table is refused before any layer runs.
+#[test]
+fn a_causal_model_gives_a_prefix_the_same_rows_at_every_length() {
+    let dir = tempfile::tempdir().unwrap();
+    let exec = CpuExecutor::new();
+    let pkg = tiny_package(dir.path(), Family::Gpt2);
+    let m = &pkg.manifest;
+    let mut program = uploaded_program(&exec, &pkg);
+    let max = m.inputs[0].variable[1].max.expect("a bounded length");
+    let ids: Vec<i64> = (0..max as i64).map(|k| (k * 37 + 11) % 100).collect();
+    let run = |program: &mut Box<dyn Program>, len: usize, ids: &[i64]| {
+        let x = HostTensor::i64(vec![1, len], ids[..len].to_vec());
+        let out = program
+            .run(&[x], &mut all_ready, &mut Trace::new())
+            .unwrap();
+        assert_eq!(out[0].shape, [1, len, 32]);
+        f32s(&out[0]).to_vec()
+    };
+    let whole = run(&mut program, max, &ids);
+    let hidden = 32;
+    for len in [16, 1, 40, 16] {
+        let short = run(&mut program, len, &ids);
+        let worst = short
+            .iter()
+            .zip(&whole[..len * hidden])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(worst <= 1e-5, "length {len}: prefix rows differ by {worst}");
+    }
+    let mut other = ids.clone();
+    other[0] = (other[0] + 1) % 100;
+    let changed = run(&mut program, 16, &other);
+    let moved = changed
+        .iter()
+        .zip(&whole[..16 * hidden])
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        moved > 1e-3,
+        "another first token must change the rows ({moved})"
+    );
+    let mut gated = 0;
+    let e = program
+        .run(
+            &[HostTensor::i64(vec![1, max + 1], vec![1; max + 1])],
+            &mut |_| {
+                gated += 1;
+                Ok(())
+            },
+            &mut Trace::new(),
+        )
+        .unwrap_err();
+    assert!(matches!(e, ExecError::BadInput { index: 0, .. }), "{e}");
+    assert!(e.to_string().contains(&format!("tokens 1..={max}")), "{e}");
+    assert_eq!(gated, 0, "refused before any group was waited for");
+}

@@ -471,3 +471,82 @@ fn sim_training_iteration_is_the_profiles_train_time_dilated() {
         .simulated_train_iteration(&pkg.manifest, batch)
         .is_none());
 }
+
+/// Per layer, LayerEnd - LayerStart of a run's trace (the simulated timeline).
+fn layer_times(trace: &Trace, layers: usize) -> Vec<Duration> {
+    let mut start = vec![Duration::ZERO; layers];
+    let mut times = vec![Duration::ZERO; layers];
+    for &(t, e) in trace {
+        match e {
+            TraceEvent::LayerStart { layer } => start[layer] = t,
+            TraceEvent::LayerEnd { layer } => times[layer] = t - start[layer],
+            TraceEvent::GroupReady { .. } => {}
+        }
+    }
+    times
+}
+
+/// A transformer request of another length than the profiled one takes the
+/// profile's layer times scaled by its tokens (`ModelProfile::at_seq_len`,
+/// never below a layer's launch and weight read), answers outputs of its
+/// own shapes, and one past the position table is refused.
+#[test]
+fn sim_request_lengths_take_the_profile_time_scaled_by_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let pkg = package(Family::BertBase, Scale::Tiny, dir.path());
+    let m = &pkg.manifest;
+    assert_eq!(m.inputs[0].shape, [1, 16]);
+    let profile = shipped();
+    let at16 = profile
+        .get_exact(Family::BertBase, Scale::Tiny, 1)
+        .unwrap()
+        .clone();
+    let peaks = profile.peaks;
+    let mut floors = vec![peaks.launch_overhead_s; m.layers.len()];
+    for p in &m.params {
+        floors[p.layer] += p.device_nbytes(m.param_dtype) as f64 / peaks.memory_bytes_per_s;
+    }
+    let exec = SimExecutor::new(profile);
+    let arena = exec.alloc_arena(m.stored_bytes).unwrap();
+    let mut program = exec.program(m, arena).unwrap();
+    let mut totals = Vec::new();
+    for len in [16, 64, 40, 16] {
+        let mut trace = Trace::new();
+        let out = program
+            .run(
+                &[HostTensor::i64(vec![2, len], vec![3; 2 * len])],
+                &mut all_ready,
+                &mut trace,
+            )
+            .unwrap();
+        assert_eq!(out[0].shape, [2, len, 32], "last_hidden_state at {len}");
+        assert_eq!(out[1].shape, [2, 32], "pooler_output at {len}");
+        // Batch 2 of a profile that has batch 1 only: twice its times, then
+        // the tokens' scaling.
+        let want = at16
+            .scaled(2.0)
+            .at_seq_len(16, len, peaks.launch_overhead_s, &floors);
+        let got = layer_times(&trace, m.layers.len());
+        for (i, (g, w)) in got.iter().zip(&want.layers).enumerate() {
+            let diff = (g.as_secs_f64() - w.time_s).abs();
+            assert!(
+                diff <= 1e-9,
+                "L={len} layer {i} ({}): {g:?} vs {} s",
+                w.name,
+                w.time_s
+            );
+        }
+        totals.push(got.iter().sum::<Duration>());
+    }
+    assert!(totals[1] > totals[2] && totals[2] > totals[0], "{totals:?}");
+    assert_eq!(totals[0], totals[3], "the same length, the same plan");
+    let e = program
+        .run(
+            &[HostTensor::i64(vec![1, 65], vec![3; 65])],
+            &mut all_ready,
+            &mut Trace::new(),
+        )
+        .unwrap_err();
+    assert!(matches!(e, ExecError::BadInput { index: 0, .. }), "{e}");
+    assert!(e.to_string().contains("tokens 1..=64"), "{e}");
+}

@@ -10,6 +10,11 @@ relative error of 1e-4 (max|a - b| / max|b|).
     torch_reference.py --family F --size {reduced,full} --out DIR
                        [--dtype f32|f16|bf16] [--batch N] [--seq-len L] [--image-size S]
     torch_reference.py --goldens   # rewrites tests/golden/import/<case>/
+    torch_reference.py --family {bert_base,gpt2} --seq-lens 16,64,128 --max-positions 128 --out DIR
+
+With --seq-lens, one checkpoint answers several sequence lengths: DIR gets
+input.L<n>.npy and output.L<n>.npy (and BERT's output.L<n>.last_hidden_state.npy)
+per length, and meta.json lists them under "seq_cases".
 
 Files written into DIR:
   model.safetensors             model.state_dict() as is (buffers included),
@@ -82,6 +87,15 @@ GOLDEN_CASES = {
     # BatchNorm running statistics in bf16 too: the CNN half of the bf16 check.
     "resnet152_bf16": ("resnet152", "reduced", "bf16"),
 }
+
+# Checked-in per-request-length cases for --goldens: case name -> family.
+# One reduced checkpoint with a 128-row position table answers 16, 64 and 128
+# tokens; the package is imported at SEQ_CASE_IMPORT_LEN (its default length).
+SEQ_GOLDEN_CASES = {"bert_base_seqs": "bert_base", "gpt2_seqs": "gpt2"}
+SEQ_CASE_LENS = [16, 64, 128]
+SEQ_CASE_MAX_POSITIONS = 128
+SEQ_CASE_IMPORT_LEN = 64
+SEQ_CASE_DATE = "2026-11-25"
 
 DEFAULT_BATCH = 2
 DEFAULT_IMAGE = {
@@ -171,28 +185,34 @@ def reduced_inception():
 
 # ---------------------------------------------------------------- transformers
 
-def bert_config(size):
+def bert_config(size, max_positions=64):
     if size == "full":
         return transformers.BertConfig(attn_implementation="eager")
     return transformers.BertConfig(
         vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=64, type_vocab_size=2,
+        intermediate_size=64, max_position_embeddings=max_positions, type_vocab_size=2,
         layer_norm_eps=1e-12, hidden_act="gelu", pad_token_id=0, attn_implementation="eager")
 
 
-def gpt2_config(size):
+def gpt2_config(size, max_positions=64):
     if size == "full":
         return transformers.GPT2Config(attn_implementation="eager")
     # The default bos/eos id 50256 lies outside a 100-token vocabulary and
     # makes transformers warn; use the last id instead.
     return transformers.GPT2Config(
-        vocab_size=100, n_positions=64, n_embd=32, n_layer=2, n_head=2, n_inner=64,
+        vocab_size=100, n_positions=max_positions, n_embd=32, n_layer=2, n_head=2, n_inner=64,
         layer_norm_epsilon=1e-5, activation_function="gelu_new",
         bos_token_id=99, eos_token_id=99, attn_implementation="eager")
 
 
-def build_model(family, size):
-    """Returns (model, config or None). Call after torch.manual_seed."""
+def build_model(family, size, max_positions=None):
+    """Returns (model, config or None). Call after torch.manual_seed.
+
+    `max_positions` (reduced transformers only) replaces the 64-row position
+    table."""
+    if max_positions is not None and (family in CNNS or size != "reduced"):
+        raise ValueError("--max-positions applies only to reduced bert_base and gpt2")
+    positions = {} if max_positions is None else {"max_positions": max_positions}
     if family == "resnet152":
         return (torchvision.models.resnet152(weights=None) if size == "full" else ReducedResNet()), None
     if family == "inception_v3":
@@ -207,10 +227,10 @@ def build_model(family, size):
         return tv_densenet.DenseNet(growth_rate=4, block_config=(1, 2, 2, 1), num_init_features=8,
                                     bn_size=4, num_classes=10), None
     if family == "bert_base":
-        config = bert_config(size)
+        config = bert_config(size, **positions)
         return transformers.BertModel(config, add_pooling_layer=True), config
     if family == "gpt2":
-        config = gpt2_config(size)
+        config = gpt2_config(size, **positions)
         return transformers.GPT2Model(config), config
     raise ValueError(f"unknown family {family}")
 
@@ -416,6 +436,87 @@ def run_case(family, size, out, dtype="f32", batch=None, image_size=None, seq_le
     print(f"  {family} {size} {dtype}: wrote {out} in {time.time() - start:.1f} s")
 
 
+def run_seq_case(family, out, seq_lens, max_positions, batch=None, command=None, date=SEQ_CASE_DATE):
+    """One reduced transformer checkpoint, one input and output per length.
+
+    The model, its randomization and the checkpoint are those of `run_case`
+    (reduced, f32) except the position table of `max_positions` rows; each
+    length's token ids come from a fresh `default_rng(INPUT_SEED)`. The
+    package imported from it must answer every length with these outputs.
+    """
+    if family in CNNS:
+        raise ValueError("--seq-lens applies only to bert_base and gpt2")
+    batch = batch or DEFAULT_BATCH
+    for n in seq_lens:
+        if not 1 <= n <= max_positions:
+            raise ValueError(f"sequence length {n} is outside 1..={max_positions}")
+    start = time.time()
+    torch.manual_seed(TORCH_SEED)
+    model, config = build_model(family, "reduced", max_positions)
+    randomize(model, family, None)
+    model = model.float().eval()
+    state = round_weights(model, torch.float32)
+    os.makedirs(out, exist_ok=True)
+    safetensors.torch.save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    config.to_json_file(os.path.join(out, "config.json"))
+    cases = []
+    for n in seq_lens:
+        x = make_input(family, config, batch, None, n)
+        with torch.no_grad():
+            y = model(torch.from_numpy(x))
+        if family == "bert_base":
+            outputs = [(f"output.L{n}.last_hidden_state.npy", "last_hidden_state", y.last_hidden_state),
+                       (f"output.L{n}.npy", "pooler_output", y.pooler_output)]
+        else:
+            outputs = [(f"output.L{n}.npy", "last_hidden_state", y.last_hidden_state)]
+        np.save(os.path.join(out, f"input.L{n}.npy"), x)
+        out_meta = []
+        for fname, name, t in outputs:
+            arr = t.detach().float().contiguous().numpy()
+            check_output(f"{family}.{name} L={n}", arr)
+            np.save(os.path.join(out, fname), arr)
+            out_meta.append({"file": fname, "name": name, "shape": list(arr.shape)})
+            print(f"  {family} L={n}: {name} {list(arr.shape)} max|v| = {np.abs(arr).max():.6g}")
+        cases.append({"seq_len": n, "input": {"file": f"input.L{n}.npy", "shape": list(x.shape),
+                                              "dtype": str(x.dtype)},
+                      "outputs": out_meta})
+    import_len = SEQ_CASE_IMPORT_LEN if SEQ_CASE_IMPORT_LEN in seq_lens else seq_lens[0]
+    meta = {
+        "family": family,
+        "size": "reduced",
+        "dtype": "f32",
+        "batch": batch,
+        "max_positions": max_positions,
+        "seq_lens": seq_lens,
+        "import_args": ["--batch-size", str(batch), "--seq-len", str(import_len)],
+        "import_note": ("--seq-len is the package's default (profiled) length; every request "
+                        f"length up to the {max_positions}-row position table is served"),
+        "config": "config.json",
+        "input_note": ("int64 token ids in [0, vocab_size) from default_rng(INPUT_SEED) per length; "
+                       "only input_ids are passed (no attention mask, token_type_ids default to 0)"),
+        "seq_cases": cases,
+        "torch_seed": TORCH_SEED,
+        "randomize_seed": RANDOMIZE_SEED,
+        "input_seed": INPUT_SEED,
+        "randomization": RANDOMIZATION,
+        "weights_note": "floating tensors saved as float32",
+        "tolerance": "max|a - b| / max|b| <= 1e-4",
+        "command": command,
+        "versions": versions(),
+        "date": date,
+    }
+    with open(os.path.join(out, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+        f.write("\n")
+    print(f"  {family} seq lens {seq_lens}: wrote {out} in {time.time() - start:.1f} s")
+
+
+def seq_case_command(family, out, seq_lens, max_positions):
+    return shlex.join(["python3", "tests/reference/torch_reference.py", "--family", family,
+                       "--seq-lens", ",".join(map(str, seq_lens)), "--max-positions",
+                       str(max_positions), "--out", out])
+
+
 def case_command(family, size, out, dtype, batch=None, image_size=None, seq_len=None):
     args = ["python3", "tests/reference/torch_reference.py", "--family", family, "--size", size,
             "--out", out, "--dtype", dtype]
@@ -437,6 +538,13 @@ def write_goldens():
         rel = os.path.relpath(out, REPO)
         run_case(family, size, out, dtype, command=case_command(family, size, rel, dtype),
                  date=CASE_DATES.get(case, DATE))
+    for case, family in SEQ_GOLDEN_CASES.items():
+        out = os.path.join(GOLDEN_DIR, case)
+        if os.path.isdir(out):
+            shutil.rmtree(out)
+        rel = os.path.relpath(out, REPO)
+        run_seq_case(family, out, SEQ_CASE_LENS, SEQ_CASE_MAX_POSITIONS,
+                     command=seq_case_command(family, rel, SEQ_CASE_LENS, SEQ_CASE_MAX_POSITIONS))
 
 
 def main():
@@ -447,6 +555,10 @@ def main():
     ap.add_argument("--dtype", choices=list(DTYPES), default="f32", help="checkpoint dtype (default f32)")
     ap.add_argument("--batch", type=int, help=f"batch size (default {DEFAULT_BATCH})")
     ap.add_argument("--seq-len", type=int, help="sequence length (default 128 full, 16 reduced)")
+    ap.add_argument("--seq-lens", help="comma-separated sequence lengths served by one checkpoint "
+                    "(bert_base, gpt2; reduced)")
+    ap.add_argument("--max-positions", type=int,
+                    help="position table rows of a reduced transformer (default 64)")
     ap.add_argument("--image-size", type=int,
                     help="image side (default 224 full, 299 full inception, 32 reduced, 75 reduced inception)")
     ap.add_argument("--f64", action="store_true",
@@ -460,6 +572,16 @@ def main():
         return
     if not args.family or not args.out:
         ap.error("--family and --out are required (or use --goldens)")
+    if args.seq_lens:
+        if args.size != "reduced" or args.dtype != "f32" or args.seq_len or args.image_size:
+            ap.error("--seq-lens takes a reduced f32 transformer and no --seq-len or --image-size")
+        lens = [int(v) for v in args.seq_lens.split(",")]
+        positions = args.max_positions or 64
+        run_seq_case(args.family, args.out, lens, positions, args.batch,
+                     command=seq_case_command(args.family, args.out, lens, positions))
+        return
+    if args.max_positions:
+        ap.error("--max-positions goes with --seq-lens")
     run_case(args.family, args.size, args.out, args.dtype, args.batch, args.image_size, args.seq_len,
              command=case_command(args.family, args.size, args.out, args.dtype, args.batch,
                                   args.image_size, args.seq_len) + (" --f64" if args.f64 else ""),

@@ -77,7 +77,7 @@ pub(crate) fn build(c: &BertConfig) -> Architecture {
     b.unary("pooler.activation", Op::Tanh, pooled);
     let last = b.last_id();
     b.finish(
-        token_input(c.batch_size, c.seq_len),
+        token_input(c.batch_size, c.seq_len, c.max_positions),
         vec![
             output(
                 "last_hidden_state",

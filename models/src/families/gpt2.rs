@@ -38,7 +38,7 @@ pub(crate) fn build(c: &Gpt2Config) -> Architecture {
     b.layer_norm("ln_f", x, h, eps);
     let last = b.last_id();
     b.finish(
-        token_input(c.batch_size, c.seq_len),
+        token_input(c.batch_size, c.seq_len, c.max_positions),
         vec![output(
             "last_hidden_state",
             last,

@@ -9,24 +9,27 @@ pub(crate) mod gpt2;
 pub(crate) mod inception;
 pub(crate) mod resnet;
 
-use crate::graph::{Builder, Dtype, Op, OutputSpec, TensorSpec};
+use crate::graph::{Builder, DimKind, Dtype, Op, OutputSpec, TensorSpec, VariableDim};
 
-/// `[batch, channels, size, size]` f32 images.
+/// `[batch, channels, size, size]` f32 images; requests choose the batch.
 fn image_input(batch: usize, channels: usize, size: usize) -> Vec<TensorSpec> {
-    vec![TensorSpec {
-        name: "images".to_string(),
-        shape: vec![batch, channels, size, size],
-        dtype: Dtype::F32,
-    }]
+    vec![TensorSpec::batched(
+        "images",
+        vec![batch, channels, size, size],
+        Dtype::F32,
+    )]
 }
 
-/// `[batch, seq_len]` i64 token ids.
-fn token_input(batch: usize, seq_len: usize) -> Vec<TensorSpec> {
-    vec![TensorSpec {
-        name: "input_ids".to_string(),
-        shape: vec![batch, seq_len],
-        dtype: Dtype::I64,
-    }]
+/// `[batch, seq_len]` i64 token ids; requests choose the batch and the
+/// length, up to the `max_positions` rows of the position table.
+fn token_input(batch: usize, seq_len: usize, max_positions: usize) -> Vec<TensorSpec> {
+    let mut spec = TensorSpec::batched("input_ids", vec![batch, seq_len], Dtype::I64);
+    spec.variable.push(VariableDim {
+        dim: 1,
+        kind: DimKind::Sequence,
+        max: Some(max_positions),
+    });
+    vec![spec]
 }
 
 fn output(name: &str, layer: usize, shape: Vec<usize>) -> OutputSpec {

@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 
+use distmind_models::shape::{self, Shape};
 use distmind_models::{Dtype, Layer, Manifest, Op, ParamEntry, TensorSpec};
 
 use super::{ExecError, HostTensor};
@@ -179,8 +180,11 @@ pub fn plan(manifest: &Manifest, arena_len: u64) -> Result<Plan, ExecError> {
 }
 
 /// Checks a request's inputs against the manifest's: the same count, and
-/// each the same dtype and shape except the batch (dimension 0, >= 1), which
-/// every backend accepts. Returns the request's batch size.
+/// each of the spec's dtype and a shape [`TensorSpec::check_shape`] accepts
+/// (any batch >= 1 in dimension 0; for token inputs any length up to the
+/// position table). Returns the request's batch size. The error names the
+/// model, the input, the expected shape with its variable dimensions, and
+/// what came.
 pub fn check_inputs(
     model: &str,
     specs: &[TensorSpec],
@@ -204,23 +208,202 @@ pub fn check_inputs(
         .and_then(|s| s.shape.first().copied())
         .unwrap_or(1);
     for (i, (t, spec)) in inputs.iter().zip(specs).enumerate() {
-        let want_dtype = match spec.dtype {
-            Dtype::F32 => "f32",
-            Dtype::I64 => "i64",
-        };
-        let shape_ok = t.shape.len() == spec.shape.len()
-            && t.shape.first().is_none_or(|&b| b >= 1)
-            && t.shape.iter().skip(1).eq(spec.shape.iter().skip(1));
-        if t.dtype_name() != want_dtype || !shape_ok {
-            let want = format!(
-                "{want_dtype} {:?} (any batch size >= 1 in dimension 0)",
-                spec.shape
-            );
-            return Err(bad(i, t.describe(), want));
+        if t.dtype_name() != spec.dtype_name() {
+            return Err(bad(
+                i,
+                t.describe(),
+                format!("{} (the element type differs)", spec.expected()),
+            ));
+        }
+        if let Err(why) = spec.check_shape(&t.shape) {
+            return Err(bad(i, t.describe(), format!("{}: {why}", spec.expected())));
         }
         if i == 0 {
             batch = t.shape.first().copied().unwrap_or(1);
         }
     }
     Ok(batch)
+}
+
+/// The shapes of a request's inputs: what per-shape plans are keyed by.
+pub type ShapeKey = Vec<Vec<usize>>;
+
+/// The key of `inputs`.
+pub fn shape_key(inputs: &[HostTensor]) -> ShapeKey {
+    inputs.iter().map(|t| t.shape.clone()).collect()
+}
+
+/// Every layer's output shape for a request whose inputs have the shapes
+/// `key` (checked with [`check_inputs`] first): [`shape::infer`] over the
+/// layers with the specs at those shapes. An error names the layer that
+/// cannot take them.
+pub fn layer_shapes(
+    model: &str,
+    layers: &[Layer],
+    specs: &[TensorSpec],
+    key: &[Vec<usize>],
+    param_shapes: &HashMap<String, Vec<usize>>,
+) -> Result<Vec<Shape>, ExecError> {
+    let at: Vec<TensorSpec> = specs
+        .iter()
+        .zip(key)
+        .map(|(spec, shape)| TensorSpec {
+            shape: shape.clone(),
+            ..spec.clone()
+        })
+        .collect();
+    shape::infer(layers, &at, |n| param_shapes.get(n).map(Vec::as_slice))
+        .map_err(|(i, why)| layer_error(model, &layers[i], why))
+}
+
+/// Param shapes by name, for [`layer_shapes`].
+pub fn param_shapes(manifest: &Manifest) -> HashMap<String, Vec<usize>> {
+    manifest
+        .params
+        .iter()
+        .map(|p| (p.name.clone(), p.shape.clone()))
+        .collect()
+}
+
+/// Most request shapes a program keeps a plan for; past it the least
+/// recently used is dropped (a plan is cheap to redo: shape inference or
+/// a profile lookup, never a kernel compile).
+pub const SHAPE_PLANS_MAX: usize = 32;
+
+/// What a program works out per request shape (layer shapes, layer times),
+/// kept for the [`SHAPE_PLANS_MAX`] shapes it ran last: a transformer
+/// serves every sequence length up to its position table, and requests of
+/// one length usually come in runs.
+#[derive(Debug)]
+pub struct PerShape<T> {
+    /// Least recently used first.
+    entries: Vec<(ShapeKey, std::sync::Arc<T>)>,
+}
+
+impl<T> Default for PerShape<T> {
+    fn default() -> Self {
+        PerShape {
+            entries: Vec::new(),
+        }
+    }
+}
+
+impl<T> PerShape<T> {
+    /// The plan for `key`, made with `make` unless it is kept.
+    pub fn get_or_try_insert<E>(
+        &mut self,
+        key: &[Vec<usize>],
+        make: impl FnOnce() -> Result<T, E>,
+    ) -> Result<std::sync::Arc<T>, E> {
+        if let Some(i) = self.entries.iter().position(|(k, _)| k.as_slice() == key) {
+            let e = self.entries.remove(i);
+            let plan = e.1.clone();
+            self.entries.push(e);
+            return Ok(plan);
+        }
+        let plan = std::sync::Arc::new(make()?);
+        if self.entries.len() >= SHAPE_PLANS_MAX {
+            self.entries.remove(0);
+        }
+        self.entries.push((key.to_vec(), plan.clone()));
+        Ok(plan)
+    }
+
+    /// How many shapes have a plan.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use distmind_models::{DimKind, Dtype, VariableDim};
+
+    fn tokens(max: usize) -> TensorSpec {
+        let mut spec = TensorSpec::batched("input_ids", vec![1, 16], Dtype::I64);
+        spec.variable.push(VariableDim {
+            dim: 1,
+            kind: DimKind::Sequence,
+            max: Some(max),
+        });
+        spec
+    }
+
+    #[test]
+    fn inputs_of_any_allowed_shape_pass_and_others_are_named() {
+        let specs = [tokens(128)];
+        for (n, l) in [(1, 16), (3, 64), (2, 128), (1, 1)] {
+            let t = HostTensor::i64(vec![n, l], vec![0; n * l]);
+            assert_eq!(check_inputs("bert", &specs, &[t]).unwrap(), n);
+        }
+        let long = HostTensor::i64(vec![1, 129], vec![0; 129]);
+        let e = check_inputs("bert", &specs, &[long])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("model bert")
+                && e.contains("i64 [1, 129]")
+                && e.contains("i64 [batch, tokens] (batch >= 1, tokens 1..=128)")
+                && e.contains("more than the model's 128"),
+            "{e}"
+        );
+        let floats = HostTensor::f32(vec![1, 16], vec![0.0; 16]);
+        let e = check_inputs("bert", &specs, &[floats])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("f32 [1, 16]") && e.contains("element type"),
+            "{e}"
+        );
+        let images = [TensorSpec::batched("images", vec![1, 3, 4, 4], Dtype::F32)];
+        let wrong = HostTensor::f32(vec![2, 3, 5, 4], vec![0.0; 120]);
+        let e = check_inputs("cnn", &images, &[wrong])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("f32 [batch, 3, 4, 4] (batch >= 1)") && e.contains("dimension 2 is 5"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn per_shape_plans_are_kept_for_the_latest_shapes() {
+        let mut plans: PerShape<usize> = PerShape::default();
+        let mut made = 0;
+        for round in 0..2 {
+            for l in 0..SHAPE_PLANS_MAX {
+                let key = vec![vec![1, l + 1]];
+                let got = plans
+                    .get_or_try_insert(&key, || {
+                        made += 1;
+                        Ok::<_, ()>(l)
+                    })
+                    .unwrap();
+                assert_eq!(*got, l);
+            }
+            assert_eq!(made, SHAPE_PLANS_MAX, "round {round} reuses every plan");
+        }
+        // One more shape drops the least recently used (length 1).
+        plans
+            .get_or_try_insert(&[vec![1, 999]], || Ok::<_, ()>(999))
+            .unwrap();
+        assert_eq!(plans.len(), SHAPE_PLANS_MAX);
+        plans
+            .get_or_try_insert(&[vec![1, 1]], || {
+                made += 1;
+                Ok::<_, ()>(0)
+            })
+            .unwrap();
+        assert_eq!(made, SHAPE_PLANS_MAX + 1);
+        // A failed plan is not kept.
+        assert!(plans.get_or_try_insert(&[vec![7]], || Err("no")).is_err());
+        assert!(plans
+            .get_or_try_insert(&[vec![7]], || Ok::<_, ()>(7))
+            .is_ok());
+    }
 }

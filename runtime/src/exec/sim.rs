@@ -11,6 +11,12 @@
 //! - [`SimProgram::run`] gates exactly like a real executor: `gate(g)` once
 //!   per group, before the first layer whose params live in group g, and
 //!   records `GroupReady`, `LayerStart`, `LayerEnd`.
+//! - Layer times per request shape (kept for the latest shapes): the
+//!   profile at the request's batch ([`Profile::get`], interpolated between
+//!   profiled batches), and for a transformer scaled by its tokens from the
+//!   profiled sequence length ([`ModelProfile::at_seq_len`]: an
+//!   interpolation of one timed length, not a measurement). Outputs have
+//!   the request's shapes, zero-filled.
 //!
 //! - [`SimExecutor::train_iteration`] (what
 //!   [`Executor::simulated_train_iteration`] answers): a background training
@@ -46,10 +52,11 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use distmind_models::{Dtype, Manifest, OutputSpec, ParamDtype, Scale, TensorSpec};
+use distmind_models::{DimKind, Dtype, Manifest, OutputSpec, ParamDtype, Scale, TensorSpec};
 
+use super::plan::{self, PerShape};
 use super::{Arena, ExecError, Executor, ExecutorKind, HostTensor, Program, Trace, TraceEvent};
-use crate::profile::{model_key, ModelProfile, Profile};
+use crate::profile::{model_key, profiled_seq_len, ModelProfile, Profile};
 
 /// The simulated timeline may run ahead of the wall clock by this much
 /// before the run sleeps.
@@ -194,10 +201,7 @@ impl Executor for SimExecutor {
                     )));
                 }
             }
-            layers.push(SimLayer {
-                time: duration_ceil(p.time_s * self.dilation),
-                group: l.group,
-            });
+            layers.push(SimLayer { group: l.group });
         }
         if arena.len() < manifest.device_bytes() {
             return Err(model_err(format!(
@@ -206,16 +210,37 @@ impl Executor for SimExecutor {
                 manifest.device_bytes()
             )));
         }
+        // A layer never takes less than its launch and one read of its
+        // weights (device bytes), whatever the tokens.
+        let peaks = &self.profile.peaks;
+        let mut floors_s = vec![peaks.launch_overhead_s; manifest.layers.len()];
+        for p in &manifest.params {
+            if let Some(f) = floors_s.get_mut(p.layer) {
+                *f += p.device_nbytes(manifest.param_dtype) as f64 / peaks.memory_bytes_per_s;
+            }
+        }
+        let timing = SimTiming {
+            profile: self.profile.clone(),
+            family: manifest.family,
+            scale,
+            dilation: self.dilation,
+            default_batch: batch,
+            default: profile.into_owned(),
+            seq_dim: manifest.inputs.first().and_then(|i| {
+                i.variable
+                    .iter()
+                    .find(|v| v.kind == DimKind::Sequence)
+                    .map(|v| v.dim)
+            }),
+            profiled_len: profiled_seq_len(manifest.family, scale),
+            floors_s,
+        };
         Ok(Box::new(SimProgram {
             model: manifest.name.clone(),
-            batch,
-            other_batches: OtherBatches {
-                profile: self.profile.clone(),
-                family: manifest.family,
-                scale,
-                dilation: self.dilation,
-                cached: None,
-            },
+            timing,
+            shapes: PerShape::default(),
+            graph: manifest.layers.clone(),
+            param_shapes: plan::param_shapes(manifest),
             layers,
             gated: vec![false; manifest.groups.len()],
             inputs: manifest.inputs.clone(),
@@ -360,43 +385,92 @@ impl Arena for SimArena {
 
 #[derive(Debug, Clone, Copy)]
 struct SimLayer {
-    time: Duration,
     group: Option<usize>,
 }
 
-/// Layer times for requests whose batch is not the manifest's, from the
-/// profile's other batches ([`Profile::get`] interpolates).
-struct OtherBatches {
+/// Layer times per request shape, from the profile: its batch (the
+/// profile's entry, or [`Profile::get`]'s interpolation between batches)
+/// and, for a transformer, its tokens ([`ModelProfile::at_seq_len`]:
+/// scaled from the profiled length, an interpolation).
+struct SimTiming {
     profile: Arc<Profile>,
     family: distmind_models::Family,
-    scale: distmind_models::Scale,
+    scale: Scale,
     dilation: f64,
-    /// The last batch asked for and its layer times.
-    cached: Option<(usize, Vec<Duration>)>,
+    /// The manifest's batch and the profile at it (checked against the
+    /// manifest's layers when the program was made).
+    default_batch: usize,
+    default: ModelProfile,
+    /// The token input's sequence dimension (transformers).
+    seq_dim: Option<usize>,
+    /// The length the profile timed ([`profiled_seq_len`]).
+    profiled_len: Option<usize>,
+    /// Per layer: the least time it takes (launch + one weight read), s.
+    floors_s: Vec<f64>,
 }
 
-impl OtherBatches {
-    fn times(&mut self, batch: usize) -> Option<&[Duration]> {
-        if self.cached.as_ref().map(|c| c.0) != Some(batch) {
-            let m = self.profile.get(self.family, self.scale, batch)?;
-            let times = m
-                .layers
-                .iter()
-                .map(|l| duration_ceil(l.time_s * self.dilation))
-                .collect();
-            self.cached = Some((batch, times));
+impl SimTiming {
+    /// Every layer's simulated time for a request of input shapes `key`.
+    fn times(&self, model: &str, key: &[Vec<usize>]) -> Result<Vec<Duration>, ExecError> {
+        let model_err = |why: String| ExecError::Model {
+            model: model.to_string(),
+            why,
+        };
+        let first = key.first().map(Vec::as_slice).unwrap_or(&[]);
+        let batch = first.first().copied().unwrap_or(self.default_batch);
+        let at_batch: Cow<'_, ModelProfile> = if batch == self.default_batch {
+            Cow::Borrowed(&self.default)
+        } else {
+            self.profile
+                .get(self.family, self.scale, batch)
+                .ok_or_else(|| {
+                    model_err(format!("the profile has no layer times for batch {batch}"))
+                })?
+        };
+        if at_batch.layers.len() != self.default.layers.len() {
+            return Err(model_err(format!(
+                "the profile's batch {batch} has a different layer count"
+            )));
         }
-        self.cached.as_ref().map(|c| c.1.as_slice())
+        let scaled = match (self.seq_dim.and_then(|d| first.get(d)), self.profiled_len) {
+            (Some(&len), Some(profiled)) if len != profiled => {
+                log::debug!(
+                    "{model}: {len} tokens: layer times scaled from the profile's {profiled} \
+                     (an interpolation, not a measurement)"
+                );
+                Cow::Owned(at_batch.at_seq_len(
+                    profiled,
+                    len,
+                    self.profile.peaks.launch_overhead_s,
+                    &self.floors_s,
+                ))
+            }
+            _ => at_batch,
+        };
+        Ok(scaled
+            .layers
+            .iter()
+            .map(|l| duration_ceil(l.time_s * self.dilation))
+            .collect())
     }
+}
+
+/// What a [`SimProgram`] works out once per request shape.
+struct SimShape {
+    times: Vec<Duration>,
+    /// The outputs' shapes at this request shape (zero-filled on return).
+    outputs: Vec<Vec<usize>>,
 }
 
 /// A model's layer times against a [`SimArena`].
 pub struct SimProgram {
     model: String,
-    /// The batch `layers` times are for; a request of another batch takes
-    /// the profile's times at its batch (see [`Profile::get`]).
-    batch: usize,
-    other_batches: OtherBatches,
+    timing: SimTiming,
+    /// Per request shape: layer times and output shapes.
+    shapes: PerShape<SimShape>,
+    /// The manifest's layers and param shapes, for the output shapes.
+    graph: Vec<distmind_models::Layer>,
+    param_shapes: std::collections::HashMap<String, Vec<usize>>,
     layers: Vec<SimLayer>,
     /// Per group: gated in this run (reset at the start of each run).
     gated: Vec<bool>,
@@ -407,10 +481,37 @@ pub struct SimProgram {
 }
 
 impl SimProgram {
-    /// Checks the inputs against the manifest; like the cpu executor, only
-    /// the batch dimension (0) may differ. Returns the request's batch.
-    fn check_inputs(&self, inputs: &[HostTensor]) -> Result<usize, ExecError> {
-        super::plan::check_inputs(&self.model, &self.inputs, inputs)
+    /// Checks the inputs against the manifest (the batch, and the length of
+    /// token inputs, may differ, as on the cpu executor) and returns the
+    /// plan for their shape: layer times and output shapes.
+    fn plan(&mut self, inputs: &[HostTensor]) -> Result<Arc<SimShape>, ExecError> {
+        plan::check_inputs(&self.model, &self.inputs, inputs)?;
+        let key = plan::shape_key(inputs);
+        let (model, timing, graph, specs, params, outputs) = (
+            &self.model,
+            &self.timing,
+            &self.graph,
+            &self.inputs,
+            &self.param_shapes,
+            &self.outputs,
+        );
+        self.shapes.get_or_try_insert(&key, || {
+            let times = timing.times(model, &key)?;
+            let shapes = plan::layer_shapes(model, graph, specs, &key, params)?;
+            let outputs = outputs
+                .iter()
+                .map(|o| {
+                    shapes
+                        .get(o.layer)
+                        .map(|s| s.dims.clone())
+                        .ok_or_else(|| ExecError::Model {
+                            model: model.clone(),
+                            why: format!("output {} reads missing layer {}", o.name, o.layer),
+                        })
+                })
+                .collect::<Result<_, _>>()?;
+            Ok(SimShape { times, outputs })
+        })
     }
 }
 
@@ -421,26 +522,8 @@ impl Program for SimProgram {
         gate: &mut dyn FnMut(usize) -> Result<(), ExecError>,
         trace: &mut Trace,
     ) -> Result<Vec<HostTensor>, ExecError> {
-        let batch = self.check_inputs(inputs)?;
-        let times: Vec<Duration> = if batch == self.batch {
-            self.layers.iter().map(|l| l.time).collect()
-        } else {
-            let model = &self.model;
-            let times = self
-                .other_batches
-                .times(batch)
-                .ok_or_else(|| ExecError::Model {
-                    model: model.clone(),
-                    why: format!("the profile has no layer times for batch {batch}"),
-                })?;
-            if times.len() != self.layers.len() {
-                return Err(ExecError::Model {
-                    model: model.clone(),
-                    why: format!("the profile's batch {batch} has a different layer count"),
-                });
-            }
-            times.to_vec()
-        };
+        let shape = self.plan(inputs)?;
+        let times = &shape.times;
         self.gated.fill(false);
         trace.reserve(2 * self.layers.len() + self.gated.len());
         let start = Instant::now();
@@ -479,11 +562,9 @@ impl Program for SimProgram {
         Ok(self
             .outputs
             .iter()
-            .map(|o| {
-                let mut shape = o.shape.clone();
-                if let Some(n) = shape.first_mut() {
-                    *n = batch;
-                }
+            .zip(&shape.outputs)
+            .map(|(o, shape)| {
+                let shape = shape.clone();
                 let n = shape.iter().product();
                 match o.dtype {
                     Dtype::F32 => HostTensor::f32(shape, vec![0.0; n]),

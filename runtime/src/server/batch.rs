@@ -1,6 +1,7 @@
-//! Rows in and out of a batch: the worker concatenates its requests' inputs
-//! along dimension 0, runs the model once, and gives each request back its
-//! own rows of every output.
+//! Rows in and out of a batch: the worker groups its requests by input
+//! shape past dimension 0 (a transformer's requests may differ in length),
+//! concatenates each group's inputs along dimension 0, runs the model once
+//! per group, and gives each request back its own rows of every output.
 
 use crate::exec::{HostTensor, TensorData};
 

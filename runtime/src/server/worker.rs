@@ -61,8 +61,9 @@ pub(crate) fn encode_frames(outputs: &[HostTensor]) -> Vec<Vec<u8>> {
 }
 
 /// One queued inference: a request alone, or a batch of requests for the
-/// same model that run as one (rows concatenated along dimension 0) and are
-/// answered one by one.
+/// same model that run as one per input shape (rows concatenated along
+/// dimension 0; requests of different sequence lengths in separate runs)
+/// and are answered one by one.
 pub struct Job {
     pub(crate) model: String,
     /// The requests, in the order their input frames came: at least one,
@@ -444,9 +445,10 @@ fn serve(core: &Core, index: usize, job: &Job, train_yield: Duration) -> (Vec<Ou
     (replies, work)
 }
 
-/// Runs the requests of `job` whose indices are `ready` as one batch and
-/// fills in their replies;
-/// returns the device's own time in the run ([`device_work`]).
+/// Runs the requests of `job` whose indices are `ready`: answers those
+/// whose input does not fit the model, and runs the rest, one batch per
+/// input shape ([`shape_groups`]); returns the device's own time in the
+/// runs ([`device_work`]).
 fn run_batch(
     core: &Core,
     index: usize,
@@ -456,10 +458,8 @@ fn run_batch(
     who: &dyn Fn(usize) -> String,
     replies: &mut [Option<Outgoing>],
 ) -> Duration {
-    let device = &core.devices[index];
     let id_of = |k: usize| job.requests[k].id;
-    let resolved = &job.plan;
-    let m = &resolved.manifest;
+    let m = &job.plan.manifest;
     ready.retain(|&k| match check_input(m, &job.requests[k].input) {
         Ok(()) => true,
         Err(why) => {
@@ -471,10 +471,57 @@ fn run_batch(
             false
         }
     });
-    if ready.is_empty() {
-        return Duration::ZERO;
+    // Requests of different shapes (sequence lengths) run as one batch per
+    // shape, one after the other; each request gets its own rows back.
+    let mut work = Duration::ZERO;
+    for (i, mut group) in shape_groups(job, &ready).into_iter().enumerate() {
+        if i > 0 {
+            // A later group waited for the earlier ones as in a queue.
+            let waited = job.arrived.elapsed();
+            group.retain(
+                |&k| match job.requests[k].deadline.filter(|d| waited > *d) {
+                    None => true,
+                    Some(deadline) => {
+                        replies[k] = Some(error(
+                            id_of(k),
+                            ErrorCode::DeadlineExceeded,
+                            format!(
+                                "{}: its deadline of {} ms passed after {} ms, waiting for the \
+                             batch's requests of other shapes to run on device {}",
+                                who(k),
+                                deadline.as_millis(),
+                                waited.as_millis(),
+                                core.devices[index].id
+                            ),
+                        ));
+                        false
+                    }
+                },
+            );
+            if group.is_empty() {
+                continue;
+            }
+        }
+        work += run_group(core, index, job, group, train_yield, replies);
     }
-    let members = ready;
+    work
+}
+
+/// Runs the requests of `job` whose indices are `members`, all of one
+/// input shape past dimension 0, as one batch and fills in their replies;
+/// returns the device's own time in the run ([`device_work`]).
+fn run_group(
+    core: &Core,
+    index: usize,
+    job: &Job,
+    members: Vec<usize>,
+    train_yield: Duration,
+    replies: &mut [Option<Outgoing>],
+) -> Duration {
+    let device = &core.devices[index];
+    let id_of = |k: usize| job.requests[k].id;
+    let resolved = &job.plan;
+    let m = &resolved.manifest;
     let rows: Vec<usize> = members
         .iter()
         .map(|&k| job.requests[k].input.shape.first().copied().unwrap_or(1))
@@ -948,7 +995,8 @@ fn iterate(core: &Core, index: usize, trainer: &mut Option<Trainer>) -> Iteratio
 }
 
 /// The executors' rule, checked before anything is fetched: one input of
-/// the manifest's dtype and shape, any batch size >= 1 in dimension 0.
+/// the manifest's dtype and a shape its spec accepts (any batch >= 1 in
+/// dimension 0; for token inputs any length up to the position table).
 fn check_input(m: &Manifest, t: &HostTensor) -> Result<(), String> {
     let [spec] = m.inputs.as_slice() else {
         return Err(format!(
@@ -957,23 +1005,38 @@ fn check_input(m: &Manifest, t: &HostTensor) -> Result<(), String> {
             m.inputs.len()
         ));
     };
-    let want_dtype = match spec.dtype {
-        Dtype::F32 => "f32",
-        Dtype::I64 => "i64",
+    let why = if t.dtype_name() != spec.dtype_name() {
+        "the element type differs".to_string()
+    } else {
+        match spec.check_shape(&t.shape) {
+            Ok(()) => return Ok(()),
+            Err(why) => why,
+        }
     };
-    let shape_ok = t.shape.len() == spec.shape.len()
-        && t.shape.first().is_none_or(|&b| b >= 1)
-        && t.shape.iter().skip(1).eq(spec.shape.iter().skip(1));
-    if t.dtype_name() != want_dtype || !shape_ok {
-        return Err(format!(
-            "model {}: input {} is {}, expected {want_dtype} {:?} (any batch size >= 1 in dimension 0)",
-            m.name,
-            spec.name,
-            t.describe(),
-            spec.shape
-        ));
+    Err(format!(
+        "model {}: input {} is {}, expected {}: {why}",
+        m.name,
+        spec.name,
+        t.describe(),
+        spec.expected()
+    ))
+}
+
+/// Splits `members` (indices into `job.requests`) into groups of the same
+/// input shape past dimension 0, in the order each shape first came: the
+/// requests of a group concatenate along the batch dimension and run as
+/// one; requests of different sequence lengths cannot.
+fn shape_groups(job: &Job, members: &[usize]) -> Vec<Vec<usize>> {
+    let mut groups: Vec<(&[usize], Vec<usize>)> = Vec::new();
+    for &k in members {
+        let shape = &job.requests[k].input.shape;
+        let trailing = shape.get(1..).unwrap_or(&[]);
+        match groups.iter_mut().find(|(t, _)| *t == trailing) {
+            Some((_, g)) => g.push(k),
+            None => groups.push((trailing, vec![k])),
+        }
     }
-    Ok(())
+    groups.into_iter().map(|(_, g)| g).collect()
 }
 
 fn error_code(e: &PipelineError) -> ErrorCode {

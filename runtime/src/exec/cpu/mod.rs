@@ -405,6 +405,13 @@ pub struct CpuProgram {
     params: Arc<LayerParams>,
     groups: usize,
     arena: Arc<CpuArena>,
+    /// Param shapes by name, for the per-shape check.
+    param_shapes: std::collections::HashMap<String, Vec<usize>>,
+    /// Per request shape: every layer's output shape, inferred before the
+    /// first run at that shape, so a shape the graph cannot take fails
+    /// before any group is waited for. The kernels themselves read shapes
+    /// from their tensors and keep nothing per shape.
+    shapes: plan::PerShape<Vec<distmind_models::shape::Shape>>,
 }
 
 impl CpuProgram {
@@ -422,6 +429,8 @@ impl CpuProgram {
             params,
             groups: manifest.groups.len(),
             arena,
+            param_shapes: plan::param_shapes(manifest),
+            shapes: plan::PerShape::default(),
         })
     }
 
@@ -429,10 +438,17 @@ impl CpuProgram {
         plan::layer_error(&self.model, &self.layers[i], why)
     }
 
-    /// Checks the inputs against the manifest (the batch dimension may
-    /// differ) and wraps them as tensors.
-    fn input_tensors(&self, inputs: &[HostTensor]) -> Result<Vec<Tensor>, ExecError> {
+    /// Checks the inputs against the manifest (the batch, and the length of
+    /// token inputs, may differ) and the graph at their shapes, and wraps
+    /// them as tensors.
+    fn input_tensors(&mut self, inputs: &[HostTensor]) -> Result<Vec<Tensor>, ExecError> {
         plan::check_inputs(&self.model, &self.inputs, inputs)?;
+        let key = plan::shape_key(inputs);
+        let (model, layers, specs, params) =
+            (&self.model, &self.layers, &self.inputs, &self.param_shapes);
+        self.shapes.get_or_try_insert(&key, || {
+            plan::layer_shapes(model, layers, specs, &key, params)
+        })?;
         inputs
             .iter()
             .enumerate()

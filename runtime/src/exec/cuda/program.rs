@@ -129,6 +129,9 @@ pub struct CudaProgram {
     /// Per layer: device addresses of its params, in op order.
     param_ptrs: Vec<Vec<u64>>,
     param_shapes: HashMap<String, Vec<usize>>,
+    /// Per request shape: every layer's output shape (what kernel launches
+    /// and activation allocations are sized by), inferred once per shape.
+    shapes: plan::PerShape<Vec<Shape>>,
     /// Per layer: device memory prepared on the first run (batch norm).
     prepared: Vec<Option<DeviceBuffer>>,
     groups: usize,
@@ -149,11 +152,7 @@ impl CudaProgram {
             .iter()
             .map(|ps| ps.iter().map(|p| arena.device_ptr(p.offset)).collect())
             .collect();
-        let param_shapes: HashMap<String, Vec<usize>> = manifest
-            .params
-            .iter()
-            .map(|p| (p.name.clone(), p.shape.clone()))
-            .collect();
+        let param_shapes = plan::param_shapes(manifest);
         // Shapes and param shapes at the manifest's batch size, checked once.
         shape::infer(&manifest.layers, &manifest.inputs, |n| {
             param_shapes.get(n).map(Vec::as_slice)
@@ -168,6 +167,7 @@ impl CudaProgram {
             outputs: plan.outputs,
             param_ptrs,
             param_shapes,
+            shapes: plan::PerShape::default(),
             prepared: (0..manifest.layers.len()).map(|_| None).collect(),
             groups: manifest.groups.len(),
             arena,
@@ -189,9 +189,8 @@ impl CudaProgram {
             .iter()
             .zip(&self.inputs)
             .map(|(t, spec)| TensorSpec {
-                name: spec.name.clone(),
                 shape: t.shape.clone(),
-                dtype: spec.dtype,
+                ..spec.clone()
             })
             .collect();
         // Out-of-vocabulary ids: the cpu executor fails the layer; the kernel
@@ -275,10 +274,11 @@ impl Program for CudaProgram {
             why,
         };
         let specs = self.check_inputs(inputs)?;
-        let shapes: Vec<Shape> = shape::infer(&self.layers, &specs, |n| {
-            self.param_shapes.get(n).map(Vec::as_slice)
-        })
-        .map_err(|(i, why)| self.layer_error(i, why))?;
+        let key = plan::shape_key(inputs);
+        let (model, layers, params) = (&self.model, &self.layers, &self.param_shapes);
+        let shapes = self.shapes.get_or_try_insert(&key, || {
+            plan::layer_shapes(model, layers, &specs, &key, params)
+        })?;
         self.gpu.bind().map_err(model_err)?;
         let model_inputs = inputs
             .iter()
