@@ -49,7 +49,8 @@ pub const REQUEST_HEAD_BYTES_MAX: usize = 8 << 10;
 /// Time a client gets to send its whole request head; then the connection
 /// is closed.
 pub const REQUEST_HEAD_TIMEOUT: Duration = Duration::from_secs(5);
-/// Time a client gets to take the whole response.
+/// Time a client gets to take the whole response: a connection is closed
+/// [`REQUEST_HEAD_TIMEOUT`] + this after it was accepted, served or not.
 pub const RESPONSE_WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Open scrape connections at most; further ones are closed at once.
 pub const CONNECTIONS_MAX: usize = 64;
@@ -507,6 +508,11 @@ mod tests {
             let r = raw(s.addr, bad.to_vec()).await;
             assert!(r.starts_with("HTTP/1.1 400 "), "{bad:?}: {r}");
         }
+        let r = raw(s.addr, b"GET metrics HTTP/1.1\r\n\r\n".to_vec()).await;
+        assert!(
+            r.ends_with("the request target is not an absolute path\n"),
+            "{r}"
+        );
         // A client that closes mid-head gets nothing and harms nothing; so
         // does one that sends only empty lines, which RFC 9112 (2.2) has a
         // server skip before the request line.
