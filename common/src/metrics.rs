@@ -1,7 +1,7 @@
-//! Prometheus scrape endpoint shared by every service: a minimal, bounded
-//! HTTP/1.1 server ([`serve`]) for `GET /metrics` and `GET /health`, the text
-//! encoder of a `prometheus-client` registry ([`encode`]), and small helpers
-//! for tests and the CLI ([`scrape`], [`parse_samples`], [`sample_value`]).
+//! Prometheus scrape endpoint shared by every service: an HTTP/1.1 server on
+//! hyper ([`serve`]) for `GET /metrics` and `GET /health`, the text encoder
+//! of a `prometheus-client` registry ([`encode`]), and small helpers for
+//! tests and the CLI ([`scrape`], [`parse_samples`], [`sample_value`]).
 //!
 //! The body of `/metrics` is whatever the caller's `render` returns; with
 //! [`encode`] that is the OpenMetrics text format (`# EOF` terminated, counters
@@ -13,11 +13,16 @@
 //! (`Connection: close`): scrapes are rare, so keep-alive buys nothing and
 //! would only hold connections open.
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream as StdTcpStream, ToSocketAddrs};
+use std::convert::Infallible;
+use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use http_body_util::{BodyExt, Empty, Full, Limited};
+use hyper::body::{Bytes, Incoming};
+use hyper::header::{HeaderValue, ACCEPT, ALLOW, CONTENT_TYPE, HOST};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use log::{debug, warn};
 use prometheus_client::registry::Registry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -37,12 +42,15 @@ pub const HEALTH_PATH: &str = "/health";
 /// Body of a `/health` reply.
 pub const HEALTH_BODY: &str = "ok";
 
-/// Largest request head (request line and headers, with the blank line)
-/// read; a longer one is answered 431.
+/// Largest request head (request line and headers) read; a longer one is
+/// answered 431. hyper's read buffer, which holds the head, is this size
+/// (hyper's smallest).
 pub const REQUEST_HEAD_BYTES_MAX: usize = 8 << 10;
-/// Time a client gets to send its whole request head.
+/// Time a client gets to send its whole request head; then the connection
+/// is closed.
 pub const REQUEST_HEAD_TIMEOUT: Duration = Duration::from_secs(5);
-/// Time a client gets to take the whole response.
+/// Time a client gets to take the whole response: a connection is closed
+/// [`REQUEST_HEAD_TIMEOUT`] + this after it was accepted, served or not.
 pub const RESPONSE_WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Open scrape connections at most; further ones are closed at once.
 pub const CONNECTIONS_MAX: usize = 64;
@@ -57,7 +65,8 @@ pub const LINGER_TIMEOUT: Duration = Duration::from_millis(500);
 pub const SCRAPE_RESPONSE_BYTES_MAX: usize = 64 << 20;
 
 const _: () = assert!(CONNECTIONS_MAX >= 1);
-const _: () = assert!(REQUEST_HEAD_BYTES_MAX >= 64);
+// hyper refuses a read buffer under 8 KiB.
+const _: () = assert!(REQUEST_HEAD_BYTES_MAX >= 8 << 10);
 
 /// Renders the registry in the OpenMetrics text format, `# EOF` included.
 ///
@@ -77,20 +86,20 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     TcpListener::bind(addr).await
 }
 
+/// What `render` returns: the `/metrics` body.
+type Render = Arc<dyn Fn() -> String + Send + Sync>;
+
 /// Serves scrapes on `listener` until `stop` becomes true (or its sender is
 /// dropped), then closes the listener and any open scrape connections.
 ///
 /// `GET /metrics` answers 200 with `render()` as [`METRICS_CONTENT_TYPE`];
 /// `GET /health` answers 200 `ok`; any other path 404; methods other than
-/// GET and HEAD 405 (HEAD answers like GET without the body). Each connection
-/// is its own task, gets [`REQUEST_HEAD_TIMEOUT`] to send a head of at most
-/// [`REQUEST_HEAD_BYTES_MAX`] bytes, is answered once and closed. At most
-/// [`CONNECTIONS_MAX`] are open at once. Nothing a client sends panics.
-pub async fn serve(
-    listener: TcpListener,
-    render: Arc<dyn Fn() -> String + Send + Sync>,
-    mut stop: watch::Receiver<bool>,
-) {
+/// GET and HEAD 405 (HEAD answers like GET without the body); a request
+/// hyper cannot parse 400, a head over [`REQUEST_HEAD_BYTES_MAX`] bytes 431.
+/// Each connection is its own task, gets [`REQUEST_HEAD_TIMEOUT`] to send its
+/// head, is answered once and closed. At most [`CONNECTIONS_MAX`] are open at
+/// once. Nothing a client sends panics.
+pub async fn serve(listener: TcpListener, render: Render, mut stop: watch::Receiver<bool>) {
     let local = listener
         .local_addr()
         .map_or_else(|_| "?".to_owned(), |a| a.to_string());
@@ -143,365 +152,197 @@ pub async fn serve(
     debug!("metrics endpoint {local} stopped");
 }
 
-/// What a request head asked for, or why it cannot be answered.
-#[derive(Debug, PartialEq, Eq)]
-enum Request<'a> {
-    /// A well-formed request: method and path (query string stripped).
-    Ok { method: &'a str, path: &'a str },
-    /// 400: not a parseable HTTP/1.x request head.
-    Bad(&'static str),
+fn reply(status: StatusCode, content_type: &'static str, body: String) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    r
 }
 
-/// Parses the request line of a complete head. Headers are not interpreted.
-fn parse_head(head: &[u8]) -> Request<'_> {
-    let Ok(head) = std::str::from_utf8(head) else {
-        return Request::Bad("the request head is not UTF-8");
-    };
-    let line = head.split('\n').next().unwrap_or("").trim_end_matches('\r');
-    let mut parts = line.split(' ');
-    let (Some(method), Some(target), Some(version), None) =
-        (parts.next(), parts.next(), parts.next(), parts.next())
-    else {
-        return Request::Bad("the request line is not `METHOD TARGET HTTP/1.x`");
-    };
-    if method.is_empty() || !method.bytes().all(|b| b.is_ascii_alphabetic()) {
-        return Request::Bad("the method is not a token");
+/// Answers one request. hyper leaves out the body of a HEAD reply.
+fn route(request: &Request<Incoming>, render: &Render) -> Response<Full<Bytes>> {
+    if request.method() != Method::GET && request.method() != Method::HEAD {
+        let mut r = reply(
+            StatusCode::METHOD_NOT_ALLOWED,
+            PLAIN_CONTENT_TYPE,
+            "only GET and HEAD are served\n".into(),
+        );
+        r.headers_mut()
+            .insert(ALLOW, HeaderValue::from_static("GET, HEAD"));
+        return r;
     }
-    if !version.starts_with("HTTP/1.") {
-        return Request::Bad("only HTTP/1.x is served");
+    match request.uri().path() {
+        METRICS_PATH => reply(StatusCode::OK, METRICS_CONTENT_TYPE, render()),
+        HEALTH_PATH => reply(StatusCode::OK, PLAIN_CONTENT_TYPE, HEALTH_BODY.into()),
+        // A target that is not an absolute path (`GET metrics`) has none.
+        p if !p.starts_with('/') => reply(
+            StatusCode::BAD_REQUEST,
+            PLAIN_CONTENT_TYPE,
+            "the request target is not an absolute path\n".into(),
+        ),
+        _ => reply(
+            StatusCode::NOT_FOUND,
+            PLAIN_CONTENT_TYPE,
+            "not found: the paths are /metrics and /health\n".into(),
+        ),
     }
-    if !target.starts_with('/') {
-        return Request::Bad("the request target is not an absolute path");
-    }
-    let path = target.split(['?', '#']).next().unwrap_or(target);
-    Request::Ok { method, path }
-}
-
-/// Index just past the blank line ending the head, if the head is complete.
-fn head_end(buf: &[u8]) -> Option<usize> {
-    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
-    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
-    match (crlf, lf) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    }
-}
-
-/// Why reading a request head stopped without a complete head.
-enum HeadError {
-    /// The peer closed or the read failed: nobody to answer.
-    Closed,
-    /// [`REQUEST_HEAD_BYTES_MAX`] bytes arrived without the blank line.
-    TooLarge,
-}
-
-/// Reads until the blank line ending the head; returns the head's length.
-async fn read_head(stream: &mut TcpStream, buf: &mut [u8]) -> Result<usize, HeadError> {
-    let mut filled = 0;
-    loop {
-        if let Some(end) = head_end(&buf[..filled]) {
-            return Ok(end);
-        }
-        if filled == buf.len() {
-            return Err(HeadError::TooLarge);
-        }
-        match stream.read(&mut buf[filled..]).await {
-            Ok(0) | Err(_) => return Err(HeadError::Closed),
-            Ok(n) => filled += n,
-        }
-    }
-}
-
-/// A response to write: status, content type, body, and whether to send
-/// the body (not for HEAD).
-struct Response {
-    status: u16,
-    content_type: &'static str,
-    body: String,
-    extra_headers: &'static str,
-}
-
-impl Response {
-    fn plain(status: u16, body: &str) -> Response {
-        Response {
-            status,
-            content_type: PLAIN_CONTENT_TYPE,
-            body: format!("{body}\n"),
-            extra_headers: "",
-        }
-    }
-}
-
-fn reason(status: u16) -> &'static str {
-    match status {
-        200 => "OK",
-        400 => "Bad Request",
-        404 => "Not Found",
-        405 => "Method Not Allowed",
-        408 => "Request Timeout",
-        431 => "Request Header Fields Too Large",
-        _ => "Unknown",
-    }
-}
-
-fn route(request: Request<'_>, render: &(dyn Fn() -> String + Send + Sync)) -> (Response, bool) {
-    let (method, path) = match request {
-        Request::Ok { method, path } => (method, path),
-        Request::Bad(why) => return (Response::plain(400, why), true),
-    };
-    let with_body = method != "HEAD";
-    if method != "GET" && method != "HEAD" {
-        let mut r = Response::plain(405, "only GET and HEAD are served");
-        r.extra_headers = "Allow: GET, HEAD\r\n";
-        return (r, true);
-    }
-    let response = match path {
-        METRICS_PATH => Response {
-            status: 200,
-            content_type: METRICS_CONTENT_TYPE,
-            body: render(),
-            extra_headers: "",
-        },
-        HEALTH_PATH => Response {
-            status: 200,
-            content_type: PLAIN_CONTENT_TYPE,
-            body: HEALTH_BODY.to_owned(),
-            extra_headers: "",
-        },
-        _ => Response::plain(404, "not found: the paths are /metrics and /health"),
-    };
-    (response, with_body)
-}
-
-async fn write_response(stream: &mut TcpStream, response: &Response, with_body: bool) {
-    let head = format!(
-        "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\n{}Connection: close\r\n\r\n",
-        response.status,
-        reason(response.status),
-        response.content_type,
-        response.body.len(),
-        response.extra_headers,
-    );
-    let write = async {
-        stream.write_all(head.as_bytes()).await?;
-        if with_body {
-            stream.write_all(response.body.as_bytes()).await?;
-        }
-        stream.flush().await
-    };
-    let _ = tokio::time::timeout(RESPONSE_WRITE_TIMEOUT, write).await;
-}
-
-/// Sends FIN, then discards input (bounded in bytes and time) until the peer
-/// closes, so that unread input does not turn the close into a reset that
-/// could discard the response before the peer reads it.
-async fn close_gracefully(stream: &mut TcpStream) {
-    let _ = stream.shutdown().await;
-    let drain = async {
-        let mut buf = [0u8; 4096];
-        let mut left = LINGER_DRAIN_BYTES_MAX;
-        while left > 0 {
-            match stream.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => left = left.saturating_sub(n),
-            }
-        }
-    };
-    let _ = tokio::time::timeout(LINGER_TIMEOUT, drain).await;
 }
 
 async fn handle_connection(
     mut stream: TcpStream,
     peer: SocketAddr,
-    render: Arc<dyn Fn() -> String + Send + Sync>,
+    render: Render,
     _permit: OwnedSemaphorePermit,
 ) {
-    let mut buf = vec![0u8; REQUEST_HEAD_BYTES_MAX];
-    let (response, with_body) =
-        match tokio::time::timeout(REQUEST_HEAD_TIMEOUT, read_head(&mut stream, &mut buf)).await {
-            Ok(Ok(end)) => route(parse_head(&buf[..end]), render.as_ref()),
-            Ok(Err(HeadError::Closed)) => return,
-            Ok(Err(HeadError::TooLarge)) => (
-                Response::plain(
-                    431,
-                    &format!("the request head exceeds {REQUEST_HEAD_BYTES_MAX} bytes"),
-                ),
-                true,
-            ),
-            Err(_) => {
-                debug!(
-                    "metrics client {peer} sent no complete request in {REQUEST_HEAD_TIMEOUT:?}"
-                );
-                (
-                    Response::plain(
-                        408,
-                        &format!("no complete request head within {REQUEST_HEAD_TIMEOUT:?}"),
-                    ),
-                    true,
-                )
-            }
-        };
-    write_response(&mut stream, &response, with_body).await;
+    let service = hyper::service::service_fn(|request| {
+        std::future::ready(Ok::<_, Infallible>(route(&request, &render)))
+    });
+    // hyper borrows the stream, so that it can be drained after the reply.
+    let connection = hyper::server::conn::http1::Builder::new()
+        .keep_alive(false)
+        // A client may send its request and shut down its side at once.
+        .half_close(true)
+        .title_case_headers(true)
+        .max_buf_size(REQUEST_HEAD_BYTES_MAX)
+        .timer(TokioTimer::new())
+        .header_read_timeout(REQUEST_HEAD_TIMEOUT)
+        .serve_connection(TokioIo::new(&mut stream), service);
+    match tokio::time::timeout(REQUEST_HEAD_TIMEOUT + RESPONSE_WRITE_TIMEOUT, connection).await {
+        Ok(Ok(())) => {}
+        // hyper closes a slow client silently; tell it why.
+        Ok(Err(e)) if e.is_timeout() => {
+            debug!("metrics client {peer} sent no complete request in {REQUEST_HEAD_TIMEOUT:?}");
+            let _ = tokio::time::timeout(
+                RESPONSE_WRITE_TIMEOUT,
+                stream.write_all(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"),
+            )
+            .await;
+        }
+        Ok(Err(e)) => debug!("metrics client {peer}: {e}"),
+        Err(_) => debug!("metrics client {peer} was not served within the connection's deadline"),
+    }
     close_gracefully(&mut stream).await;
 }
 
-fn invalid(msg: String) -> std::io::Error {
-    std::io::Error::new(std::io::ErrorKind::InvalidData, msg)
+/// Sends FIN, then discards input (bounded in bytes and time) until the peer
+/// closes, so that unread input (a head over the bound, a POST body) does not
+/// turn the close into a reset that could discard the response before the
+/// peer reads it.
+async fn close_gracefully(stream: &mut TcpStream) {
+    let _ = stream.shutdown().await;
+    let mut drain = stream.take(LINGER_DRAIN_BYTES_MAX as u64);
+    let _ = tokio::time::timeout(
+        LINGER_TIMEOUT,
+        tokio::io::copy(&mut drain, &mut tokio::io::sink()),
+    )
+    .await;
 }
 
 /// Blocking `GET path` of `addr` (`host:port`); returns the status code and
 /// the body. `timeout` bounds connecting and the whole exchange; responses
-/// over [`SCRAPE_RESPONSE_BYTES_MAX`] are refused.
+/// over [`SCRAPE_RESPONSE_BYTES_MAX`] are refused. Runs its own small tokio
+/// runtime (on a scoped thread when called from inside one).
 pub fn scrape(addr: &str, path: &str, timeout: Duration) -> std::io::Result<(u16, String)> {
-    let deadline = Instant::now() + timeout;
-    let mut last_err = None;
-    let mut stream = None;
-    for a in addr.to_socket_addrs()? {
-        match StdTcpStream::connect_timeout(&a, timeout) {
-            Ok(s) => {
-                stream = Some(s);
-                break;
-            }
-            Err(e) => last_err = Some(e),
-        }
+    if tokio::runtime::Handle::try_current().is_ok() {
+        return std::thread::scope(|s| {
+            s.spawn(|| scrape(addr, path, timeout))
+                .join()
+                .unwrap_or_else(|_| Err(std::io::Error::other("the scrape thread panicked")))
+        });
     }
-    let mut stream = match (stream, last_err) {
-        (Some(s), _) => s,
-        (None, Some(e)) => return Err(e),
-        (None, None) => {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::NotFound,
-                format!("{addr} resolves to no address"),
-            ))
-        }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let bad = |why: String| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("bad response from {addr}{path}: {why}"),
+        )
     };
-    let remaining = |deadline: Instant| {
-        deadline
-            .checked_duration_since(Instant::now())
-            .filter(|d| !d.is_zero())
-            .ok_or_else(|| {
+    let exchange = async {
+        let stream = TcpStream::connect(addr).await?;
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| bad(e.to_string()))?;
+        tokio::spawn(connection);
+        let request = Request::get(path)
+            .header(HOST, addr)
+            .header(ACCEPT, format!("{METRICS_CONTENT_TYPE}, text/plain;q=0.5"))
+            .body(Empty::<Bytes>::new())
+            .map_err(|e| {
                 std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    format!("scraping {addr}{path} took over {timeout:?}"),
+                    std::io::ErrorKind::InvalidInput,
+                    format!("cannot request {addr}{path}: {e}"),
                 )
-            })
+            })?;
+        let response = sender
+            .send_request(request)
+            .await
+            .map_err(|e| bad(e.to_string()))?;
+        let status = response.status().as_u16();
+        let body = Limited::new(response.into_body(), SCRAPE_RESPONSE_BYTES_MAX)
+            .collect()
+            .await
+            .map_err(|e| match e.downcast::<http_body_util::LengthLimitError>() {
+                Ok(_) => bad(format!(
+                    "the body exceeds {SCRAPE_RESPONSE_BYTES_MAX} bytes"
+                )),
+                Err(e) => bad(e.to_string()),
+            })?
+            .to_bytes();
+        let body =
+            String::from_utf8(body.into()).map_err(|_| bad("the body is not UTF-8".into()))?;
+        Ok((status, body))
     };
-    stream.set_write_timeout(Some(remaining(deadline)?))?;
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nAccept: {METRICS_CONTENT_TYPE}, text/plain;q=0.5\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut response = Vec::new();
-    let mut chunk = [0u8; 16 << 10];
-    loop {
-        stream.set_read_timeout(Some(remaining(deadline)?))?;
-        let n = match stream.read(&mut chunk) {
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        };
-        if n == 0 {
-            break;
-        }
-        if response.len() + n > SCRAPE_RESPONSE_BYTES_MAX {
-            return Err(invalid(format!(
-                "the response from {addr}{path} exceeds {SCRAPE_RESPONSE_BYTES_MAX} bytes"
-            )));
-        }
-        response.extend_from_slice(&chunk[..n]);
-    }
-    parse_response(&response)
-        .map_err(|why| invalid(format!("bad response from {addr}{path}: {why}")))
-}
-
-/// Splits a complete `Connection: close` HTTP/1.x response into status and body.
-fn parse_response(response: &[u8]) -> Result<(u16, String), &'static str> {
-    let end = head_end(response).ok_or("no complete response head")?;
-    let head = std::str::from_utf8(&response[..end]).map_err(|_| "the head is not UTF-8")?;
-    let mut lines = head.lines();
-    let status_line = lines.next().unwrap_or("");
-    let mut parts = status_line.splitn(3, ' ');
-    let (Some(version), Some(code)) = (parts.next(), parts.next()) else {
-        return Err("no status line");
-    };
-    if !version.starts_with("HTTP/1.") {
-        return Err("not an HTTP/1.x response");
-    }
-    let status: u16 = code
-        .parse()
-        .map_err(|_| "the status code is not a number")?;
-    let mut body = &response[end..];
-    for line in lines {
-        if let Some((name, value)) = line.split_once(':') {
-            if name.trim().eq_ignore_ascii_case("content-length") {
-                let len: usize = value
-                    .trim()
-                    .parse()
-                    .map_err(|_| "the Content-Length is not a number")?;
-                if len > body.len() {
-                    return Err("the body is shorter than its Content-Length");
-                }
-                body = &body[..len];
-            }
-        }
-    }
-    let body = String::from_utf8(body.to_vec()).map_err(|_| "the body is not UTF-8")?;
-    Ok((status, body))
+    runtime
+        .block_on(async { tokio::time::timeout(timeout, exchange).await })
+        .unwrap_or_else(|_| {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("scraping {addr}{path} took over {timeout:?}"),
+            ))
+        })
 }
 
 /// Parses the samples of a Prometheus or OpenMetrics text exposition: one
 /// `(series, value)` per sample line, where `series` is the metric name with
 /// its labels exactly as written (`name{a="x",b="y"}` or `name`). Comment
 /// lines, timestamps and exemplars are skipped; malformed lines are ignored.
+///
+/// Hand-written because no maintained crate parses this leniently and
+/// correctly: `prometheus-parse` splits label values at commas and braces
+/// and regroups histograms out of order, `openmetrics-parser` (LGPL) rejects a
+/// whole exposition for one bad line.
 pub fn parse_samples(text: &str) -> Vec<(String, f64)> {
     text.lines().filter_map(parse_sample_line).collect()
 }
 
 fn parse_sample_line(line: &str) -> Option<(String, f64)> {
     let line = line.trim();
-    if line.is_empty() || line.starts_with('#') {
+    let name_end = line.find(|c: char| c == '{' || c.is_whitespace())?;
+    if name_end == 0 || line.starts_with('#') {
         return None;
     }
-    let series_end = match (line.find('{'), line.find([' ', '\t'])) {
-        (Some(brace), space) if space.is_none_or(|s| brace < s) => {
-            // Find the closing brace outside quoted label values.
-            let (mut quoted, mut escaped) = (false, false);
-            let mut end = None;
-            for (i, c) in line[brace..].char_indices() {
-                match c {
-                    _ if escaped => escaped = false,
-                    '\\' if quoted => escaped = true,
-                    '"' => quoted = !quoted,
-                    '}' if !quoted => {
-                        end = Some(brace + i + 1);
-                        break;
-                    }
-                    _ => {}
-                }
-            }
-            end?
-        }
-        (_, Some(space)) => space,
-        (_, None) => return None,
+    let series_end = match parse_labels(&line[name_end..]) {
+        Some((_, len)) => name_end + len,
+        None if line[name_end..].starts_with('{') => return None,
+        None => name_end,
     };
-    let (series, rest) = line.split_at(series_end);
-    let value = rest.split_whitespace().next()?.parse::<f64>().ok()?;
-    Some((series.to_owned(), value))
+    let value = line[series_end..].split_whitespace().next()?.parse().ok()?;
+    Some((line[..series_end].to_owned(), value))
 }
 
-/// Splits `name{a="x",b="y"}` into the name and its labels, unescaping
-/// label values (`\\`, `\"`, `\n`). `None` if the labels are malformed.
-pub fn parse_series(series: &str) -> Option<(&str, Vec<(String, String)>)> {
-    let Some(brace) = series.find('{') else {
-        return Some((series, Vec::new()));
-    };
-    let name = &series[..brace];
-    let mut rest = series[brace + 1..].strip_suffix('}')?;
+/// Parses the label set `s` starts with (`{a="x",b="y"}`), unescaping the
+/// values (`\\`, `\"`, `\n`); returns the labels and the set's length in
+/// bytes. `None` if `s` starts with no well-formed set.
+fn parse_labels(s: &str) -> Option<(Vec<(String, String)>, usize)> {
+    let mut rest = s.strip_prefix('{')?;
     let mut labels = Vec::new();
     loop {
         rest = rest.trim_start_matches([',', ' ']);
-        if rest.is_empty() {
-            return Some((name, labels));
+        if let Some(after) = rest.strip_prefix('}') {
+            return Some((labels, s.len() - after.len()));
         }
         let (label, after) = rest.split_once('=')?;
         let mut chars = after.strip_prefix('"')?.char_indices();
@@ -519,6 +360,16 @@ pub fn parse_series(series: &str) -> Option<(&str, Vec<(String, String)>)> {
         labels.push((label.trim().to_owned(), value));
         rest = &after[1 + end + 1..];
     }
+}
+
+/// Splits `name{a="x",b="y"}` into the name and its labels, unescaping
+/// label values (`\\`, `\"`, `\n`). `None` if the labels are malformed.
+pub fn parse_series(series: &str) -> Option<(&str, Vec<(String, String)>)> {
+    let Some(brace) = series.find('{') else {
+        return Some((series, Vec::new()));
+    };
+    let (labels, len) = parse_labels(&series[brace..])?;
+    (brace + len == series.len()).then_some((&series[..brace], labels))
 }
 
 /// The value of the sample named `name` whose labels are exactly `labels`
@@ -544,6 +395,7 @@ mod tests {
     use super::*;
     use prometheus_client::metrics::counter::Counter;
     use prometheus_client::metrics::gauge::Gauge;
+    use std::time::Instant;
 
     const T: Duration = Duration::from_secs(5);
 
@@ -607,6 +459,8 @@ mod tests {
 
         assert_eq!(get(s.addr, "/health").await.unwrap(), (200, "ok".into()));
         assert_eq!(get(s.addr, "/nope").await.unwrap().0, 404);
+        // Called on a runtime's thread, scrape runs on a thread of its own.
+        assert_eq!(scrape(&s.addr.to_string(), "/health", T).unwrap().0, 200);
 
         let r = raw(s.addr, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n".to_vec()).await;
         assert!(r.starts_with("HTTP/1.1 200 OK\r\n"), "{r}");
@@ -624,9 +478,10 @@ mod tests {
         assert!(r.starts_with("HTTP/1.1 405 "), "{r}");
         assert!(r.contains("Allow: GET, HEAD\r\n"), "{r}");
 
+        // HEAD: the head alone. An HTTP/1.0 client gets an HTTP/1.0 reply.
         let r = raw(s.addr, b"HEAD /health HTTP/1.0\r\n\r\n".to_vec()).await;
         assert!(
-            r.starts_with("HTTP/1.1 200 ") && r.ends_with("\r\n\r\n"),
+            r.starts_with("HTTP/1.0 200 ") && r.ends_with("\r\n\r\n"),
             "{r}"
         );
 
@@ -649,13 +504,20 @@ mod tests {
             b"GET /metrics HTTP/1.1 extra\r\n\r\n",
             b"\xff\xfe /metrics HTTP/1.1\r\n\r\n",
             b"G\0T /metrics HTTP/1.1\r\n\r\n",
-            b"\r\n\r\n",
         ] {
             let r = raw(s.addr, bad.to_vec()).await;
             assert!(r.starts_with("HTTP/1.1 400 "), "{bad:?}: {r}");
         }
-        // A client that closes mid-head gets nothing and harms nothing.
+        let r = raw(s.addr, b"GET metrics HTTP/1.1\r\n\r\n".to_vec()).await;
+        assert!(
+            r.ends_with("the request target is not an absolute path\n"),
+            "{r}"
+        );
+        // A client that closes mid-head gets nothing and harms nothing; so
+        // does one that sends only empty lines, which RFC 9112 (2.2) has a
+        // server skip before the request line.
         assert_eq!(raw(s.addr, b"GET /met".to_vec()).await, "");
+        assert_eq!(raw(s.addr, b"\r\n\r\n".to_vec()).await, "");
         assert_eq!(get(s.addr, "/health").await.unwrap().0, 200);
         s.stop.send(true).unwrap();
         tokio::time::timeout(T, s.server).await.unwrap().unwrap();
@@ -746,18 +608,41 @@ mod tests {
             .unwrap();
         assert!(scrape(&addr.to_string(), "/metrics", T).is_err());
         assert!(scrape("not an address", "/metrics", T).is_err());
+        // A server that answers `response` to one connection.
+        let answer = |response: &'static [u8]| {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let addr = l.local_addr().unwrap().to_string();
+            let server = std::thread::spawn(move || {
+                use std::io::{Read, Write};
+                let (mut c, _) = l.accept().unwrap();
+                let mut head = [0u8; 1024];
+                let _ = c.read(&mut head);
+                let _ = c.write_all(response);
+            });
+            let r = scrape(&addr, "/metrics", T);
+            server.join().unwrap();
+            r
+        };
         assert_eq!(
-            parse_response(b"HTTP/1.1 404 Not Found\r\nContent-Length: 3\r\n\r\nabcdef"),
-            Ok((404, "abc".into()))
+            answer(b"HTTP/1.1 404 Not Found\r\nContent-Length: 3\r\n\r\nabcdef").unwrap(),
+            (404, "abc".into())
         );
         for bad in [
             &b"HTTP/1.1 200 OK\r\n"[..],
             b"SPDY 200 OK\r\n\r\n",
             b"HTTP/1.1 abc OK\r\n\r\n",
             b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nabc",
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n\xff\xfe",
         ] {
-            assert!(parse_response(bad).is_err(), "{bad:?}");
+            let e = answer(bad).unwrap_err();
+            assert!(e.to_string().contains("/metrics"), "{bad:?}: {e}");
         }
+        // A server that never answers: the timeout, named.
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let e = scrape(&addr, "/metrics", Duration::from_millis(300)).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
+        assert!(e.to_string().contains("took over"), "{e}");
     }
 
     #[test]

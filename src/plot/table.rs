@@ -1,10 +1,10 @@
 //! The experiment CSV as `distmind plot` reads it: a header row, then one
-//! record per line, comma separated.
+//! record per line, comma separated, read with the `csv` crate.
 //!
 //! Fields may be wrapped in double quotes (`"a,b"`, with `""` for a quote
 //! inside); a quoted field cannot span lines. Blank lines are skipped and
-//! unquoted fields are trimmed. Every error names the file and the 1-based
-//! line number, and for numbers the column and the text that did not parse.
+//! fields are trimmed. Every error names the file and the 1-based line
+//! number, and for numbers the column and the text that did not parse.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -55,77 +55,6 @@ pub struct Table {
     pub rows: Vec<Row>,
 }
 
-/// Split one CSV line into fields. Quoted fields keep their text verbatim
-/// (with `""` unescaped); unquoted ones are trimmed.
-fn split_line(line: &str) -> std::result::Result<Vec<String>, String> {
-    let mut fields = Vec::new();
-    let mut chars = line.chars().peekable();
-    loop {
-        // Leading blanks before a field.
-        while matches!(chars.peek(), Some(' ') | Some('\t')) {
-            chars.next();
-        }
-        let mut field = String::new();
-        if chars.peek() == Some(&'"') {
-            chars.next();
-            let mut closed = false;
-            while let Some(c) = chars.next() {
-                if c == '"' {
-                    if chars.peek() == Some(&'"') {
-                        chars.next();
-                        field.push('"');
-                    } else {
-                        closed = true;
-                        break;
-                    }
-                } else {
-                    field.push(c);
-                }
-            }
-            if !closed {
-                return Err(
-                    "unterminated quoted field (a quoted field cannot span lines)".to_string(),
-                );
-            }
-            while matches!(chars.peek(), Some(' ') | Some('\t')) {
-                chars.next();
-            }
-            match chars.next() {
-                None => {
-                    fields.push(field);
-                    return Ok(fields);
-                }
-                Some(',') => fields.push(field),
-                Some(c) => {
-                    return Err(format!(
-                        "unexpected {c:?} after the closing quote of field {}",
-                        fields.len() + 1
-                    ))
-                }
-            }
-        } else {
-            let mut end = true;
-            for c in chars.by_ref() {
-                if c == ',' {
-                    end = false;
-                    break;
-                }
-                if c == '"' {
-                    return Err(format!(
-                        "a double quote inside unquoted field {} (quote the whole field)",
-                        fields.len() + 1
-                    ));
-                }
-                field.push(c);
-            }
-            fields.push(field.trim().to_string());
-            if end {
-                return Ok(fields);
-            }
-        }
-    }
-}
-
 impl Table {
     /// Read and parse `path`.
     pub fn read(path: &Path) -> Result<Table> {
@@ -136,20 +65,35 @@ impl Table {
 
     /// Parse `text`; `path` is only used in messages.
     pub fn parse(path: &Path, text: &str) -> Result<Table> {
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+        let mut reader = csv::ReaderBuilder::new()
+            .has_headers(false)
+            .flexible(true)
+            .from_reader(text.as_bytes());
         let mut header: Option<Vec<String>> = None;
         let mut rows = Vec::new();
-        for (i, raw) in text.lines().enumerate() {
-            let line = i + 1;
-            let raw = raw.strip_suffix('\r').unwrap_or(raw);
-            let raw = if line == 1 {
-                raw.strip_prefix('\u{feff}').unwrap_or(raw)
-            } else {
-                raw
-            };
-            if raw.trim().is_empty() {
-                continue;
+        // The record's line, counted here: csv's position is where the
+        // previous record ended, before the empty lines it skips.
+        let (bytes, mut at, mut line) = (text.as_bytes(), 0, 1);
+        for record in reader.records() {
+            let record = record.map_err(|e| anyhow!("{}: {e}", path.display()))?;
+            let mut start = record.position().map_or(at, |p| p.byte() as usize);
+            while matches!(bytes.get(start), Some(b'\r' | b'\n')) {
+                start += 1;
             }
-            let fields = split_line(raw).map_err(|e| anyhow!("{}:{line}: {e}", path.display()))?;
+            line += bytes[at..start].iter().filter(|&&b| b == b'\n').count();
+            at = start;
+            // Without a closing quote, a field runs to the end of the file.
+            if record.iter().any(|f| f.contains(['\n', '\r'])) {
+                bail!(
+                    "{}:{line}: unterminated quoted field (a quoted field cannot span lines)",
+                    path.display()
+                );
+            }
+            let fields: Vec<String> = record.iter().map(|f| f.trim().to_string()).collect();
+            if fields.len() == 1 && fields[0].is_empty() {
+                continue; // A line of blanks.
+            }
             match &header {
                 None => {
                     let mut seen = std::collections::HashSet::new();
@@ -302,7 +246,7 @@ mod tests {
 
     #[test]
     fn parses_header_rows_and_line_numbers() {
-        let t = parse("a,b,c\n1,2,3\n\n 4 , x ,6\r\n").unwrap();
+        let t = parse("\u{feff}a,b,c\n1,2,3\n\n 4 , x ,6\r\n  \n").unwrap();
         assert_eq!(t.header, ["a", "b", "c"]);
         assert_eq!(t.rows.len(), 2);
         assert_eq!(t.rows[1].line, 4);
@@ -339,8 +283,9 @@ mod tests {
         assert_eq!(t.rows[1].fields, ["say \"hi\"", "2"]);
         let e = parse("name,v\n\"open,1\n").unwrap_err().to_string();
         assert!(e.contains(":2:") && e.contains("unterminated"), "{e}");
-        let e = parse("name,v\nab\"c,1\n").unwrap_err().to_string();
-        assert!(e.contains("double quote"), "{e}");
+        // A quote inside an unquoted field is text, as for Python's csv.
+        let t = parse("name,v\nab\"c,1\n\r\n").unwrap();
+        assert_eq!(t.rows[0].fields, ["ab\"c", "1"]);
     }
 
     #[test]

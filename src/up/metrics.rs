@@ -4,77 +4,41 @@
 
 use std::time::Duration;
 
-use distmind_common::metrics::scrape;
+use distmind_common::metrics::{self, scrape};
 
 /// Most lines printed per endpoint (a runtime with two devices and a
 /// training job prints about 20: tests read its training counters here).
 pub const HEADLINE_LINES_MAX: usize = 24;
 
-/// One sample of the text format: `name{labels} value`.
+/// One sample of the text format: `name{labels} value`, label values
+/// unescaped.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sample {
     pub name: String,
-    pub labels: String,
+    pub labels: Vec<(String, String)>,
     pub value: f64,
+}
+
+impl Sample {
+    /// Whether the sample has label `key` with value `value`.
+    pub fn has(&self, key: &str, value: &str) -> bool {
+        self.labels.iter().any(|(k, v)| k == key && v == value)
+    }
 }
 
 /// The samples of a text exposition (comments and unparsable lines skipped).
 pub fn parse_samples(text: &str) -> Vec<Sample> {
-    text.lines()
-        .filter_map(|l| {
-            let l = l.trim();
-            if l.is_empty() || l.starts_with('#') {
-                return None;
-            }
-            let (series, rest) = match l.find('{') {
-                Some(_) => {
-                    let close = l.rfind('}')?;
-                    (&l[..close + 1], &l[close + 1..])
-                }
-                None => l.split_at(l.find(char::is_whitespace)?),
-            };
-            let value: f64 = rest.split_whitespace().next()?.parse().ok()?;
-            let (name, labels) = match series.find('{') {
-                Some(i) => (&series[..i], &series[i..]),
-                None => (series, ""),
-            };
+    metrics::parse_samples(text)
+        .into_iter()
+        .filter_map(|(series, value)| {
+            let (name, labels) = metrics::parse_series(&series)?;
             Some(Sample {
                 name: name.to_string(),
-                labels: labels.to_string(),
+                labels,
                 value,
             })
         })
         .collect()
-}
-
-/// `{a="x",b="y"}` -> `[("a", "x"), ("b", "y")]` (escapes kept as written).
-pub fn split_labels(labels: &str) -> Vec<(String, String)> {
-    let inner = labels.trim().trim_start_matches('{').trim_end_matches('}');
-    let mut out = Vec::new();
-    let mut rest = inner;
-    while let Some(eq) = rest.find('=') {
-        let key = rest[..eq].trim().trim_start_matches(',').trim().to_string();
-        let after = rest[eq + 1..].trim_start();
-        let Some(body) = after.strip_prefix('"') else {
-            break;
-        };
-        let mut end = None;
-        let mut escaped = false;
-        for (i, c) in body.char_indices() {
-            match c {
-                '\\' if !escaped => escaped = true,
-                '"' if !escaped => {
-                    end = Some(i);
-                    break;
-                }
-                _ => escaped = false,
-            }
-        }
-        let Some(end) = end else { break };
-        out.push((key, body[..end].to_string()));
-        rest = &body[end + 1..];
-    }
-    out
 }
 
 /// The figures worth a line: histogram buckets, `_created` timestamps and
@@ -88,16 +52,17 @@ pub fn headline(samples: &[Sample]) -> Vec<String> {
             || s.name.ends_with("_created")
             || s.name.starts_with("process_")
             || s.name.ends_with("_info")
-            || s.labels.contains("quantile=")
+            || s.labels.iter().any(|(k, _)| k == "quantile")
     };
     // (name, labels without model) -> summed value, first-seen order.
     let mut keys: Vec<(String, String)> = Vec::new();
     let mut sums: std::collections::HashMap<(String, String), f64> = Default::default();
     for s in samples.iter().filter(|s| !skip(s)) {
-        let kept: Vec<String> = split_labels(&s.labels)
-            .into_iter()
+        let kept: Vec<String> = s
+            .labels
+            .iter()
             .filter(|(k, _)| k != "model")
-            .map(|(k, v)| format!("{k}=\"{v}\""))
+            .map(|(k, v)| format!("{k}={v:?}"))
             .collect();
         let labels = if kept.is_empty() {
             String::new()
@@ -194,7 +159,11 @@ process_cpu_seconds_total 1\nbroken line\n# EOF\n";
         let s = parse_samples(TEXT);
         assert_eq!(s.len(), 13);
         assert_eq!(s[0].name, "requests_total");
-        assert_eq!(s[0].labels, "{model=\"a\",status=\"ok\"}");
+        assert_eq!(
+            s[0].labels,
+            [("model".into(), "a".into()), ("status".into(), "ok".into())]
+        );
+        assert!(s[0].has("status", "ok") && !s[0].has("status", "lost"));
         assert_eq!(s[0].value, 12.0);
         assert_eq!(
             headline(&s),
@@ -209,12 +178,5 @@ process_cpu_seconds_total 1\nbroken line\n# EOF\n";
         );
         assert_eq!(fmt_value(12.0), "12");
         assert_eq!(fmt_value(0.52), "0.5200");
-        assert_eq!(
-            split_labels(r#"{a="x,y",b="q\"z"}"#),
-            [
-                ("a".to_string(), "x,y".to_string()),
-                ("b".to_string(), r#"q\"z"#.to_string())
-            ]
-        );
     }
 }

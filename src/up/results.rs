@@ -59,10 +59,10 @@ pub struct Row {
 /// models. `None` when it served nothing or the text lacks either.
 pub fn serial_overhead_ms(metrics_text: &str) -> Option<f64> {
     let samples = super::metrics::parse_samples(metrics_text);
-    let sum = |name: &str, pred: &dyn Fn(&str) -> bool| {
+    let sum = |name: &str, pred: &dyn Fn(&super::Sample) -> bool| {
         samples
             .iter()
-            .filter(|s| s.name == name && pred(&s.labels))
+            .filter(|s| s.name == name && pred(s))
             .map(|s| s.value)
             .fold(None, |acc: Option<f64>, v| Some(acc.unwrap_or(0.0) + v))
     };
@@ -70,10 +70,8 @@ pub fn serial_overhead_ms(metrics_text: &str) -> Option<f64> {
         "distmind_runtime_device_serial_overhead_seconds_total",
         &|_| true,
     )?;
-    let served = sum("distmind_runtime_requests_total", &|labels| {
-        super::metrics::split_labels(labels)
-            .iter()
-            .any(|(k, v)| k == "status" && v == "ok")
+    let served = sum("distmind_runtime_requests_total", &|s| {
+        s.has("status", "ok")
     })?;
     (served > 0.0).then(|| overhead * 1e3 / served)
 }

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use distmind_common::metrics::scrape;
 
-use super::metrics::{parse_samples, split_labels};
+use super::metrics::parse_samples;
 use super::timeline::{Sample, SAMPLES_MAX};
 
 /// Inference requests the runtime answered, by model and status.
@@ -57,10 +57,7 @@ impl Counts {
         for s in parse_samples(text) {
             if s.name == ANSWERED {
                 found = true;
-                if split_labels(&s.labels)
-                    .iter()
-                    .any(|(k, v)| k == "status" && v == "ok")
-                {
+                if s.has("status", "ok") {
                     c.answered += s.value;
                 }
             } else if s.name == TRAIN_ITERATIONS {

@@ -21,7 +21,6 @@
 
 use std::collections::HashMap;
 use std::net::{TcpStream, ToSocketAddrs};
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
@@ -199,23 +198,12 @@ impl TcpTransport {
     fn tune(&self, s: &TcpStream) -> std::io::Result<()> {
         s.set_nodelay(true)?;
         if let Some(bytes) = self.opts.socket_buffer_bytes {
-            let v = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
-            for opt in [libc::SO_RCVBUF, libc::SO_SNDBUF] {
-                // SAFETY: a valid open socket fd, and a pointer to a c_int
-                // that lives across the call with its true size.
-                let rc = unsafe {
-                    libc::setsockopt(
-                        s.as_raw_fd(),
-                        libc::SOL_SOCKET,
-                        opt,
-                        (&v as *const libc::c_int).cast(),
-                        std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-                    )
-                };
-                if rc != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-            }
+            // The kernel takes a C int; larger asks are capped (it caps them
+            // lower still, at net.core.[rw]mem_max).
+            let bytes = bytes.min(i32::MAX as usize);
+            let sock = socket2::SockRef::from(s);
+            sock.set_recv_buffer_size(bytes)?;
+            sock.set_send_buffer_size(bytes)?;
         }
         Ok(())
     }
@@ -419,6 +407,24 @@ mod tests {
                 Err(TransportError::InvalidOption(_))
             ));
         }
+    }
+
+    #[test]
+    fn socket_buffers_are_set_when_asked() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let sizes = |s: &TcpStream| {
+            let r = socket2::SockRef::from(s);
+            (r.recv_buffer_size().unwrap(), r.send_buffer_size().unwrap())
+        };
+        let autotuned = sizes(&s);
+        let mut o = TcpOptions::new(ClusterKey::from_secret(b"k"));
+        // Small, so that no rmem_max/wmem_max caps it.
+        o.socket_buffer_bytes = Some(24 << 10);
+        TcpTransport::new(o).unwrap().tune(&s).unwrap();
+        assert!(s.nodelay().unwrap());
+        // Linux reports twice what was set (the doubling covers its overhead).
+        assert_eq!(sizes(&s), (48 << 10, 48 << 10), "autotuned: {autotuned:?}");
     }
 
     #[test]
