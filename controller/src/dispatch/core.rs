@@ -403,6 +403,8 @@ struct GpuState {
     /// on a CPU the cores that compute shares with the servers. Admission
     /// counts it as service, or it would admit more than the device runs.
     serial: Ewma,
+    /// `serial` rounded to µs, kept beside it: read by every admission.
+    serial_us: Micros,
 }
 
 #[derive(Debug, Default)]
@@ -440,7 +442,7 @@ pub struct Dispatcher {
     models: Vec<Model>,
     by_name: HashMap<String, u32>,
     gpus: Vec<GpuState>,
-    hosts: BTreeMap<u32, HostState>,
+    hosts: IdMap<u32, HostState>,
     cost: CostModel,
     distmind: DistMindPolicy,
     /// Requests waiting for a GPU under the `distmind` policy, FIFO.
@@ -513,7 +515,7 @@ impl Dispatcher {
             models: Vec::new(),
             by_name: HashMap::new(),
             gpus: Vec::new(),
-            hosts: BTreeMap::new(),
+            hosts: IdMap::default(),
             distmind,
             pending: VecDeque::new(),
             reqs: IdMap::default(),
@@ -661,6 +663,7 @@ impl Dispatcher {
                     train_retry_at: None,
                     busy_since: None,
                     serial: Ewma::default(),
+                    serial_us: 0,
                     assigned: None,
                     link_up: self.hosts.get(&runtime).is_some_and(|h| h.link_up),
                 });
@@ -1247,11 +1250,14 @@ impl Dispatcher {
                     break;
                 }
                 gone.insert(id);
-                let adm =
-                    g.queue
-                        .admit_without(free, r.deadline, service, overhead, |q| gone.contains(q));
+                let adm = g
+                    .queue
+                    .admit_without(free, r.deadline, service, overhead, |q| gone.contains(q));
                 if adm.feasible {
-                    if best.as_ref().is_none_or(|b| (n + 1, adm.finish) < (b.0, b.1)) {
+                    if best
+                        .as_ref()
+                        .is_none_or(|b| (n + 1, adm.finish) < (b.0, b.1))
+                    {
                         let slots = lower[..=n].iter().map(|v| v.1).collect();
                         best = Some((n + 1, adm.finish, at, gi, service, slots));
                     }
@@ -1574,10 +1580,7 @@ impl Dispatcher {
 
     /// GPU `gi`'s measured device time per request beyond the cost model.
     fn serial_us(&self, gi: usize) -> Micros {
-        self.gpus[gi]
-            .serial
-            .get()
-            .map_or(0, |v| v.round() as Micros)
+        self.gpus[gi].serial_us
     }
 
     /// Where `model`'s next batch on GPU `gi` finds it. Admission marks a
@@ -1847,6 +1850,7 @@ impl Dispatcher {
                 // server) must not shut admission for a while.
                 let extra = (now.saturating_sub(since).saturating_sub(base)).min(4 * base);
                 g.serial.observe(extra as f64 / f64::from(n.max(1)));
+                g.serial_us = g.serial.get().map_or(0, |v| v.round() as Micros);
             }
             // The next interval measures the device only when it went
             // straight on to an inference batch.

@@ -755,12 +755,12 @@ impl CoreTask {
             .ok()
             .map(|e| e.version);
         let msg = RuntimeRequest::Infer {
-                id: head,
-                model,
-                deadline_ms: Some(head_budget),
-                trace,
-                device: Some(gpu.device),
-                batch: members,
+            id: head,
+            model,
+            deadline_ms: Some(head_budget),
+            trace,
+            device: Some(gpu.device),
+            batch: members,
             catalog_version,
         };
         let inputs: Vec<&[u8]> = ids
@@ -861,8 +861,7 @@ fn readdress<'a>(
     let body = rest[digits..].strip_suffix(b"}")?;
     // A runtime never sets `dispatch`; one that did (or a name holding the
     // word) would make a duplicate key: encode again instead.
-    if digits == 0 || !body.starts_with(b",") || body.windows(10).any(|w| w == br#""dispatch""#)
-    {
+    if digits == 0 || !body.starts_with(b",") || body.windows(10).any(|w| w == br#""dispatch""#) {
         return None;
     }
     let mut head = Vec::with_capacity(PREFIX.len() + 20);
@@ -989,8 +988,7 @@ impl Drop for AbortOnDrop {
 async fn read_reply<R: AsyncRead + Unpin>(
     r: &mut R,
 ) -> Result<(RuntimeReply, Vec<u8>, Vec<Vec<u8>>), String> {
-    let (reply, raw): (RuntimeReply, _) = match wire::read_frame(r, CONTROL_FRAME_BYTES_MAX).await
-    {
+    let (reply, raw): (RuntimeReply, _) = match wire::read_frame(r, CONTROL_FRAME_BYTES_MAX).await {
         Ok(Some((FrameKind::Message, payload))) => (
             wire::decode_message(&payload).map_err(|e| format!("not a runtime reply: {e}"))?,
             payload,

@@ -293,10 +293,7 @@ impl Outbox {
 }
 
 /// Appends a message frame whose payload `encode` writes.
-fn encode_into(
-    buf: &mut Vec<u8>,
-    encode: impl FnOnce(&mut Vec<u8>) -> serde_json::Result<()>,
-) {
+fn encode_into(buf: &mut Vec<u8>, encode: impl FnOnce(&mut Vec<u8>) -> serde_json::Result<()>) {
     let at = buf.len();
     buf.extend_from_slice(&[0; FRAME_HEADER_BYTES]);
     encode(buf).expect("protocol messages always serialise");
