@@ -1190,3 +1190,72 @@ fn req_id(r: &RuntimeRequest) -> u64 {
         | RuntimeRequest::Evict { id, .. } => *id,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use distmind_common::proto::{ServePath, TimingMsg};
+
+    fn output(resident: Vec<String>) -> RuntimeReply {
+        RuntimeReply::Output {
+            id: 12345,
+            timing: TimingMsg {
+                queue_ms: 0.5,
+                fetch_ms: 0.0,
+                h2d_ms: 0.0,
+                compute_ms: 3.0,
+                total_ms: 3.5,
+                path: ServePath::DeviceResident,
+                simulated: false,
+                device: 1,
+                fetched_bytes: 0,
+                train_yield_ms: 0.0,
+                batch_requests: 2,
+            },
+            outputs: vec!["logits".into()],
+            trace: None,
+            trace_truncated: false,
+            resident,
+            dispatch: None,
+        }
+    }
+
+    fn info() -> DispatchInfo {
+        DispatchInfo {
+            runtime: 3,
+            device: 1,
+            slo_ms: 100.0,
+            estimated_ms: 4.0,
+            dispatch_queue_ms: 0.25,
+            total_ms: 5.0,
+        }
+    }
+
+    #[test]
+    fn a_forwarded_output_is_the_runtimes_re_addressed() {
+        let reply = output(vec!["a".into(), "b".into()]);
+        let raw = wire::encode_message(&reply);
+        let (head, body, tail) = readdress(&raw, 7, &info()).expect("the encoder's layout");
+        let msg = [head.as_slice(), body, tail.as_slice()].concat();
+        let got: RuntimeReply = wire::decode_message(&msg).unwrap();
+        let mut want = reply.clone();
+        if let RuntimeReply::Output { id, dispatch, .. } = &mut want {
+            *id = 7;
+            *dispatch = Some(info());
+        }
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn what_is_not_laid_out_as_expected_is_encoded_again() {
+        // A model named like the field would make a duplicate key.
+        let raw = wire::encode_message(&output(vec!["dispatch".into()]));
+        assert!(readdress(&raw, 7, &info()).is_none());
+        let raw = wire::encode_message(&RuntimeReply::Error {
+            id: 1,
+            error: ErrorReply::new(ErrorCode::Busy, "x"),
+        });
+        assert!(readdress(&raw, 7, &info()).is_none());
+        assert!(readdress(br#"{"reply":"output","id":,"x":1}"#, 7, &info()).is_none());
+    }
+}

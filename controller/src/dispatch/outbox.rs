@@ -303,3 +303,98 @@ fn encode_into(buf: &mut Vec<u8>, encode: impl FnOnce(&mut Vec<u8>) -> serde_jso
     };
     buf[at..at + FRAME_HEADER_BYTES].copy_from_slice(&h.encode());
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use distmind_common::proto::{ErrorCode, ErrorReply};
+    use distmind_common::wire;
+    use tokio::io::AsyncReadExt;
+    use tokio::sync::Semaphore;
+
+    async fn pair() -> (OwnedWriteHalf, tokio::net::TcpStream) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let c = tokio::net::TcpStream::connect(l.local_addr().unwrap());
+        let (c, s) = tokio::join!(c, l.accept());
+        let (_, wr) = c.unwrap().into_split();
+        (wr, s.unwrap().0)
+    }
+
+    fn reply(id: u64) -> RuntimeReply {
+        RuntimeReply::Error {
+            id,
+            error: ErrorReply::new(ErrorCode::Busy, "x"),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn what_the_socket_does_not_take_is_written_by_the_writer_in_order() {
+        let (wr, mut peer) = pair().await;
+        let out = Outbox::new(64 << 20);
+        out.connect(wr);
+        let writer = {
+            let out = out.clone();
+            tokio::spawn(async move { out.drain().await })
+        };
+        // Far more than a socket buffer, nobody reading yet: most of it
+        // waits, and the permits with it.
+        let permits = Arc::new(Semaphore::new(8));
+        let big = vec![7u8; 4 << 20];
+        for id in 0..8 {
+            let p = permits.clone().try_acquire_owned().unwrap();
+            // Flushed each time: each is the first staged since.
+            assert_eq!(out.stage_reply(&reply(id), &[&big], Some(p)), Ok(true));
+            out.flush();
+        }
+        assert!(out.bytes() > 0, "a socket buffer does not hold 32 MiB");
+        assert!(
+            permits.available_permits() < 8,
+            "unwritten replies hold their permits"
+        );
+        for id in 0..8 {
+            let msg: RuntimeReply = wire::recv_message(&mut peer, 1 << 20).await.unwrap();
+            assert_eq!(msg, reply(id));
+            let (kind, b) = wire::read_frame(&mut peer, 8 << 20).await.unwrap().unwrap();
+            assert_eq!((kind, b.len()), (FrameKind::WriteChunk, big.len()));
+        }
+        // Everything written: every permit back, nothing waiting.
+        let _all =
+            tokio::time::timeout(std::time::Duration::from_secs(10), permits.acquire_many(8))
+                .await
+                .unwrap();
+        assert_eq!(out.bytes(), 0);
+        drop(peer);
+        writer.abort();
+    }
+
+    #[tokio::test]
+    async fn past_its_bound_or_closed_it_refuses() {
+        let out = Outbox::new(100);
+        // Not connected: staged and flushed bytes wait.
+        assert_eq!(out.stage_reply(&reply(1), &[&[0u8; 200]], None), Ok(true));
+        out.flush();
+        assert!(out.bytes() > 100);
+        assert!(matches!(
+            out.stage_reply(&reply(2), &[], None),
+            Err(OutboxError::Full { .. })
+        ));
+        out.close("gone".into());
+        assert_eq!(
+            out.stage_reply(&reply(3), &[], None),
+            Err(OutboxError::Closed("gone".into()))
+        );
+        assert_eq!(out.drain().await, "gone");
+        // Requests are framed the same way.
+        let (wr, mut peer) = pair().await;
+        let out = Outbox::new(1 << 20);
+        out.connect(wr);
+        let req = RuntimeRequest::Stats { id: 9 };
+        assert_eq!(out.stage_request(&req, &[b"in"]), Ok(true));
+        out.flush();
+        let got: RuntimeRequest = wire::recv_message(&mut peer, 1 << 20).await.unwrap();
+        assert_eq!(got, req);
+        let mut hb = [0u8; FRAME_HEADER_BYTES + 2];
+        peer.read_exact(&mut hb).await.unwrap();
+        assert_eq!(&hb[FRAME_HEADER_BYTES..], b"in");
+    }
+}
