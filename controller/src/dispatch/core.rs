@@ -1001,12 +1001,18 @@ impl Dispatcher {
     }
 
     fn where_is(&self, gi: usize, model: u32) -> Where {
-        let g = &self.gpus[gi];
-        if g.resident.contains(&model) {
+        if self.gpus[gi].resident.contains(&model) {
             Where::Resident
-        } else if self
+        } else {
+            self.where_is_unheld(gi, model)
+        }
+    }
+
+    /// [`Self::where_is`] of a model GPU `gi` does not hold.
+    fn where_is_unheld(&self, gi: usize, model: u32) -> Where {
+        if self
             .hosts
-            .get(&g.gpu.runtime)
+            .get(&self.gpus[gi].gpu.runtime)
             .is_some_and(|h| h.cached.contains(&model))
         {
             Where::HostCached
@@ -1083,6 +1089,9 @@ impl Dispatcher {
         let mut best: Option<(Micros, Where, usize, Micros)> = None;
         let mut earliest: Option<Micros> = None;
         let least_service = est[Where::Resident as usize];
+        // Where the model is resident, from its holders: a short list
+        // scanned once per GPU instead of a set looked up per GPU.
+        let holders = self.resident_on.get(r.model);
         for gi in 0..self.gpus.len() {
             if !self.routable(gi) || self.gpus[gi].queue.is_full() {
                 continue;
@@ -1102,7 +1111,11 @@ impl Dispatcher {
                 earliest = Some(earliest.map_or(bound, |e: Micros| e.min(bound)));
                 continue;
             }
-            let at = self.where_is(gi, r.model);
+            let at = if holders.contains(&gi) {
+                Where::Resident
+            } else {
+                self.where_is_unheld(gi, r.model)
+            };
             // Counted whole even when it may join a queued batch of its
             // model: whether it does is decided when the batch is sent
             // (deadlines then), and a credit given here for a batch that
