@@ -469,6 +469,7 @@ impl CoreTask {
                     priority,
                     &mut self.actions,
                 );
+                self.metrics.decision(t0.elapsed());
                 // Its actions are carried out after this event, with the
                 // input in place.
                 self.inflight.insert(
@@ -482,7 +483,6 @@ impl CoreTask {
                         model,
                     },
                 );
-                self.metrics.decision(t0.elapsed());
             }
             Event::Reply {
                 runtime,
