@@ -20,6 +20,13 @@
 //! still queued behind it meet their deadlines on the cost model; and when
 //! the head's model is not resident there, a batch for a resident model may
 //! go first if that makes no queued request late (switch-aware order).
+//!
+//! Requests carry a priority (the Open Inference Protocol's: 1 is the
+//! highest level, larger is lower, 0 the default and lowest). Under `slo`,
+//! a request of higher priority than the EDF head runs first when that
+//! makes no queued request late; and one that no GPU can admit in time
+//! takes the place of queued requests of lower priority, the lowest (then
+//! the latest deadline) dropped first, each failed `rejected` naming why.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -241,6 +248,27 @@ struct Req {
     retried: bool,
     /// Once sent: its batch (the head's id).
     batch: Option<ReqId>,
+    /// Its priority as a rank: lower runs first ([`rank`]).
+    rank: u32,
+}
+
+/// A priority level as a rank that sorts the highest level first: 1 is the
+/// highest level, larger is lower, and 0 (the default) is the lowest.
+fn rank(priority: u32) -> u32 {
+    if priority == 0 {
+        u32::MAX
+    } else {
+        priority
+    }
+}
+
+/// The priority level a rank came from.
+fn level(rank: u32) -> u32 {
+    if rank == u32::MAX {
+        0
+    } else {
+        rank
+    }
 }
 
 /// A batch sent to a GPU (a lone request is a batch of one).
@@ -354,6 +382,9 @@ struct GpuState {
     /// Stale after the queue is drained elsewhere: read only while the
     /// queue is not empty, reset when it is.
     queued_models: IdMap<u32, (u32, Micros)>,
+    /// Requests in `queue` with a priority above the default: only then
+    /// does planning look for one to run before the EDF head.
+    queued_ranked: u32,
     training: Option<TrainingJob>,
     /// A prefetch was sent and not yet confirmed by a snapshot.
     prefetching: bool,
@@ -372,6 +403,8 @@ struct GpuState {
     /// on a CPU the cores that compute shares with the servers. Admission
     /// counts it as service, or it would admit more than the device runs.
     serial: Ewma,
+    /// `serial` rounded to µs, kept beside it: read by every admission.
+    serial_us: Micros,
 }
 
 #[derive(Debug, Default)]
@@ -409,7 +442,7 @@ pub struct Dispatcher {
     models: Vec<Model>,
     by_name: HashMap<String, u32>,
     gpus: Vec<GpuState>,
-    hosts: BTreeMap<u32, HostState>,
+    hosts: IdMap<u32, HostState>,
     cost: CostModel,
     distmind: DistMindPolicy,
     /// Requests waiting for a GPU under the `distmind` policy, FIFO.
@@ -482,7 +515,7 @@ impl Dispatcher {
             models: Vec::new(),
             by_name: HashMap::new(),
             gpus: Vec::new(),
-            hosts: BTreeMap::new(),
+            hosts: IdMap::default(),
             distmind,
             pending: VecDeque::new(),
             reqs: IdMap::default(),
@@ -623,12 +656,14 @@ impl Dispatcher {
                     work_out: 0,
                     prefetch_work: 0,
                     queued_models: IdMap::default(),
+                    queued_ranked: 0,
                     queue: EdfQueue::new(GPU_QUEUE_MAX),
                     training: None,
                     prefetching: false,
                     train_retry_at: None,
                     busy_since: None,
                     serial: Ewma::default(),
+                    serial_us: 0,
                     assigned: None,
                     link_up: self.hosts.get(&runtime).is_some_and(|h| h.link_up),
                 });
@@ -723,6 +758,7 @@ impl Dispatcher {
             g.link_up = false;
             moved.extend(g.queue.drain());
             g.queued_models.clear();
+            g.queued_ranked = 0;
             g.outstanding = 0;
             g.work_out = 0;
             g.prefetch_work = 0;
@@ -919,6 +955,19 @@ impl Dispatcher {
         slo_ms: Option<f64>,
         out: &mut Vec<Action>,
     ) -> ReqId {
+        self.submit_with(now, model, slo_ms, 0, out)
+    }
+
+    /// [`Dispatcher::submit`] at a priority level: 1 is the highest, larger
+    /// is lower, 0 (the default) the lowest.
+    pub fn submit_with(
+        &mut self,
+        now: Micros,
+        model: u32,
+        slo_ms: Option<f64>,
+        priority: u32,
+        out: &mut Vec<Action>,
+    ) -> ReqId {
         let id = self.next_req;
         self.next_req += 1;
         self.counters.submitted += 1;
@@ -945,18 +994,25 @@ impl Dispatcher {
             displaced: None,
             retried: false,
             batch: None,
+            rank: rank(priority),
         };
         self.route(now, id, r, out);
         id
     }
 
     fn where_is(&self, gi: usize, model: u32) -> Where {
-        let g = &self.gpus[gi];
-        if g.resident.contains(&model) {
+        if self.gpus[gi].resident.contains(&model) {
             Where::Resident
-        } else if self
+        } else {
+            self.where_is_unheld(gi, model)
+        }
+    }
+
+    /// [`Self::where_is`] of a model GPU `gi` does not hold.
+    fn where_is_unheld(&self, gi: usize, model: u32) -> Where {
+        if self
             .hosts
-            .get(&g.gpu.runtime)
+            .get(&self.gpus[gi].gpu.runtime)
             .is_some_and(|h| h.cached.contains(&model))
         {
             Where::HostCached
@@ -1033,6 +1089,9 @@ impl Dispatcher {
         let mut best: Option<(Micros, Where, usize, Micros)> = None;
         let mut earliest: Option<Micros> = None;
         let least_service = est[Where::Resident as usize];
+        // Where the model is resident, from its holders: a short list
+        // scanned once per GPU instead of a set looked up per GPU.
+        let holders = self.resident_on.get(r.model);
         for gi in 0..self.gpus.len() {
             if !self.routable(gi) || self.gpus[gi].queue.is_full() {
                 continue;
@@ -1052,7 +1111,11 @@ impl Dispatcher {
                 earliest = Some(earliest.map_or(bound, |e: Micros| e.min(bound)));
                 continue;
             }
-            let at = self.where_is(gi, r.model);
+            let at = if holders.contains(&gi) {
+                Where::Resident
+            } else {
+                self.where_is_unheld(gi, r.model)
+            };
             // Counted whole even when it may join a queued batch of its
             // model: whether it does is decided when the batch is sent
             // (deadlines then), and a credit given here for a batch that
@@ -1073,7 +1136,11 @@ impl Dispatcher {
                 }
             }
         }
+        if best.is_none() && r.rank != u32::MAX {
+            best = self.make_room(now, &r, &est, out);
+        }
         let Some((finish, at, gi, service)) = best else {
+            let meta = &self.models[r.model as usize].meta;
             // A request the loss of a runtime moved, or one that finds no
             // GPU server up, is `unavailable` (the loss is the cause);
             // otherwise no GPU can meet its deadline: `rejected`.
@@ -1124,12 +1191,15 @@ impl Dispatcher {
         r.gpu = Some(gi);
         let model = r.model;
         let deadline = r.deadline;
+        let ranked = r.rank != u32::MAX;
         self.reqs.insert(id, r);
         self.bind_gpu(gi, model);
         let g = &mut self.gpus[gi];
         if g.queue.is_empty() {
             g.queued_models.clear();
+            g.queued_ranked = 0;
         }
+        g.queued_ranked += u32::from(ranked);
         g.queue
             .push(deadline, service, id)
             .expect("admission skipped full queues");
@@ -1137,6 +1207,95 @@ impl Dispatcher {
         *q = (q.0 + 1, q.1.max(deadline));
         self.expect_resident(gi, model);
         self.pump(now, gi, out);
+    }
+
+    /// Room for `r`, which no GPU admits in time as things stand, made by
+    /// dropping queued requests of lower priority, on the GPU where the
+    /// fewest must go (then the earliest finish): one alone if one makes
+    /// room, else the lowest priority first and among equals the latest
+    /// deadline, until it fits. They fail `rejected`, naming why. Returns
+    /// where `r` goes, as [`Self::route_slo`] picks it.
+    fn make_room(
+        &mut self,
+        now: Micros,
+        r: &Req,
+        est: &[Micros; 3],
+        out: &mut Vec<Action>,
+    ) -> Option<(Micros, Where, usize, Micros)> {
+        let overhead = self.cost.overhead();
+        // (victims, finish, where, gpu, service, their slots)
+        let mut best: Option<(usize, Micros, Where, usize, Micros, Vec<Slot>)> = None;
+        for gi in 0..self.gpus.len() {
+            if !self.routable(gi) {
+                continue;
+            }
+            let g = &self.gpus[gi];
+            let mut lower: Vec<(u32, Slot, ReqId)> = g
+                .queue
+                .iter()
+                .filter_map(|(slot, _, &id)| {
+                    let k = self.reqs[&id].rank;
+                    (k > r.rank).then_some((k, slot, id))
+                })
+                .collect();
+            if lower.is_empty() {
+                continue;
+            }
+            lower.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)));
+            let at = self.where_is(gi, r.model);
+            let service = est[at as usize] + self.serial_us(gi);
+            let free = self.free_at(now, gi);
+            let single = lower.iter().find_map(|&(_, slot, id)| {
+                let adm = g
+                    .queue
+                    .admit_without(free, r.deadline, service, overhead, |q| *q == id);
+                adm.feasible.then_some((adm.finish, slot))
+            });
+            if let Some((finish, slot)) = single {
+                if best.as_ref().is_none_or(|b| (1, finish) < (b.0, b.1)) {
+                    best = Some((1, finish, at, gi, service, vec![slot]));
+                }
+                continue;
+            }
+            let mut gone: IdSet<ReqId> = IdSet::default();
+            for (n, &(_, _, id)) in lower.iter().enumerate() {
+                if best.as_ref().is_some_and(|b| n + 1 > b.0) {
+                    break;
+                }
+                gone.insert(id);
+                let adm = g
+                    .queue
+                    .admit_without(free, r.deadline, service, overhead, |q| gone.contains(q));
+                if adm.feasible {
+                    if best
+                        .as_ref()
+                        .is_none_or(|b| (n + 1, adm.finish) < (b.0, b.1))
+                    {
+                        let slots = lower[..=n].iter().map(|v| v.1).collect();
+                        best = Some((n + 1, adm.finish, at, gi, service, slots));
+                    }
+                    break;
+                }
+            }
+        }
+        let (_, finish, at, gi, service, victims) = best?;
+        let name = self.models[r.model as usize].meta.name.clone();
+        for slot in victims {
+            let (_, _, vid) = self.gpus[gi].queue.remove(slot).expect("listed above");
+            self.unqueue_model(gi, vid);
+            let v = self.take(vid).expect("queued requests are alive");
+            let message = format!(
+                "request for {} (priority {}) dropped before it ran: a request for {name} of \
+                 higher priority ({}) needed its place on {} to meet its {:.0} ms SLO",
+                self.models[v.model as usize].meta.name,
+                level(v.rank),
+                level(r.rank),
+                self.gpus[gi].gpu,
+                r.slo_ms,
+            );
+            self.fail(vid, ErrorCode::Rejected, message, out);
+        }
+        Some((finish, at, gi, service))
     }
 
     /// GPU `gi`'s resident set becomes `order` (most recently used first).
@@ -1190,10 +1349,13 @@ impl Dispatcher {
 
     /// Request `id` left GPU `gi`'s queue.
     fn unqueue_model(&mut self, gi: usize, id: ReqId) {
-        let Some(model) = self.reqs.get(&id).map(|r| r.model) else {
+        let Some((model, ranked)) = self.reqs.get(&id).map(|r| (r.model, r.rank != u32::MAX))
+        else {
             return;
         };
-        let q = &mut self.gpus[gi].queued_models;
+        let g = &mut self.gpus[gi];
+        g.queued_ranked = g.queued_ranked.saturating_sub(u32::from(ranked));
+        let q = &mut g.queued_models;
         if let Some(e) = q.get_mut(&model) {
             e.0 = e.0.saturating_sub(1);
             if e.0 == 0 {
@@ -1249,6 +1411,22 @@ impl Dispatcher {
         let g = &self.gpus[gi];
         let head = *g.queue.iter().next().expect("pumped a non-empty queue").2;
         let head_model = self.reqs[&head].model;
+        if g.queued_ranked > 0 {
+            // The highest-priority queued request (the earliest deadline
+            // among equals) leads when its model's batch first makes no
+            // queued request late, with its own time again as margin.
+            let (top, top_slot, top_model) = g
+                .queue
+                .iter()
+                .map(|(slot, _, id)| (self.reqs[id].rank, slot, self.reqs[id].model))
+                .min_by_key(|&(k, ..)| k)
+                .expect("pumped a non-empty queue");
+            if top < self.reqs[&head].rank {
+                if let Some(plan) = self.plan_top(now, gi, top_slot, top_model) {
+                    return plan;
+                }
+            }
+        }
         if self.cfg.reorder && !g.resident.contains(&head_model) {
             // A resident model with requests queued (most recently used
             // first: the one the device keeps longest).
@@ -1273,6 +1451,32 @@ impl Dispatcher {
         }
         self.plan_for(now, gi, head_model, false)
             .expect("the head always leads its own batch")
+    }
+
+    /// A batch led by `top`, a queued request of higher priority than GPU
+    /// `gi`'s EDF head (for `model`): its model's batch when that holds it,
+    /// else it alone, if either makes no queued request late with its own
+    /// time again as margin.
+    fn plan_top(&self, now: Micros, gi: usize, top: Slot, model: u32) -> Option<BatchPlan> {
+        if let Some(plan) = self.plan_for(now, gi, model, true) {
+            if plan.members.contains(&top) {
+                return Some(plan);
+            }
+        }
+        let g = &self.gpus[gi];
+        let id = g.queue.iter().find(|(s, ..)| *s == top)?.2;
+        let r = &self.reqs[id];
+        let at = self.where_is(gi, model).max(r.at);
+        let time = self
+            .cost
+            .estimate(model, &self.models[model as usize].meta, at)
+            + self.serial_us(gi);
+        let start = g.busy_until.max(now) + self.cost.overhead();
+        self.batch_keeps_deadlines(gi, start, &[top], 2 * time)
+            .then(|| BatchPlan {
+                members: vec![top],
+                service: time,
+            })
     }
 
     /// A batch of `lead`'s queued requests (in EDF order) for GPU `gi`, as
@@ -1389,10 +1593,7 @@ impl Dispatcher {
 
     /// GPU `gi`'s measured device time per request beyond the cost model.
     fn serial_us(&self, gi: usize) -> Micros {
-        self.gpus[gi]
-            .serial
-            .get()
-            .map_or(0, |v| v.round() as Micros)
+        self.gpus[gi].serial_us
     }
 
     /// Where `model`'s next batch on GPU `gi` finds it. Admission marks a
@@ -1662,6 +1863,7 @@ impl Dispatcher {
                 // server) must not shut admission for a while.
                 let extra = (now.saturating_sub(since).saturating_sub(base)).min(4 * base);
                 g.serial.observe(extra as f64 / f64::from(n.max(1)));
+                g.serial_us = g.serial.get().map_or(0, |v| v.round() as Micros);
             }
             // The next interval measures the device only when it went
             // straight on to an inference batch.

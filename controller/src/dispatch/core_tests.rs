@@ -1565,3 +1565,99 @@ fn device_time_beyond_the_estimate_is_measured_and_admitted_against() {
         "admitted {slow} with 20 ms per request, {fast} with 10 ms"
     );
 }
+
+/// One GPU with "a" resident and two 10 ms requests outstanding (its
+/// window), busy until 20 ms.
+fn busy_gpu() -> (Dispatcher, u32, [ReqId; 2]) {
+    let mut d = dispatcher(PolicyKind::Slo, 1);
+    let m = model(&mut d, "a");
+    make_resident(&mut d, 0, "a");
+    let mut out = Vec::new();
+    let r1 = d.submit(0, m, Some(500.0), &mut out);
+    let r2 = d.submit(0, m, Some(500.0), &mut out);
+    assert_eq!(sent(&out).len(), 2);
+    (d, m, [r1, r2])
+}
+
+#[test]
+fn a_higher_priority_request_runs_first_when_no_deadline_suffers() {
+    let t = timing(ServePath::DeviceResident, 10.0);
+    let done = |d: &mut Dispatcher, at: Micros, req: ReqId| {
+        let mut out = Vec::new();
+        d.complete(at, req, &c_of(&t, &[]), &mut out);
+        sent(&out).into_iter().map(|(r, _)| r).collect::<Vec<_>>()
+    };
+    // Default priority: EDF, the earlier deadline first.
+    let (mut d, m, [r1, _]) = busy_gpu();
+    let mut out = Vec::new();
+    let early = d.submit_with(0, m, Some(200.0), 0, &mut out);
+    let _late = d.submit_with(0, m, Some(400.0), 0, &mut out);
+    assert!(out.is_empty());
+    assert_eq!(done(&mut d, 10 * MS, r1), vec![early]);
+    // Priority 1 (the highest) before the default, though due later.
+    let (mut d, m, [r1, _]) = busy_gpu();
+    let _low = d.submit_with(0, m, Some(200.0), 0, &mut out);
+    let high = d.submit_with(0, m, Some(400.0), 1, &mut out);
+    assert!(out.is_empty());
+    assert_eq!(done(&mut d, 10 * MS, r1), vec![high]);
+    // Level 1 before level 3, both above the default.
+    let (mut d, m, [r1, _]) = busy_gpu();
+    let _three = d.submit_with(0, m, Some(200.0), 3, &mut out);
+    let one = d.submit_with(0, m, Some(400.0), 1, &mut out);
+    assert_eq!(done(&mut d, 10 * MS, r1), vec![one]);
+    // Not when it would make the earlier one late (35 ms: 20 ms of work
+    // ahead, then 10 ms each; the margin counts the priority's time twice).
+    let (mut d, m, [r1, _]) = busy_gpu();
+    let tight = d.submit_with(0, m, Some(35.0), 0, &mut out);
+    let _high = d.submit_with(0, m, Some(400.0), 1, &mut out);
+    assert!(out.is_empty());
+    assert_eq!(done(&mut d, 10 * MS, r1), vec![tight]);
+}
+
+#[test]
+fn a_higher_priority_request_takes_the_place_of_a_lower_one_only() {
+    // Queued behind the window: l1 due at 30 ms, l2 at 40 ms; each finishes
+    // just in time. A request due at 35 ms fits only if l1 goes.
+    let setup = |queued_priority: u32| {
+        let (mut d, m, rs) = busy_gpu();
+        let mut out = Vec::new();
+        let l1 = d.submit_with(0, m, Some(30.0), queued_priority, &mut out);
+        let l2 = d.submit_with(0, m, Some(40.0), queued_priority, &mut out);
+        assert!(out.is_empty(), "both admitted: {out:?}");
+        (d, m, l1, l2, rs)
+    };
+    // Same (default) priority: the newcomer is rejected, the queue stays.
+    let (mut d, m, ..) = setup(0);
+    let mut out = Vec::new();
+    let h = d.submit_with(0, m, Some(35.0), 0, &mut out);
+    assert_eq!(failed(&out), vec![(h, ErrorCode::Rejected)]);
+    // Priority 1: l1 alone is dropped (dropping l2 would not make room),
+    // rejected with a message saying why; l2 and the newcomer keep theirs.
+    let (mut d, m, l1, l2, rs) = setup(0);
+    out.clear();
+    let h = d.submit_with(0, m, Some(35.0), 1, &mut out);
+    assert_eq!(failed(&out), vec![(l1, ErrorCode::Rejected)]);
+    let why = out
+        .iter()
+        .find_map(|a| match a {
+            Action::Fail { error, .. } => Some(error.message.clone()),
+            _ => None,
+        })
+        .unwrap();
+    assert!(why.contains("higher priority (1)"), "{why}");
+    assert_eq!(d.queued(), 2);
+    // Both then run in time: the newcomer, then l2.
+    let t = timing(ServePath::DeviceResident, 10.0);
+    for (at, req, next) in [(10, rs[0], h), (20, rs[1], l2)] {
+        out.clear();
+        d.complete(at * MS, req, &c_of(&t, &[]), &mut out);
+        assert_eq!(sent(&out), vec![(next, gpu(0))]);
+    }
+    // Queued requests of higher priority than the newcomer are never
+    // dropped for it.
+    let (mut d, m, ..) = setup(1);
+    out.clear();
+    let h = d.submit_with(0, m, Some(35.0), 2, &mut out);
+    assert_eq!(failed(&out), vec![(h, ErrorCode::Rejected)]);
+    assert_eq!(d.queued(), 2);
+}

@@ -3,9 +3,11 @@
 //!
 //! * [`core`]: the decisions, pure (time passed in, actions out).
 //! * [`net`]: the client port, one link per runtime, the tick task.
+//! * [`outbox`]: bytes for one socket, written by the task that made them.
 
 pub mod core;
 pub mod metrics;
 pub mod net;
+pub mod outbox;
 
 pub use self::core::{Action, Completion, DispatchConfig, DispatchCounters, Dispatcher, ReqId};

@@ -2,20 +2,26 @@
 //! that owns the [`Dispatcher`] and turns its actions into messages.
 //!
 //! ```text
-//!  client conn tasks --Event::Request--> core task --LinkMsg--> link task --> runtime
-//!        ^                                  |   ^                   |
-//!        +------------ Outgoing ------------+   +---Event::Reply----+
+//!  client reader tasks --Event::Request--> core task --(write)--> runtime
+//!        client socket <-------(write)------ core task <--Event::Reply-- link reader task
 //! ```
 //!
 //! * The core task is the only owner of the dispatcher state: no locks on
-//!   the decision path. It holds each request's input bytes and its
-//!   client's reply channel until the request is sent or answered.
+//!   the decision path. It holds each request's input bytes and where its
+//!   reply goes until the request is sent or answered.
+//! * The core task writes requests to runtimes and replies to clients
+//!   itself ([`Outbox`]): a request crosses one task hop on its way in and
+//!   one on its way back, not four. Only bytes a socket does not take at
+//!   once wait for that socket's writer task. A runtime's `Output` reply is
+//!   forwarded as the runtime encoded it, re-addressed (its id, the
+//!   dispatch record) without encoding it again.
 //! * Clients speak the runtime protocol (`RuntimeRequest::Infer` + one
 //!   input frame; `RuntimeReply::Output` + output frames), so the same
 //!   client talks to a runtime or to the dispatcher; replies carry the
 //!   client's id and a [`DispatchInfo`](distmind_common::proto::DispatchInfo).
 //! * Bounded everywhere: connections, requests in flight per connection,
-//!   the event channel, each link's send queue, requests in the dispatcher.
+//!   the event channel, the bytes waiting for each socket, requests in the
+//!   dispatcher, the input bytes it holds.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -25,16 +31,18 @@ use std::time::{Duration, Instant};
 use distmind_common::handshake::{self, ClusterKey};
 use distmind_common::limits::{CONTROL_FRAME_BYTES_MAX, NAME_BYTES_MAX};
 use distmind_common::proto::{
-    BatchMember, ErrorCode, ErrorReply, RuntimeReply, RuntimeRequest, RUNTIME_OUTPUTS_MAX,
+    BatchMember, DispatchInfo, ErrorCode, ErrorReply, RuntimeReply, RuntimeRequest,
+    RUNTIME_OUTPUTS_MAX,
 };
-use distmind_common::wire::{self, FrameKind, Role, WireError};
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
+use distmind_common::wire::{self, FrameKind, Role};
+use tokio::io::{AsyncRead, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
 use super::core::{Action, BatchMate, Completion, Dispatcher, ReqId};
 use super::metrics::{DispatchMetrics, UNRESOLVED_MODEL};
+use super::outbox::{Outbox, OutboxError};
 use crate::policy::cost::ModelMeta;
 use crate::policy::{Gpu, Micros};
 use crate::state::ControllerState;
@@ -46,8 +54,14 @@ pub const CLIENT_CONNECTIONS_MAX: usize = 1024;
 pub const CLIENT_IN_FLIGHT_MAX: usize = 256;
 /// Events waiting for the core task.
 const EVENTS_MAX: usize = 16_384;
-/// Messages waiting to be written to one runtime.
-const LINK_QUEUE_MAX: usize = 4096;
+/// Events the core task handles in one turn before it writes what they
+/// produced (a burst shares its writes).
+const EVENTS_PER_TURN: usize = 64;
+/// Bytes waiting to be written to one runtime (requests and their inputs).
+const LINK_QUEUE_BYTES_MAX: usize = 256 << 20;
+/// Bytes of replies waiting to be written to one client: past it the
+/// client, which does not read its replies, is disconnected.
+const CLIENT_QUEUE_BYTES_MAX: usize = 256 << 20;
 /// Input bytes the dispatcher holds for requests not yet answered.
 pub const HELD_INPUT_BYTES_MAX: u64 = 1 << 30;
 /// How often the core re-reads the runtime registry and runs the policy.
@@ -66,7 +80,8 @@ fn lock(s: &Shared) -> std::sync::MutexGuard<'_, ControllerState> {
     s.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// A reply to a client: a message and its output frames.
+/// A reply to a client that is not on the native port: a message and its
+/// output frames.
 pub struct Outgoing {
     pub reply: RuntimeReply,
     pub frames: Vec<Vec<u8>>,
@@ -74,12 +89,25 @@ pub struct Outgoing {
     pub permit: Option<OwnedSemaphorePermit>,
 }
 
+/// Where a request's reply goes.
+#[derive(Clone)]
+pub enum ReplyTo {
+    /// A native client connection: the core task writes the reply to its
+    /// socket.
+    Conn(Arc<Outbox>),
+    /// Any other front end: the reply as an [`Outgoing`] on this channel.
+    Channel(mpsc::Sender<Outgoing>),
+}
+
 enum Event {
     Request {
-        client: mpsc::Sender<Outgoing>,
+        client: ReplyTo,
         client_id: u64,
         model: String,
         slo_ms: Option<u64>,
+        /// 1 is the highest level, larger is lower; 0: the default, the
+        /// lowest.
+        priority: u32,
         trace: bool,
         input: Vec<u8>,
         permit: OwnedSemaphorePermit,
@@ -88,6 +116,8 @@ enum Event {
         runtime: u32,
         boot_id: u64,
         reply: RuntimeReply,
+        /// The reply message as the runtime encoded it.
+        raw: Vec<u8>,
         frames: Vec<Vec<u8>>,
     },
     LinkUp {
@@ -101,27 +131,21 @@ enum Event {
     },
 }
 
-enum LinkMsg {
-    /// A request and the input frames that follow it (one per request of a
-    /// batched `Infer`, none for control requests). Inputs are shared with
-    /// the held request: one in flight on a lost runtime is sent again.
-    Request(RuntimeRequest, Vec<Arc<Vec<u8>>>),
-}
-
 struct Inflight {
-    client: mpsc::Sender<Outgoing>,
+    client: ReplyTo,
     client_id: u64,
     trace: bool,
     /// Kept until the request is answered: a request in flight on a
     /// runtime that is lost is sent again elsewhere.
-    input: Arc<Vec<u8>>,
+    input: Vec<u8>,
     permit: Option<OwnedSemaphorePermit>,
     model: String,
 }
 
 struct Link {
     boot_id: u64,
-    tx: mpsc::Sender<LinkMsg>,
+    /// Requests for the runtime; written by the core task.
+    out: Arc<Outbox>,
     /// The link's task: a link given up (its runtime stopped heartbeating)
     /// may be stuck writing to a host that vanished; dropping it ends it.
     task: tokio::task::AbortHandle,
@@ -163,6 +187,7 @@ impl DispatchNet {
             held_bytes: 0,
             events: tx.clone(),
             actions: Vec::new(),
+            dirty: Vec::new(),
         };
         tasks.spawn(core.run(rx, stop));
         DispatchNet { events: tx }
@@ -230,6 +255,8 @@ struct CoreTask {
     held_bytes: u64,
     events: mpsc::Sender<Event>,
     actions: Vec<Action>,
+    /// Outboxes with bytes staged this turn, written at its end.
+    dirty: Vec<Arc<Outbox>>,
 }
 
 impl CoreTask {
@@ -245,25 +272,81 @@ impl CoreTask {
                 _ = stop.wait_for(|s| *s) => break,
                 _ = tick.tick() => self.on_tick(),
                 ev = rx.recv() => match ev {
-                    Some(ev) => self.on_event(ev),
+                    Some(ev) => {
+                        self.on_event(ev);
+                        // What else is ready goes in the same turn.
+                        for _ in 1..EVENTS_PER_TURN {
+                            match rx.try_recv() {
+                                Ok(ev) => self.on_event(ev),
+                                Err(_) => break,
+                            }
+                        }
+                    }
                     None => break,
                 },
             }
             self.flush();
+            self.write_out();
         }
         // Answer whatever is still here: nothing is dropped silently.
-        for (_, f) in self.inflight.drain() {
-            let _ = f.client.try_send(Outgoing {
-                reply: RuntimeReply::Error {
-                    id: f.client_id,
-                    error: ErrorReply::new(
-                        ErrorCode::ShuttingDown,
-                        format!("request for {}: the controller is shutting down", f.model),
-                    ),
-                },
-                frames: Vec::new(),
-                permit: f.permit,
-            });
+        let ids: Vec<ReqId> = self.inflight.keys().copied().collect();
+        for id in ids {
+            let model = self.inflight[&id].model.clone();
+            self.fail(
+                id,
+                ErrorReply::new(
+                    ErrorCode::ShuttingDown,
+                    format!("request for {model}: the controller is shutting down"),
+                ),
+            );
+        }
+        self.write_out();
+    }
+
+    /// Writes what this turn staged, one write per socket.
+    fn write_out(&mut self) {
+        for out in self.dirty.drain(..) {
+            out.flush();
+        }
+    }
+
+    /// Sends `reply` (and, for an `Output`, its `frames`) to `to`.
+    fn answer(
+        &mut self,
+        to: &ReplyTo,
+        reply: RuntimeReply,
+        frames: Vec<Vec<u8>>,
+        permit: Option<OwnedSemaphorePermit>,
+    ) {
+        match to {
+            ReplyTo::Channel(tx) => {
+                let _ = tx.try_send(Outgoing {
+                    reply,
+                    frames,
+                    permit,
+                });
+            }
+            ReplyTo::Conn(out) => {
+                let parts: Vec<&[u8]> = frames.iter().map(|f| f.as_slice()).collect();
+                let staged = out.stage_reply(&reply, &parts, permit);
+                self.staged(out, staged);
+            }
+        }
+    }
+
+    /// Notes an outbox that staged bytes; a client's that could not is
+    /// closed (its replies would be lost anyway).
+    fn staged(&mut self, out: &Arc<Outbox>, r: Result<bool, OutboxError>) {
+        match r {
+            Ok(true) => self.dirty.push(out.clone()),
+            Ok(false) => {}
+            Err(e @ OutboxError::Full { .. }) => {
+                log::warn!("dispatcher: closing a client connection: {e}");
+                out.close(e.to_string());
+            }
+            Err(OutboxError::Closed(why)) => {
+                log::debug!("dispatcher: reply to a closed client dropped: {why}")
+            }
         }
     }
 
@@ -315,19 +398,19 @@ impl CoreTask {
                 continue;
             }
             if let std::collections::hash_map::Entry::Vacant(slot) = self.links.entry(v.id) {
-                let (tx, rx) = mpsc::channel(LINK_QUEUE_MAX);
+                let out = Outbox::new(LINK_QUEUE_BYTES_MAX);
                 let task = tokio::spawn(link(
                     v.id,
                     v.boot_id,
                     v.addr.clone(),
                     self.key.clone(),
-                    rx,
+                    out.clone(),
                     self.events.clone(),
                 ))
                 .abort_handle();
                 slot.insert(Link {
                     boot_id: v.boot_id,
-                    tx,
+                    out,
                     task,
                 });
             }
@@ -346,30 +429,29 @@ impl CoreTask {
                 client_id,
                 model,
                 slo_ms,
+                priority,
                 trace,
                 input,
                 permit,
             } => {
-                let fail = |code, message: String, permit| {
-                    let _ = client.try_send(Outgoing {
-                        reply: RuntimeReply::Error {
-                            id: client_id,
-                            error: ErrorReply::new(code, message),
-                        },
-                        frames: Vec::new(),
-                        permit: Some(permit),
-                    });
+                let fail = |me: &mut Self, code, message: String, permit| {
+                    let reply = RuntimeReply::Error {
+                        id: client_id,
+                        error: ErrorReply::new(code, message),
+                    };
+                    me.answer(&client, reply, Vec::new(), Some(permit));
                 };
                 let id = match self.resolve(&model) {
                     Ok(id) => id,
                     Err(e) => {
                         self.metrics.finished(UNRESOLVED_MODEL, Err(e.code));
-                        return fail(e.code, e.message, permit);
+                        return fail(self, e.code, e.message, permit);
                     }
                 };
                 if self.held_bytes + input.len() as u64 > HELD_INPUT_BYTES_MAX {
                     self.metrics.finished(&model, Err(ErrorCode::Busy));
                     return fail(
+                        self,
                         ErrorCode::Busy,
                         format!(
                             "request {client_id} for {model}: the dispatcher holds {HELD_INPUT_BYTES_MAX} bytes of inputs \
@@ -380,17 +462,23 @@ impl CoreTask {
                 }
                 self.held_bytes += input.len() as u64;
                 let t0 = Instant::now();
-                let req = self
-                    .d
-                    .submit(now, id, slo_ms.map(|s| s as f64), &mut self.actions);
+                let req = self.d.submit_with(
+                    now,
+                    id,
+                    slo_ms.map(|s| s as f64),
+                    priority,
+                    &mut self.actions,
+                );
                 self.metrics.decision(t0.elapsed());
+                // Its actions are carried out after this event, with the
+                // input in place.
                 self.inflight.insert(
                     req,
                     Inflight {
                         client,
                         client_id,
                         trace,
-                        input: Arc::new(input),
+                        input,
                         permit: Some(permit),
                         model,
                     },
@@ -400,12 +488,13 @@ impl CoreTask {
                 runtime,
                 boot_id,
                 reply,
+                raw,
                 frames,
             } => {
                 if self.links.get(&runtime).map(|l| l.boot_id) != Some(boot_id) {
                     return; // a reply from a link already given up
                 }
-                self.on_reply(now, runtime, reply, frames);
+                self.on_reply(now, runtime, reply, &raw, frames);
             }
             Event::LinkUp { runtime, boot_id } => {
                 if self.links.get(&runtime).map(|l| l.boot_id) == Some(boot_id) {
@@ -453,7 +542,14 @@ impl CoreTask {
         })
     }
 
-    fn on_reply(&mut self, now: Micros, runtime: u32, reply: RuntimeReply, frames: Vec<Vec<u8>>) {
+    fn on_reply(
+        &mut self,
+        now: Micros,
+        runtime: u32,
+        reply: RuntimeReply,
+        raw: &[u8],
+        frames: Vec<Vec<u8>>,
+    ) {
         let id = reply.id();
         if id & CONTROL_ID_BIT != 0 {
             let Some((gpu, what)) = self.controls.remove(&id) else {
@@ -498,6 +594,29 @@ impl CoreTask {
             _ => (Completion::default(), Some(ErrorCode::Internal)),
         };
         let info = self.d.complete(now, id, &completion, &mut self.actions);
+        let outcome = match (code, info.as_ref()) {
+            (None, Some(i)) => Ok(i),
+            (Some(c), _) => Err(c),
+            (None, None) => Err(ErrorCode::Internal),
+        };
+        self.metrics.finished(&f.model, outcome);
+        let permit = f.permit.take();
+        // A native client gets the runtime's `Output` message as it came,
+        // re-addressed: nothing in it is encoded again.
+        let forward = match (&f.client, &reply, &info) {
+            (ReplyTo::Conn(_), RuntimeReply::Output { trace, .. }, Some(info))
+                if f.trace || trace.is_none() =>
+            {
+                readdress(raw, f.client_id, info)
+            }
+            _ => None,
+        };
+        if let (ReplyTo::Conn(out), Some((head, body, tail))) = (&f.client, forward) {
+            let parts: Vec<&[u8]> = frames.iter().map(|f| f.as_slice()).collect();
+            let r = out.stage_raw(&[&head, body, &tail], &parts, permit);
+            self.staged(out, r);
+            return;
+        }
         let reply = match reply {
             RuntimeReply::Output {
                 timing,
@@ -527,17 +646,8 @@ impl CoreTask {
                 ),
             },
         };
-        let outcome = match (code, info.as_ref()) {
-            (None, Some(i)) => Ok(i),
-            (Some(c), _) => Err(c),
-            (None, None) => Err(ErrorCode::Internal),
-        };
-        self.metrics.finished(&f.model, outcome);
-        let _ = f.client.try_send(Outgoing {
-            reply,
-            frames: if code.is_none() { frames } else { Vec::new() },
-            permit: f.permit.take(),
-        });
+        let frames = if code.is_none() { frames } else { Vec::new() };
+        self.answer(&f.client, reply, frames, permit);
     }
 
     /// Carries out the dispatcher's actions.
@@ -555,15 +665,12 @@ impl CoreTask {
                 Action::Fail { req, error } => self.fail(req, error),
                 Action::Prefetch { gpu, model } => {
                     let id = self.control_id(gpu, "prefetch");
-                    let msg = LinkMsg::Request(
-                        RuntimeRequest::Prefetch {
-                            id,
-                            model,
-                            device: Some(gpu.device),
-                        },
-                        Vec::new(),
-                    );
-                    if self.send_link(gpu.runtime, msg).is_err() {
+                    let msg = RuntimeRequest::Prefetch {
+                        id,
+                        model,
+                        device: Some(gpu.device),
+                    };
+                    if self.send_link(gpu.runtime, &msg, &[]).is_err() {
                         self.controls.remove(&id);
                         let now = self.now();
                         self.d.prefetch_done(now, gpu, None);
@@ -572,29 +679,23 @@ impl CoreTask {
                 Action::Evict { runtime, model } => {
                     let gpu = Gpu { runtime, device: 0 };
                     let id = self.control_id(gpu, "evict");
-                    let msg = LinkMsg::Request(
-                        RuntimeRequest::Evict {
-                            id,
-                            model,
-                            host_only: true,
-                        },
-                        Vec::new(),
-                    );
-                    if self.send_link(runtime, msg).is_err() {
+                    let msg = RuntimeRequest::Evict {
+                        id,
+                        model,
+                        host_only: true,
+                    };
+                    if self.send_link(runtime, &msg, &[]).is_err() {
                         self.controls.remove(&id);
                     }
                 }
                 Action::Train { gpu, model } => {
                     let id = self.control_id(gpu, "train");
-                    let msg = LinkMsg::Request(
-                        RuntimeRequest::Train {
-                            id,
-                            device: gpu.device,
-                            model,
-                        },
-                        Vec::new(),
-                    );
-                    if self.send_link(gpu.runtime, msg).is_err() {
+                    let msg = RuntimeRequest::Train {
+                        id,
+                        device: gpu.device,
+                        model,
+                    };
+                    if self.send_link(gpu.runtime, &msg, &[]).is_err() {
                         self.controls.remove(&id);
                     }
                 }
@@ -617,7 +718,6 @@ impl CoreTask {
         budget_ms: u64,
         batch: Vec<BatchMate>,
     ) {
-        let mut inputs = Vec::with_capacity(batch.len() + 1);
         let mut ids = Vec::with_capacity(batch.len() + 1);
         let mut members = Vec::with_capacity(batch.len());
         let (mut trace, mut head_budget) = (false, budget_ms);
@@ -626,14 +726,13 @@ impl CoreTask {
             // The dispatcher sends only requests it was given and not yet
             // answered; one missing here would be a bug, so it is left out
             // of the batch rather than sent without its input.
-            let Some(f) = self.inflight.get_mut(&m.req) else {
+            let Some(f) = self.inflight.get(&m.req) else {
                 log::error!(
                     "dispatcher: request {} to send is not held; left out",
                     m.req
                 );
                 continue;
             };
-            inputs.push(f.input.clone());
             if ids.is_empty() {
                 (trace, head_budget) = (f.trace, m.budget_ms);
             } else {
@@ -655,19 +754,22 @@ impl CoreTask {
             .get(&model)
             .ok()
             .map(|e| e.version);
-        let msg = LinkMsg::Request(
-            RuntimeRequest::Infer {
-                id: head,
-                model,
-                deadline_ms: Some(head_budget),
-                trace,
-                device: Some(gpu.device),
-                batch: members,
-                catalog_version,
-            },
-            inputs,
-        );
-        match self.send_link(gpu.runtime, msg) {
+        let msg = RuntimeRequest::Infer {
+            id: head,
+            model,
+            deadline_ms: Some(head_budget),
+            trace,
+            device: Some(gpu.device),
+            batch: members,
+            catalog_version,
+        };
+        let inputs: Vec<&[u8]> = ids
+            .iter()
+            .map(|id| self.inflight[id].input.as_slice())
+            .collect();
+        let sent = stage_link(&self.links, &mut self.dirty, gpu.runtime, &msg, &inputs);
+
+        match sent {
             Ok(()) => {}
             // The link's task ended after queueing its LinkDown (it closes
             // its queue only on return): the batch is in flight on a lost
@@ -691,16 +793,16 @@ impl CoreTask {
         id
     }
 
-    fn send_link(&mut self, runtime: u32, msg: LinkMsg) -> Result<(), SendError> {
-        let Some(l) = self.links.get(&runtime) else {
-            return Err(SendError::NoLink(format!("no link to runtime {runtime}")));
-        };
-        l.tx.try_send(msg).map_err(|e| match e {
-            mpsc::error::TrySendError::Full(_) => SendError::Full(format!(
-                "the link to runtime {runtime} has {LINK_QUEUE_MAX} messages waiting; it is not keeping up"
-            )),
-            mpsc::error::TrySendError::Closed(_) => SendError::Closed,
-        })
+    /// Stages `req` and its input frames (one per request of a batched
+    /// `Infer`, none for control requests) for `runtime`'s link; they are
+    /// written at the end of this turn.
+    fn send_link(
+        &mut self,
+        runtime: u32,
+        req: &RuntimeRequest,
+        inputs: &[&[u8]],
+    ) -> Result<(), SendError> {
+        stage_link(&self.links, &mut self.dirty, runtime, req, inputs)
     }
 
     fn fail(&mut self, req: ReqId, error: ErrorReply) {
@@ -709,15 +811,67 @@ impl CoreTask {
         };
         self.held_bytes -= f.input.len() as u64;
         self.metrics.finished(&f.model, Err(error.code));
-        let _ = f.client.try_send(Outgoing {
-            reply: RuntimeReply::Error {
-                id: f.client_id,
-                error,
-            },
-            frames: Vec::new(),
-            permit: f.permit.take(),
-        });
+        let reply = RuntimeReply::Error {
+            id: f.client_id,
+            error,
+        };
+        let permit = f.permit.take();
+        self.answer(&f.client, reply, Vec::new(), permit);
     }
+}
+
+/// Stages a request for `runtime`'s link (see [`CoreTask::send_link`]).
+fn stage_link(
+    links: &HashMap<u32, Link>,
+    dirty: &mut Vec<Arc<Outbox>>,
+    runtime: u32,
+    req: &RuntimeRequest,
+    inputs: &[&[u8]],
+) -> Result<(), SendError> {
+    let Some(l) = links.get(&runtime) else {
+        return Err(SendError::NoLink(format!("no link to runtime {runtime}")));
+    };
+    match l.out.stage_request(req, inputs) {
+        Ok(first) => {
+            if first {
+                dirty.push(l.out.clone());
+            }
+            Ok(())
+        }
+        Err(e @ OutboxError::Full { .. }) => Err(SendError::Full(format!(
+            "the link to runtime {runtime}: {e}"
+        ))),
+        Err(OutboxError::Closed(_)) => Err(SendError::Closed),
+    }
+}
+
+/// The runtime's `Output` message `raw` re-addressed to the client: its
+/// id replaced by `client_id` and `info` added as `dispatch`, the rest as
+/// the runtime encoded it. Returns (head, body, tail), the message being
+/// their concatenation; `None` when `raw` is not laid out as the protocol's
+/// encoder writes an `Output` (it is then encoded again).
+fn readdress<'a>(
+    raw: &'a [u8],
+    client_id: u64,
+    info: &DispatchInfo,
+) -> Option<(Vec<u8>, &'a [u8], Vec<u8>)> {
+    const PREFIX: &[u8] = br#"{"reply":"output","id":"#;
+    let rest = raw.strip_prefix(PREFIX)?;
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    let body = rest[digits..].strip_suffix(b"}")?;
+    // A runtime never sets `dispatch`; one that did (or a name holding the
+    // word) would make a duplicate key: encode again instead.
+    if digits == 0 || !body.starts_with(b",") || body.windows(10).any(|w| w == br#""dispatch""#) {
+        return None;
+    }
+    let mut head = Vec::with_capacity(PREFIX.len() + 20);
+    head.extend_from_slice(PREFIX);
+    head.extend_from_slice(client_id.to_string().as_bytes());
+    let mut tail = Vec::with_capacity(192);
+    tail.extend_from_slice(br#","dispatch":"#);
+    serde_json::to_writer(&mut tail, info).expect("dispatch records always serialise");
+    tail.push(b'}');
+    Some((head, body, tail))
 }
 
 /// Why a message could not be queued on a runtime's link.
@@ -739,7 +893,7 @@ async fn link(
     boot_id: u64,
     addr: String,
     key: ClusterKey,
-    mut rx: mpsc::Receiver<LinkMsg>,
+    out: Arc<Outbox>,
     events: mpsc::Sender<Event>,
 ) {
     let down = |why: String| Event::LinkDown {
@@ -780,19 +934,21 @@ async fn link(
     {
         return;
     }
-    // Buffered both ways: a request (message + input frame) leaves in one
-    // write, a reply is read with few syscalls.
+    // Requests are written by the core task (the outbox); replies are read
+    // buffered, with few syscalls.
     let (rd, wr) = stream.into_split();
-    let (mut rd, mut wr) = (BufReader::new(rd), BufWriter::new(wr));
+    out.connect(wr);
+    let mut rd = BufReader::new(rd);
     let reader_events = events.clone();
     let mut reader = tokio::spawn(async move {
         loop {
             match read_reply(&mut rd).await {
-                Ok((reply, frames)) => {
+                Ok((reply, raw, frames)) => {
                     let ev = Event::Reply {
                         runtime,
                         boot_id,
                         reply,
+                        raw,
                         frames,
                     };
                     if reader_events.send(ev).await.is_err() {
@@ -806,19 +962,14 @@ async fn link(
     // The reader goes with the link, however the link's task ends (aborted
     // included): a host that vanished never closes the connection.
     let _reader_guard = AbortOnDrop(reader.abort_handle());
-    let why = loop {
-        tokio::select! {
-            r = &mut reader => break r.unwrap_or_else(|e| format!("reader task failed: {e}")),
-            msg = rx.recv() => {
-                let Some(LinkMsg::Request(req, input)) = msg else {
-                    reader.abort();
-                    return; // the dispatcher dropped the link
-                };
-                if let Err(e) = write_request(&mut wr, &req, &input).await {
-                    reader.abort();
-                    break format!("cannot write to {addr}: {e}");
-                }
-            }
+    // Writes what the socket did not take from the core task at once; the
+    // link ends when either direction fails (the dispatcher dropping the
+    // link aborts this task).
+    let why = tokio::select! {
+        r = &mut reader => r.unwrap_or_else(|e| format!("reader task failed: {e}")),
+        e = out.drain() => {
+            reader.abort();
+            format!("cannot write to {addr}: {e}")
         }
     };
     let _ = events.send(down(why)).await;
@@ -833,26 +984,15 @@ impl Drop for AbortOnDrop {
     }
 }
 
-async fn write_request<W: AsyncWrite + Unpin>(
-    w: &mut W,
-    req: &RuntimeRequest,
-    inputs: &[Arc<Vec<u8>>],
-) -> Result<(), WireError> {
-    wire::send_message(w, req).await?;
-    for input in inputs {
-        wire::write_frame(w, FrameKind::WriteChunk, &[input.as_slice()]).await?;
-    }
-    w.flush().await?;
-    Ok(())
-}
-
+/// One reply: the message, as decoded and as it came, and its frames.
 async fn read_reply<R: AsyncRead + Unpin>(
     r: &mut R,
-) -> Result<(RuntimeReply, Vec<Vec<u8>>), String> {
-    let reply: RuntimeReply = match wire::read_frame(r, CONTROL_FRAME_BYTES_MAX).await {
-        Ok(Some((FrameKind::Message, payload))) => {
-            wire::decode_message(&payload).map_err(|e| format!("not a runtime reply: {e}"))?
-        }
+) -> Result<(RuntimeReply, Vec<u8>, Vec<Vec<u8>>), String> {
+    let (reply, raw): (RuntimeReply, _) = match wire::read_frame(r, CONTROL_FRAME_BYTES_MAX).await {
+        Ok(Some((FrameKind::Message, payload))) => (
+            wire::decode_message(&payload).map_err(|e| format!("not a runtime reply: {e}"))?,
+            payload,
+        ),
         Ok(Some((kind, _))) => {
             return Err(format!("expected a reply message, got a {kind:?} frame"))
         }
@@ -880,7 +1020,7 @@ async fn read_reply<R: AsyncRead + Unpin>(
             }
         }
     }
-    Ok((reply, frames))
+    Ok((reply, raw, frames))
 }
 
 // ---------------------------------------------------------------------------
@@ -906,46 +1046,35 @@ async fn client_conn(
             return;
         }
     }
+    // Replies are written by the core task (the outbox); what the socket
+    // does not take at once, by this connection's writer task.
     let (rd, wr) = stream.into_split();
-    let (mut rd, mut wr) = (BufReader::new(rd), BufWriter::new(wr));
-    let (tx, mut rx) = mpsc::channel::<Outgoing>(CLIENT_IN_FLIGHT_MAX);
-    let writer = tokio::spawn(async move {
-        while let Some(out) = rx.recv().await {
-            let mut ok = wire::send_message(&mut wr, &out.reply).await.is_ok();
-            for f in &out.frames {
-                ok = ok
-                    && wire::write_frame(&mut wr, FrameKind::WriteChunk, &[f])
-                        .await
-                        .is_ok();
-            }
-            // Flush when no other reply is ready, so bursts share a write.
-            if rx.is_empty() {
-                ok = ok && wr.flush().await.is_ok();
-            }
-            drop(out.permit);
-            if !ok {
-                return;
-            }
-        }
-    });
+    let mut rd = BufReader::new(rd);
+    let out = Outbox::new(CLIENT_QUEUE_BYTES_MAX);
+    out.connect(wr);
+    let writer_out = out.clone();
+    let mut writer = tokio::spawn(async move { writer_out.drain().await });
+    let _writer_guard = AbortOnDrop(writer.abort_handle());
     let in_flight = Arc::new(Semaphore::new(CLIENT_IN_FLIGHT_MAX));
-    let reply_now = |tx: &mpsc::Sender<Outgoing>, id: u64, code, message: String| {
-        let _ = tx.try_send(Outgoing {
-            reply: RuntimeReply::Error {
-                id,
-                error: ErrorReply::new(code, message),
-            },
-            frames: Vec::new(),
-            permit: None,
-        });
+    let reply_now = |out: &Arc<Outbox>, id: u64, code, message: String| {
+        let reply = RuntimeReply::Error {
+            id,
+            error: ErrorReply::new(code, message),
+        };
+        if out.stage_reply(&reply, &[], None).is_ok() {
+            out.flush();
+        }
     };
+    let tx = &out;
     loop {
         let permit = tokio::select! {
             _ = stop.wait_for(|s| *s) => break,
+            _ = &mut writer => break,
             p = in_flight.clone().acquire_owned() => p.expect("never closed"),
         };
         let frame = tokio::select! {
             _ = stop.wait_for(|s| *s) => break,
+            _ = &mut writer => break,
             f = wire::read_frame(&mut rd, CONTROL_FRAME_BYTES_MAX) => f,
         };
         let payload = match frame {
@@ -953,7 +1082,7 @@ async fn client_conn(
             Ok(Some((FrameKind::Message, p))) => p,
             Ok(Some((kind, p))) => {
                 reply_now(
-                    &tx,
+                    tx,
                     0,
                     ErrorCode::BadRequest,
                     format!(
@@ -965,14 +1094,14 @@ async fn client_conn(
             }
             Err(e) => {
                 log::warn!("closing client {peer}: {e}");
-                reply_now(&tx, 0, ErrorCode::BadRequest, format!("{e}; closing"));
+                reply_now(tx, 0, ErrorCode::BadRequest, format!("{e}; closing"));
                 break;
             }
         };
         let req = match wire::decode_message::<RuntimeRequest>(&payload) {
             Ok(r) => r,
             Err(e) => {
-                reply_now(&tx, 0, ErrorCode::BadRequest, format!("not a request: {e}"));
+                reply_now(tx, 0, ErrorCode::BadRequest, format!("not a request: {e}"));
                 continue;
             }
         };
@@ -986,7 +1115,7 @@ async fn client_conn(
         } = req
         else {
             reply_now(
-                &tx,
+                tx,
                 req_id(&req),
                 ErrorCode::BadRequest,
                 "the dispatcher's client port takes infer requests only; stats, evict, prefetch and train go to a runtime"
@@ -999,7 +1128,7 @@ async fn client_conn(
             Ok(Some((FrameKind::WriteChunk, b))) => b,
             Ok(Some((kind, _))) => {
                 reply_now(
-                    &tx,
+                    tx,
                     id,
                     ErrorCode::BadRequest,
                     format!(
@@ -1011,7 +1140,7 @@ async fn client_conn(
             Ok(None) => break,
             Err(e) => {
                 reply_now(
-                    &tx,
+                    tx,
                     id,
                     ErrorCode::BadRequest,
                     format!("request {id}: {e}; closing"),
@@ -1021,7 +1150,7 @@ async fn client_conn(
         };
         if device.is_some() {
             reply_now(
-                &tx,
+                tx,
                 id,
                 ErrorCode::BadRequest,
                 format!("request {id}: `device` is chosen by the dispatcher; leave it out"),
@@ -1029,10 +1158,12 @@ async fn client_conn(
             continue;
         }
         let ev = Event::Request {
-            client: tx.clone(),
+            client: ReplyTo::Conn(out.clone()),
             client_id: id,
             model,
             slo_ms: deadline_ms,
+            // The native protocol has no priority: the default level.
+            priority: 0,
             trace,
             input,
             permit,
@@ -1041,9 +1172,13 @@ async fn client_conn(
             break;
         }
     }
-    drop(tx);
-    // Let replies still owed reach the client, briefly.
-    let _ = tokio::time::timeout(Duration::from_secs(5), writer).await;
+    // Let replies still owed reach the client, briefly: each holds a
+    // permit until it is written.
+    let _ = tokio::time::timeout(
+        Duration::from_secs(5),
+        in_flight.acquire_many(CLIENT_IN_FLIGHT_MAX as u32),
+    )
+    .await;
 }
 
 fn req_id(r: &RuntimeRequest) -> u64 {
@@ -1053,5 +1188,74 @@ fn req_id(r: &RuntimeRequest) -> u64 {
         | RuntimeRequest::Train { id, .. }
         | RuntimeRequest::Stats { id }
         | RuntimeRequest::Evict { id, .. } => *id,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use distmind_common::proto::{ServePath, TimingMsg};
+
+    fn output(resident: Vec<String>) -> RuntimeReply {
+        RuntimeReply::Output {
+            id: 12345,
+            timing: TimingMsg {
+                queue_ms: 0.5,
+                fetch_ms: 0.0,
+                h2d_ms: 0.0,
+                compute_ms: 3.0,
+                total_ms: 3.5,
+                path: ServePath::DeviceResident,
+                simulated: false,
+                device: 1,
+                fetched_bytes: 0,
+                train_yield_ms: 0.0,
+                batch_requests: 2,
+            },
+            outputs: vec!["logits".into()],
+            trace: None,
+            trace_truncated: false,
+            resident,
+            dispatch: None,
+        }
+    }
+
+    fn info() -> DispatchInfo {
+        DispatchInfo {
+            runtime: 3,
+            device: 1,
+            slo_ms: 100.0,
+            estimated_ms: 4.0,
+            dispatch_queue_ms: 0.25,
+            total_ms: 5.0,
+        }
+    }
+
+    #[test]
+    fn a_forwarded_output_is_the_runtimes_re_addressed() {
+        let reply = output(vec!["a".into(), "b".into()]);
+        let raw = wire::encode_message(&reply);
+        let (head, body, tail) = readdress(&raw, 7, &info()).expect("the encoder's layout");
+        let msg = [head.as_slice(), body, tail.as_slice()].concat();
+        let got: RuntimeReply = wire::decode_message(&msg).unwrap();
+        let mut want = reply.clone();
+        if let RuntimeReply::Output { id, dispatch, .. } = &mut want {
+            *id = 7;
+            *dispatch = Some(info());
+        }
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn what_is_not_laid_out_as_expected_is_encoded_again() {
+        // A model named like the field would make a duplicate key.
+        let raw = wire::encode_message(&output(vec!["dispatch".into()]));
+        assert!(readdress(&raw, 7, &info()).is_none());
+        let raw = wire::encode_message(&RuntimeReply::Error {
+            id: 1,
+            error: ErrorReply::new(ErrorCode::Busy, "x"),
+        });
+        assert!(readdress(&raw, 7, &info()).is_none());
+        assert!(readdress(br#"{"reply":"output","id":,"x":1}"#, 7, &info()).is_none());
     }
 }

@@ -74,10 +74,29 @@ impl<T> EdfQueue<T> {
     ) -> Admission {
         // Every finish moves by the overhead: compare device finishes with
         // deadlines that much earlier.
-        self.admit_device(free_at + overhead, deadline, service)
+        self.admit_device(free_at + overhead, deadline, service, |_| false)
     }
 
-    fn admit_device(&self, free_at: Micros, deadline: Micros, service: Micros) -> Admission {
+    /// [`EdfQueue::admit`] as if the queued items for which `gone` holds
+    /// were not there (they would be dropped to make room).
+    pub fn admit_without(
+        &self,
+        free_at: Micros,
+        deadline: Micros,
+        service: Micros,
+        overhead: Micros,
+        gone: impl Fn(&T) -> bool,
+    ) -> Admission {
+        self.admit_device(free_at + overhead, deadline, service, gone)
+    }
+
+    fn admit_device(
+        &self,
+        free_at: Micros,
+        deadline: Micros,
+        service: Micros,
+        gone: impl Fn(&T) -> bool,
+    ) -> Admission {
         if self.q.is_empty() {
             let finish = free_at + service;
             return Admission {
@@ -87,8 +106,10 @@ impl<T> EdfQueue<T> {
         }
         // Work ahead of it: everything due no later than its deadline.
         let mut t = free_at;
-        for (_, &(s, _)) in self.q.range(..(deadline, u64::MAX)) {
-            t += s;
+        for (_, (s, item)) in self.q.range(..(deadline, u64::MAX)) {
+            if !gone(item) {
+                t += s;
+            }
         }
         let finish = t + service;
         if finish > deadline {
@@ -99,7 +120,11 @@ impl<T> EdfQueue<T> {
         }
         // Everything due later moves back by `service`.
         let mut after = finish;
-        for (&(d, _), &(s, _)) in self.q.range((deadline, u64::MAX)..) {
+        for (&(d, _), (s, item)) in self.q.range((deadline, u64::MAX)..) {
+            if gone(item) {
+                continue;
+            }
+            let s = *s;
             let before = after - service + s;
             after += s;
             // A request already late without the newcomer does not veto it.
