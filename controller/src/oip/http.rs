@@ -399,12 +399,14 @@ async fn infer(
 }
 
 /// A parsed infer body: the request, and which outputs go back binary.
+#[derive(Debug)]
 struct ParsedInfer {
     request: InferRequest,
     /// Output name -> binary; `default` for outputs not named.
     binary: BinaryOutputs,
 }
 
+#[derive(Debug)]
 struct BinaryOutputs {
     default: bool,
     named: Vec<(String, bool)>,
@@ -734,13 +736,15 @@ fn raw_to_json(t: &Tensor) -> Result<Vec<Value>, OipError> {
         Datatype::Bf16 => each::<2>(d, |b| {
             json!(f32::from_bits((u16::from_le_bytes(b) as u32) << 16))
         }),
-        Datatype::F16 | Datatype::Bytes => return Err(OipError::code(
-            distmind_common::proto::ErrorCode::Unsupported,
-            format!(
+        Datatype::F16 | Datatype::Bytes => {
+            return Err(OipError::code(
+                distmind_common::proto::ErrorCode::Unsupported,
+                format!(
                 "output {}: {} is returned as binary only; ask for it with parameters.binary_data",
                 t.name, t.datatype
             ),
-        )),
+            ))
+        }
     })
 }
 
@@ -811,4 +815,139 @@ fn json_body_str(s: String) -> ([(header::HeaderName, HeaderValue); 1], String) 
         )],
         s,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(json_len: Option<usize>) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        if let Some(n) = json_len {
+            h.insert(INFERENCE_HEADER, HeaderValue::from(n));
+        }
+        h
+    }
+
+    fn parse(body: &[u8], json_len: Option<usize>) -> Result<ParsedInfer, OipError> {
+        parse_infer("m".into(), None, &headers(json_len), body)
+    }
+
+    #[test]
+    fn json_tensors_nested_or_flat_become_raw_bytes() {
+        let body = br#"{"id": "r1", "inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 2],
+            "data": [[1.5, 2], [3, -4]]}], "parameters": {"slo_ms": 12.5, "priority": 1}}"#;
+        let p = parse(body, None).unwrap();
+        let r = &p.request;
+        assert_eq!((r.id.as_str(), r.slo_ms, r.priority), ("r1", Some(13), 1));
+        let want: Vec<u8> = [1.5f32, 2.0, 3.0, -4.0]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        assert_eq!(r.inputs[0].data, want);
+        assert_eq!(r.outputs, None);
+        assert!(!p.binary.get("anything"));
+        assert_eq!(
+            raw_to_json(&r.inputs[0]).unwrap(),
+            vec![json!(1.5), json!(2.0), json!(3.0), json!(-4.0)]
+        );
+    }
+
+    #[test]
+    fn binary_inputs_come_from_after_the_json_part() {
+        let json = br#"{"inputs": [{"name": "ids", "datatype": "INT64", "shape": [1, 2],
+            "parameters": {"binary_data_size": 16}}],
+            "outputs": [{"name": "a", "parameters": {"binary_data": true}}, {"name": "b"}]}"#;
+        let mut body = json.to_vec();
+        body.extend(7i64.to_le_bytes());
+        body.extend((-1i64).to_le_bytes());
+        let p = parse(&body, Some(json.len())).unwrap();
+        let t = &p.request.inputs[0];
+        assert_eq!((t.datatype, t.shape.clone()), (Datatype::I64, vec![1, 2]));
+        assert_eq!(raw_to_json(t).unwrap(), vec![json!(7), json!(-1)]);
+        assert_eq!(p.request.outputs, Some(vec!["a".into(), "b".into()]));
+        assert!(p.binary.get("a") && !p.binary.get("b"));
+        // Without the header there is no binary part.
+        let e = parse(&body, None).unwrap_err();
+        assert!(e.message.contains("not JSON"), "{e}");
+        let e = parse(json, Some(json.len())).unwrap_err();
+        assert!(
+            e.message.contains("binary_data_size 16") && e.message.contains(INFERENCE_HEADER),
+            "{e}"
+        );
+        body.push(0);
+        let e = parse(&body, Some(json.len())).unwrap_err();
+        assert!(e.message.contains("1 bytes of binary data follow"), "{e}");
+        let e = parse(json, Some(json.len() + 1)).unwrap_err();
+        assert!(e.message.contains("the body has"), "{e}");
+    }
+
+    #[test]
+    fn every_datatype_converts_from_json() {
+        let raw = |dt, data: Value| json_to_raw("x", dt, &[2], &data);
+        assert_eq!(
+            raw(Datatype::Bool, json!([true, false])).unwrap(),
+            vec![1, 0]
+        );
+        assert_eq!(raw(Datatype::I8, json!([-1, 2])).unwrap(), vec![255, 2]);
+        assert_eq!(
+            raw(Datatype::U16, json!([1, 256])).unwrap(),
+            vec![1, 0, 0, 1]
+        );
+        assert_eq!(
+            raw(Datatype::Bf16, json!([1.0, -2.0])).unwrap(),
+            vec![0x80, 0x3f, 0x00, 0xc0]
+        );
+        assert_eq!(
+            raw(Datatype::Bytes, json!(["ab", ""])).unwrap(),
+            vec![2, 0, 0, 0, b'a', b'b', 0, 0, 0, 0]
+        );
+        let e = raw(Datatype::U8, json!([1, 256])).unwrap_err();
+        assert!(e.message.contains("256 is not a UINT8 value"), "{e}");
+        let e = raw(Datatype::F32, json!([1.0])).unwrap_err();
+        assert!(
+            e.message.contains("holds 2 elements, \"data\" has 1"),
+            "{e}"
+        );
+        let e = raw(Datatype::F16, json!([1.0, 2.0])).unwrap_err();
+        assert!(e.message.contains("binary only"), "{e}");
+    }
+
+    #[test]
+    fn malformed_requests_are_named() {
+        let cases: [(&[u8], &str); 7] = [
+            (b"[]", "must be a JSON object"),
+            (b"{}", "needs \"inputs\""),
+            (
+                br#"{"inputs": [{"datatype": "FP32"}]}"#,
+                "inputs[0] needs a \"name\"",
+            ),
+            (
+                br#"{"inputs": [{"name": "x", "datatype": "F32", "shape": [1], "data": [1]}]}"#,
+                "unknown datatype \"F32\"",
+            ),
+            (
+                br#"{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}]}"#,
+                "neither \"data\"",
+            ),
+            (
+                br#"{"inputs": [], "parameters": {"priority": -1}}"#,
+                "\"priority\" must be a whole number",
+            ),
+            (
+                br#"{"inputs": [], "parameters": {"slo_ms": 0}}"#,
+                "\"slo_ms\" must be a positive number",
+            ),
+        ];
+        for (body, words) in cases {
+            let e = parse(body, None)
+                .err()
+                .unwrap_or_else(|| panic!("{} parsed", String::from_utf8_lossy(body)));
+            assert_eq!(e.http_status(), 400);
+            assert!(
+                e.message.starts_with("bad_request: ") && e.message.contains(words),
+                "{e}"
+            );
+        }
+    }
 }
