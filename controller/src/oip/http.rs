@@ -44,8 +44,9 @@ pub const INFERENCE_HEADER: &str = "inference-header-content-length";
 /// Time a client has to send a request's headers (a stalled client holds
 /// a connection slot no longer than this).
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long shutdown lets requests in progress finish.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+/// How long shutdown lets requests in progress finish (within the
+/// controller's own 5 s for all of its tasks).
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(4);
 /// An over-size body is read and dropped (up to this many bytes, within
 /// [`DRAIN_TIMEOUT`]) before the 413 goes out, so that a client that
 /// writes its whole body before it reads gets the answer rather than a
@@ -555,7 +556,7 @@ fn parse_infer(
 }
 
 /// A `parameters` object (absent: empty).
-fn parameters<'a>(v: Option<&'a Value>, whose: &str) -> Result<Map<String, Value>, OipError> {
+fn parameters(v: Option<&Value>, whose: &str) -> Result<Map<String, Value>, OipError> {
     match v {
         None | Some(Value::Null) => Ok(Map::new()),
         Some(Value::Object(o)) => Ok(o.clone()),
