@@ -79,9 +79,19 @@ pub fn router(frontend: Frontend) -> Router {
 
 /// Serves HTTP/1.1 on `listener` until `stop`, then lets requests in
 /// progress finish (up to a grace period) and closes every connection.
-pub async fn serve(listener: TcpListener, frontend: Frontend, mut stop: watch::Receiver<bool>) {
+pub async fn serve(listener: TcpListener, frontend: Frontend, stop: watch::Receiver<bool>) {
+    serve_bounded(listener, frontend, stop, Frontend::CONNECTIONS_MAX).await
+}
+
+/// [`serve`] with at most `connections_max` connections open.
+async fn serve_bounded(
+    listener: TcpListener,
+    frontend: Frontend,
+    mut stop: watch::Receiver<bool>,
+    connections_max: usize,
+) {
     let app = router(frontend);
-    let limit = Arc::new(Semaphore::new(Frontend::CONNECTIONS_MAX));
+    let limit = Arc::new(Semaphore::new(connections_max));
     let graceful = GracefulShutdown::new();
     let mut conns = JoinSet::new();
     let mut refusing = false;
@@ -102,14 +112,14 @@ pub async fn serve(listener: TcpListener, frontend: Frontend, mut stop: watch::R
         let Ok(permit) = limit.clone().try_acquire_owned() else {
             if !refusing {
                 log::warn!(
-                    "inference (HTTP): refusing {peer}: {} connections open (the limit)",
-                    Frontend::CONNECTIONS_MAX
+                    "inference (HTTP): refusing {peer}: {connections_max} connections open (the limit)"
                 );
                 refusing = true;
             }
             // Answered in the background, briefly, so accepting goes on.
             conns.spawn(async move {
-                let _ = tokio::time::timeout(Duration::from_secs(1), refuse(&mut stream)).await;
+                let refusal = refuse(&mut stream, connections_max);
+                let _ = tokio::time::timeout(Duration::from_secs(1), refusal).await;
             });
             continue;
         };
@@ -138,10 +148,9 @@ pub async fn serve(listener: TcpListener, frontend: Frontend, mut stop: watch::R
 }
 
 /// The answer to a connection over the limit.
-async fn refuse(stream: &mut tokio::net::TcpStream) {
+async fn refuse(stream: &mut tokio::net::TcpStream, connections_max: usize) {
     let body = json!({"error": format!(
-        "unavailable: the server has {} connections open (the limit); retry later",
-        Frontend::CONNECTIONS_MAX
+        "unavailable: the server has {connections_max} connections open (the limit); retry later"
     )})
     .to_string();
     let head = format!(
@@ -821,6 +830,116 @@ fn json_body_str(s: String) -> ([(header::HeaderName, HeaderValue); 1], String) 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Mutex;
+
+    use distmind_common::handshake::ClusterKey;
+    use tokio::io::AsyncReadExt;
+
+    use crate::dispatch::metrics::DispatchMetrics;
+    use crate::dispatch::net::DispatchNet;
+    use crate::dispatch::{DispatchConfig, Dispatcher};
+    use crate::policy::distmind::DistMindConfig;
+    use crate::policy::PolicyKind;
+    use crate::state::ControllerState;
+
+    /// One request on a fresh connection, answered with `connection: close`.
+    async fn get(addr: std::net::SocketAddr, path: &str, token: Option<&str>) -> String {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let auth = token.map_or(String::new(), |t| format!("authorization: Bearer {t}\r\n"));
+        let req = format!("GET {path} HTTP/1.1\r\nhost: x\r\n{auth}connection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    }
+
+    #[tokio::test]
+    async fn a_real_server_bounds_connections_checks_tokens_and_stops() {
+        let (stop_tx, stop) = watch::channel(false);
+        let mut tasks = JoinSet::new();
+        let state = Arc::new(Mutex::new(ControllerState::new(Duration::from_secs(1))));
+        let config = DispatchConfig::new(
+            PolicyKind::Slo,
+            DistMindConfig {
+                period: 1_000_000,
+                zipf_s: 0.9,
+                inference_workload_s: vec![1],
+                use_train: false,
+                seed: 1,
+            },
+        );
+        let net = DispatchNet::start(
+            Dispatcher::new(config).unwrap(),
+            state.clone(),
+            ClusterKey::from_secret(b"oip-http-unit-test-key"),
+            Arc::new(DispatchMetrics::new()),
+            &mut tasks,
+            stop.clone(),
+        );
+        let fe = Frontend::new(net.handle(), state, Some("sesame".into()));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tasks.spawn(serve_bounded(listener, fe, stop.clone(), 2));
+
+        let live = get(addr, "/v2/health/live", Some("sesame")).await;
+        assert!(
+            live.starts_with("HTTP/1.1 200") && live.ends_with(r#"{"live":true}"#),
+            "{live}"
+        );
+        let r = get(addr, "/v2", None).await;
+        assert!(
+            r.starts_with("HTTP/1.1 401") && r.contains("unauthenticated"),
+            "{r}"
+        );
+        let r = get(addr, "/v2/health/ready", Some("sesame")).await;
+        assert!(
+            r.starts_with("HTTP/1.1 503") && r.contains("no GPU server is up"),
+            "{r}"
+        );
+        let r = get(addr, "/v2/models/m", Some("sesame")).await;
+        assert!(
+            r.starts_with("HTTP/1.1 404") && r.contains("unknown model 'm'"),
+            "{r}"
+        );
+
+        // Two idle keep-alive connections fill the bound; a third is refused
+        // with a protocol error, and served again once one closes.
+        let held_a = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let _held_b = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let refused = loop {
+            let r = get(addr, "/v2/health/live", Some("sesame")).await;
+            if r.starts_with("HTTP/1.1 503") {
+                break r;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "a third connection is served: {r}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        assert!(
+            refused.contains("2 connections open (the limit)"),
+            "{refused}"
+        );
+        drop(held_a);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let r = get(addr, "/v2/health/live", Some("sesame")).await;
+            if r.starts_with("HTTP/1.1 200") {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "still refused: {r}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+
+        // Stopping ends the server (idle connections included) at once.
+        stop_tx.send(true).unwrap();
+        let all = async { while tasks.join_next().await.is_some() {} };
+        tokio::time::timeout(Duration::from_secs(3), all)
+            .await
+            .expect("the server and the dispatcher stop within the grace period");
+    }
 
     fn headers(json_len: Option<usize>) -> HeaderMap {
         let mut h = HeaderMap::new();
