@@ -12,6 +12,7 @@
 //! * [`policy`]: placement and routing policies, pure, on a virtual clock.
 //! * [`dispatch`]: the dispatcher: decisions ([`dispatch::core`]), the client
 //!   port and runtime links ([`dispatch::net`]), metrics.
+//! * [`oip`]: the Open Inference Protocol (KServe v2 / Triton) front end on the dispatcher.
 //! * [`state`]: catalog + registry, one request applied at a time (no IO).
 //! * [`placement`]: how a model's groups are sharded over memory servers (pure).
 //! * [`server`]: the tokio listener, connection handling and expiry task.
@@ -26,6 +27,7 @@
 pub mod catalog;
 pub mod client;
 pub mod dispatch;
+pub mod oip;
 pub mod placement;
 pub mod policy;
 pub mod registry;

@@ -27,6 +27,7 @@ use tokio::task::JoinSet;
 use crate::dispatch::metrics::DispatchMetrics;
 use crate::dispatch::net::DispatchNet;
 use crate::dispatch::{DispatchConfig, Dispatcher};
+use crate::oip::Frontend;
 use crate::registry::HEARTBEAT_INTERVAL_DEFAULT;
 use crate::state::ControllerState;
 
@@ -51,6 +52,12 @@ pub struct ControllerConfig {
     pub dispatch: Option<(SocketAddr, DispatchConfig)>,
     /// Prometheus scrape endpoint (`GET /metrics`, `GET /health`).
     pub metrics_listen: Option<SocketAddr>,
+    /// The Open Inference Protocol over HTTP; served only with the dispatcher.
+    pub inference_http: Option<SocketAddr>,
+    /// The Open Inference Protocol over gRPC; served only with the dispatcher.
+    pub inference_grpc: Option<SocketAddr>,
+    /// `settings/api.key`: when set, inference requests need `Bearer <key>`.
+    pub api_key: Option<String>,
 }
 
 impl ControllerConfig {
@@ -63,6 +70,9 @@ impl ControllerConfig {
             max_connections: MAX_CONNECTIONS_DEFAULT,
             dispatch: None,
             metrics_listen: None,
+            inference_http: None,
+            inference_grpc: None,
+            api_key: None,
         }
     }
 }
@@ -118,6 +128,10 @@ pub struct Controller {
     dispatch: Option<(TcpListener, Dispatcher)>,
     metrics: Option<TcpListener>,
     dispatch_metrics: Arc<DispatchMetrics>,
+    /// The Open Inference Protocol listeners (HTTP, gRPC) and the api key.
+    inference_http: Option<TcpListener>,
+    inference_grpc: Option<TcpListener>,
+    api_key: Option<String>,
 }
 
 impl Controller {
@@ -171,6 +185,25 @@ impl Controller {
                     }
                 })?),
             };
+        if dispatch.is_none()
+            && (config.inference_http.is_some() || config.inference_grpc.is_some())
+        {
+            return Err(ControllerError::Config(
+                "the inference endpoints (HTTP, gRPC) route through the dispatcher: they need it on"
+                    .into(),
+            ));
+        }
+        let bind_port = |what: &'static str, addr: Option<SocketAddr>| async move {
+            match addr {
+                None => Ok(None),
+                Some(addr) => TcpListener::bind(addr)
+                    .await
+                    .map(Some)
+                    .map_err(|source| ControllerError::BindPort { what, addr, source }),
+            }
+        };
+        let inference_http = bind_port("inference over HTTP", config.inference_http).await?;
+        let inference_grpc = bind_port("inference over gRPC", config.inference_grpc).await?;
         Ok(Controller {
             listener,
             local_addr,
@@ -183,6 +216,9 @@ impl Controller {
             dispatch,
             metrics,
             dispatch_metrics: Arc::new(DispatchMetrics::new()),
+            inference_http,
+            inference_grpc,
+            api_key: config.api_key,
         })
     }
 
@@ -201,6 +237,20 @@ impl Controller {
     /// The metrics endpoint, when enabled.
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
         self.metrics.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
+    /// The Open Inference Protocol's HTTP endpoint, when enabled.
+    pub fn inference_http_addr(&self) -> Option<SocketAddr> {
+        self.inference_http
+            .as_ref()
+            .and_then(|l| l.local_addr().ok())
+    }
+
+    /// The Open Inference Protocol's gRPC endpoint, when enabled.
+    pub fn inference_grpc_addr(&self) -> Option<SocketAddr> {
+        self.inference_grpc
+            .as_ref()
+            .and_then(|l| l.local_addr().ok())
     }
 
     /// The Prometheus text exposition (what `GET /metrics` returns).
@@ -237,6 +287,25 @@ impl Controller {
                 &mut tasks,
                 stop_rx.clone(),
             );
+            // The protocol front ends reach the same dispatcher.
+            let frontend =
+                Frontend::new(net.handle(), self.shared.state.clone(), self.api_key.take());
+            if let Some(l) = self.inference_http.take() {
+                log::info!(
+                    "inference (Open Inference Protocol, HTTP) listening on {}",
+                    addr_of(&l)
+                );
+                // HTTP_SERVE_SPOT
+                drop(l);
+            }
+            if let Some(l) = self.inference_grpc.take() {
+                log::info!(
+                    "inference (Open Inference Protocol, gRPC) listening on {}",
+                    addr_of(&l)
+                );
+                // The gRPC service: `oip::grpc::serve(l, frontend.clone(), stop_rx.clone())`.
+                drop((l, frontend));
+            }
             let key = self.shared.key.clone();
             let stop = stop_rx.clone();
             tasks.spawn(async move { net.serve_clients(listener, key, stop).await });
@@ -315,6 +384,11 @@ async fn accept_loop(
             drop(permit);
         });
     }
+}
+
+fn addr_of(l: &TcpListener) -> String {
+    l.local_addr()
+        .map_or_else(|_| "?".into(), |a| a.to_string())
 }
 
 /// Errors that say something about one connection attempt, not the listener.

@@ -19,6 +19,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -80,6 +81,10 @@ enum Event {
         client_id: u64,
         model: String,
         slo_ms: Option<u64>,
+        /// 0: the default level; 1 is the highest (Triton's convention).
+        /// The native client port always sends 0.
+        #[allow(dead_code)] // carried to the dispatcher's admission
+        priority: u32,
         trace: bool,
         input: Vec<u8>,
         permit: OwnedSemaphorePermit,
@@ -168,6 +173,17 @@ impl DispatchNet {
         DispatchNet { events: tx }
     }
 
+    /// A handle for in-process front ends (the Open Inference Protocol
+    /// servers): they submit requests to the same core task as the client
+    /// port does.
+    pub fn handle(&self) -> DispatchHandle {
+        DispatchHandle {
+            events: self.events.clone(),
+            in_flight: Arc::new(Semaphore::new(HANDLE_IN_FLIGHT_MAX)),
+            next_id: Arc::new(AtomicU64::new(1)),
+        }
+    }
+
     /// Accepts client connections until `stop`.
     pub async fn serve_clients(
         &self,
@@ -211,6 +227,65 @@ impl DispatchNet {
             }
         }
         conns.shutdown().await;
+    }
+}
+
+/// Requests all clones of one [`DispatchHandle`] may have outstanding;
+/// callers wait for a slot beyond it.
+pub const HANDLE_IN_FLIGHT_MAX: usize = 4096;
+
+/// Submits requests to the dispatcher from inside the controller process.
+/// Cloneable; every clone shares one in-flight bound.
+#[derive(Clone)]
+pub struct DispatchHandle {
+    events: mpsc::Sender<Event>,
+    in_flight: Arc<Semaphore>,
+    next_id: Arc<AtomicU64>,
+}
+
+impl DispatchHandle {
+    /// Routes one request for `model` (`input`: the runtime's input frame,
+    /// a `.npy` file) and waits for its answer: `RuntimeReply::Output` with
+    /// one frame per output name, or `RuntimeReply::Error`. A dispatcher
+    /// that has stopped answers `ShuttingDown`.
+    pub async fn infer(
+        &self,
+        model: String,
+        slo_ms: Option<u64>,
+        priority: u32,
+        input: Vec<u8>,
+    ) -> Outgoing {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let stopped = |model: &str| Outgoing {
+            reply: RuntimeReply::Error {
+                id,
+                error: ErrorReply::new(
+                    ErrorCode::ShuttingDown,
+                    format!("request for {model}: the dispatcher has stopped"),
+                ),
+            },
+            frames: Vec::new(),
+            permit: None,
+        };
+        let Ok(permit) = self.in_flight.clone().acquire_owned().await else {
+            return stopped(&model);
+        };
+        // Exactly one reply comes back per request.
+        let (tx, mut rx) = mpsc::channel(1);
+        let ev = Event::Request {
+            client: tx,
+            client_id: id,
+            model: model.clone(),
+            slo_ms,
+            priority,
+            trace: false,
+            input,
+            permit,
+        };
+        if self.events.send(ev).await.is_err() {
+            return stopped(&model);
+        }
+        rx.recv().await.unwrap_or_else(|| stopped(&model))
     }
 }
 
@@ -346,6 +421,7 @@ impl CoreTask {
                 client_id,
                 model,
                 slo_ms,
+                priority: _,
                 trace,
                 input,
                 permit,
@@ -1033,6 +1109,7 @@ async fn client_conn(
             client_id: id,
             model,
             slo_ms: deadline_ms,
+            priority: 0,
             trace,
             input,
             permit,
