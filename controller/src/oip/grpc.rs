@@ -9,7 +9,8 @@
 //! is the only form tritonclient's `as_numpy` reads.
 //!
 //! Bounds: messages up to [`Frontend::BODY_BYTES_MAX`] each way (tonic's
-//! default of 4 MiB is below what clients send), at most
+//! default of 4 MiB is below what clients send; a larger one gets
+//! RESOURCE_EXHAUSTED `too_large: ...`, as HTTP gets 413), at most
 //! [`Frontend::CONNECTIONS_MAX`] connections (further ones wait in the
 //! listen backlog), [`STREAMS_PER_CONNECTION_MAX`] concurrent calls on one
 //! connection, [`STREAM_IN_FLIGHT_MAX`] requests in flight on one
@@ -94,6 +95,7 @@ pub async fn serve(listener: TcpListener, frontend: Frontend, stop: watch::Recei
         .max_concurrent_streams(STREAMS_PER_CONNECTION_MAX)
         .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        .layer(tower::util::MapResponseLayer::new(too_large_response))
         .add_service(service)
         .serve_with_incoming_shutdown(ReceiverStream::new(conns_rx), async move {
             let _ = stop_serving.wait_for(|s| *s).await;
@@ -224,6 +226,44 @@ fn authorize(frontend: &Frontend, req: &Request<()>) -> Result<(), Status> {
 /// with the distmind error code's wire name).
 pub fn status(e: OipError) -> Status {
     Status::new(tonic::Code::from_i32(e.grpc_code()), e.message)
+}
+
+/// tonic refuses a message over the decoding limit itself, before any rpc
+/// runs, as OUT_OF_RANGE "Error, decoded message length too large: found N
+/// bytes, the limit is: M bytes". The protocol's clients (and gRPC's own
+/// implementations) say RESOURCE_EXHAUSTED for that, and every error here
+/// names its distmind code: give that status instead. Anything else is kept.
+fn too_large_status(s: &Status) -> Option<Status> {
+    const TONIC_TOO_LARGE: &str = "decoded message length too large: found ";
+    if s.code() != tonic::Code::OutOfRange {
+        return None;
+    }
+    let (_, rest) = s.message().split_once(TONIC_TOO_LARGE)?;
+    let found = rest
+        .split_once(' ')
+        .and_then(|(n, _)| n.parse::<usize>().ok());
+    Some(status(OipError::too_large(
+        "message",
+        found,
+        Frontend::BODY_BYTES_MAX,
+    )))
+}
+
+/// [`too_large_status`] on a unary call's response, where tonic puts the
+/// status in the headers (a trailers-only response).
+fn too_large_response<B>(
+    mut resp: tonic::codegen::http::Response<B>,
+) -> tonic::codegen::http::Response<B> {
+    if resp.headers().get("grpc-status").map(|v| v.as_bytes()) != Some(b"11") {
+        return resp; // fast path: success (status in the trailers) or another code
+    }
+    if let Some(s) = Status::from_header_map(resp.headers()).and_then(|s| too_large_status(&s)) {
+        // `add_header` inserts, replacing grpc-status and grpc-message.
+        if let Err(e) = s.add_header(resp.headers_mut()) {
+            log::warn!("gRPC: cannot rewrite an over-size message's status: {e}");
+        }
+    }
+    resp
 }
 
 /// The service: protobuf in, [`Frontend`] calls, protobuf out.
@@ -399,7 +439,7 @@ async fn stream_infer(
             Ok(None) => break,
             Err(e) => {
                 // A broken or over-size message ends the stream with its status.
-                let _ = out.send(Err(e)).await;
+                let _ = out.send(Err(too_large_status(&e).unwrap_or(e))).await;
                 break;
             }
         };
@@ -1112,6 +1152,33 @@ mod tests {
         assert!(resp.outputs.iter().all(|o| o.contents.is_none()));
         assert_eq!(resp.outputs[0].shape, vec![1, 2]);
         assert_eq!(resp.raw_output_contents, vec![vec![1; 8], vec![2; 4]]);
+    }
+
+    #[test]
+    fn tonics_over_size_status_becomes_resource_exhausted() {
+        let tonic_says = Status::out_of_range(
+            "Error, decoded message length too large: found 67108869 bytes, the limit is: \
+             67108864 bytes",
+        );
+        let s = too_large_status(&tonic_says).expect("rewritten");
+        assert_eq!(s.code(), tonic::Code::ResourceExhausted);
+        assert!(s.message().starts_with("too_large: "), "{}", s.message());
+        assert!(s.message().contains("67108869"), "{}", s.message());
+        assert!(s.message().contains(&Frontend::BODY_BYTES_MAX.to_string()));
+        // As a unary response: the status is in the headers.
+        let resp = too_large_response(tonic_says.into_http::<()>());
+        let s = Status::from_header_map(resp.headers()).unwrap();
+        assert_eq!(s.code(), tonic::Code::ResourceExhausted);
+        assert!(s
+            .message()
+            .starts_with("too_large: the message is 67108869 bytes"));
+        // Other statuses are left alone.
+        assert!(too_large_status(&Status::out_of_range("index 3 of 2")).is_none());
+        let other = too_large_response(Status::not_found("x").into_http::<()>());
+        assert_eq!(
+            Status::from_header_map(other.headers()).unwrap().code(),
+            tonic::Code::NotFound
+        );
     }
 
     #[test]
