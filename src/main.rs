@@ -312,6 +312,14 @@ struct ControllerCmd {
     /// The dispatcher's client port (default: 127.0.0.1:GLOBAL_LOAD_BALANCER_PORT_FOR_CLIENT of config.sh).
     #[arg(long)]
     client_listen: Option<SocketAddr>,
+    /// The Open Inference Protocol (KServe v2 / Triton) over HTTP (default:
+    /// GLOBAL_LOCAL_IP:GLOBAL_INFERENCE_HTTP_PORT of config.sh; port 0 when --client-listen has port 0).
+    #[arg(long)]
+    http_listen: Option<SocketAddr>,
+    /// The Open Inference Protocol over gRPC (default: GLOBAL_LOCAL_IP:GLOBAL_INFERENCE_GRPC_PORT;
+    /// port 0 when --client-listen has port 0).
+    #[arg(long)]
+    grpc_listen: Option<SocketAddr>,
     /// Serve the catalog and registries only: no dispatcher, no client port.
     #[arg(long)]
     no_dispatcher: bool,
@@ -491,6 +499,8 @@ fn run(command: Command) -> anyhow::Result<()> {
                 settings: &c.settings,
                 listen: c.listen,
                 client_listen: c.client_listen,
+                http_listen: c.http_listen,
+                grpc_listen: c.grpc_listen,
                 no_dispatcher: c.no_dispatcher,
                 metrics: c.metrics,
                 policy: c.policy,

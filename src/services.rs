@@ -166,6 +166,12 @@ pub struct ControllerArgs<'a> {
     pub listen: Option<SocketAddr>,
     /// The dispatcher's client port; default 127.0.0.1:<GLOBAL_LOAD_BALANCER_PORT_FOR_CLIENT>.
     pub client_listen: Option<SocketAddr>,
+    /// The Open Inference Protocol over HTTP; default
+    /// <GLOBAL_LOCAL_IP>:<GLOBAL_INFERENCE_HTTP_PORT>, or port 0 when
+    /// `client_listen` has port 0.
+    pub http_listen: Option<SocketAddr>,
+    /// The same over gRPC (<GLOBAL_INFERENCE_GRPC_PORT>).
+    pub grpc_listen: Option<SocketAddr>,
     /// Run the catalog only, no dispatcher.
     pub no_dispatcher: bool,
     pub metrics: Option<SocketAddr>,
@@ -367,6 +373,20 @@ pub fn run_controller(
             ))
         });
         config.dispatch = Some((client, dispatch_config(&settings, &args)?));
+        let (http, grpc) = inference_listen(&settings, &args)?;
+        config.inference_http = Some(http);
+        config.inference_grpc = Some(grpc);
+        config.api_key = load_api_key(&settings.dir)?;
+        if config.api_key.is_some() {
+            log::info!(
+                "{}: inference requests need `authorization: Bearer <key>`",
+                settings.dir.join(API_KEY_FILE).display()
+            );
+        }
+    } else if args.http_listen.is_some() || args.grpc_listen.is_some() {
+        anyhow::bail!(
+            "--http-listen and --grpc-listen serve inference through the dispatcher; drop them or --no-dispatcher"
+        );
     }
     config.metrics_listen = args.metrics;
     runtime()?.block_on(async move {
@@ -378,9 +398,75 @@ pub fn run_controller(
         if let Some(a) = server.metrics_addr() {
             println!("metrics listening on {a}");
         }
+        if let Some(a) = server.inference_http_addr() {
+            println!("inference http listening on {a}");
+        }
+        if let Some(a) = server.inference_grpc_addr() {
+            println!("inference grpc listening on {a}");
+        }
         server.serve(shutdown_signal()).await?;
         anyhow::Ok(())
     })
+}
+
+/// The optional api key of the inference endpoints, in the settings directory.
+pub const API_KEY_FILE: &str = "api.key";
+/// Longest accepted api key.
+const API_KEY_BYTES_MAX: usize = 4096;
+
+/// `settings/api.key`, trimmed: `None` when the file does not exist. A key
+/// goes in an HTTP header, so it must be visible ASCII without spaces.
+pub fn load_api_key(dir: &Path) -> anyhow::Result<Option<String>> {
+    let path = dir.join(API_KEY_FILE);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+    };
+    let key = text.trim();
+    anyhow::ensure!(
+        !key.is_empty() && key.len() <= API_KEY_BYTES_MAX,
+        "{}: the key is {} bytes; it must be 1..={API_KEY_BYTES_MAX} (remove the file to serve without a key)",
+        path.display(),
+        key.len()
+    );
+    anyhow::ensure!(
+        key.bytes().all(|b| b.is_ascii_graphic()),
+        "{}: the key must be visible ASCII without spaces (it is sent as `authorization: Bearer <key>`); \
+         e.g. `head -c 32 /dev/urandom | base64 > {}`",
+        path.display(),
+        path.display()
+    );
+    Ok(Some(key.to_string()))
+}
+
+/// Where the Open Inference Protocol endpoints listen: the flags, else
+/// GLOBAL_LOCAL_IP and the config.sh ports; port 0 (ephemeral) when the
+/// dispatcher's client port is ephemeral, so that clusters started side by
+/// side (`distmind up`, tests) never collide.
+fn inference_listen(
+    settings: &Settings,
+    args: &ControllerArgs<'_>,
+) -> anyhow::Result<(SocketAddr, SocketAddr)> {
+    let ephemeral = args.client_listen.is_some_and(|a| a.port() == 0);
+    let default = |port: u16| -> anyhow::Result<SocketAddr> {
+        let ip: std::net::IpAddr = settings.config.local_ip.parse().with_context(|| {
+            format!(
+                "GLOBAL_LOCAL_IP {:?} of config.sh is not an IP address to listen on; pass --http-listen and --grpc-listen",
+                settings.config.local_ip
+            )
+        })?;
+        Ok(SocketAddr::new(ip, if ephemeral { 0 } else { port }))
+    };
+    let http = match args.http_listen {
+        Some(a) => a,
+        None => default(settings.config.inference_http_port)?,
+    };
+    let grpc = match args.grpc_listen {
+        Some(a) => a,
+        None => default(settings.config.inference_grpc_port)?,
+    };
+    Ok((http, grpc))
 }
 
 pub struct RuntimeArgs<'a> {

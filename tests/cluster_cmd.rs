@@ -19,7 +19,8 @@ fn free_ports(n: usize) -> Vec<u16> {
 }
 
 /// The shipped settings in `dir/settings`, the metadata endpoint, the two
-/// memory servers, the client port and the cache port moved to `ports`.
+/// memory servers, the client port, the cache port and the inference ports
+/// (HTTP, gRPC) moved to `ports`.
 fn settings_copy(dir: &Path, ports: &[u16]) -> PathBuf {
     copy_settings(dir, |name, text| {
         Some(match name {
@@ -33,7 +34,9 @@ fn settings_copy(dir: &Path, ports: &[u16]) -> PathBuf {
             "config.sh" => text
                 .replace("=7777", &format!("={}", ports[0]))
                 .replace("=9999", &format!("={}", ports[3]))
-                .replace("=10009", &format!("={}", ports[4])),
+                .replace("=10009", &format!("={}", ports[4]))
+                .replace("=8000", &format!("={}", ports[5]))
+                .replace("=8001", &format!("={}", ports[6])),
             _ => return None,
         })
     })
@@ -69,7 +72,7 @@ const SMALL: [&str; 4] = ["--memserver-capacity", "64MiB", "--cache", "128MiB"];
 #[test]
 fn up_status_down_start_and_stop_exactly_the_cluster() {
     let tmp = tempfile::tempdir().unwrap();
-    let settings = settings_copy(tmp.path(), &free_ports(5));
+    let settings = settings_copy(tmp.path(), &free_ports(7));
     let run = tmp.path().join("run");
     let _down = Down(run.clone());
     let (ok, out, err) = cluster("up", &settings, &run, &SMALL);
@@ -104,7 +107,7 @@ fn up_status_down_start_and_stop_exactly_the_cluster() {
 #[test]
 fn a_service_that_cannot_start_stops_the_bring_up_and_what_was_started() {
     let tmp = tempfile::tempdir().unwrap();
-    let ports = free_ports(5);
+    let ports = free_ports(7);
     let settings = settings_copy(tmp.path(), &ports);
     let run = tmp.path().join("run");
     let _down = Down(run.clone());
@@ -182,7 +185,7 @@ fn free_offset(ports: &[u16]) -> u16 {
 #[test]
 fn remote_mode_needs_username_txt() {
     let tmp = tempfile::tempdir().unwrap();
-    let settings = remote_copy(tmp.path(), &free_ports(5));
+    let settings = remote_copy(tmp.path(), &free_ports(7));
     std::fs::remove_file(settings.join("username.txt")).unwrap();
     let run = tmp.path().join("run");
     let (ok, out, err) = cluster("up", &settings, &run, &SMALL);
@@ -196,7 +199,7 @@ fn remote_mode_needs_username_txt() {
 #[test]
 fn remote_mode_names_the_host_ssh_cannot_reach() {
     let tmp = tempfile::tempdir().unwrap();
-    let settings = remote_copy(tmp.path(), &free_ports(5));
+    let settings = remote_copy(tmp.path(), &free_ports(7));
     let run = tmp.path().join("run");
     let ssh = fake_ssh(
         tmp.path(),
@@ -222,7 +225,7 @@ fn remote_mode_names_the_host_ssh_cannot_reach() {
 #[test]
 fn remote_mode_over_a_local_ssh_stand_in_starts_and_stops_by_pid() {
     let tmp = tempfile::tempdir().unwrap();
-    let ports = free_ports(5);
+    let ports = free_ports(7);
     let settings = remote_copy(tmp.path(), &ports);
     let run = tmp.path().join("run");
     let _down = Down(run.clone());
@@ -299,7 +302,7 @@ fn remote_mode_over_a_local_ssh_stand_in_starts_and_stops_by_pid() {
 #[test]
 fn remote_mode_shows_the_remote_log_of_a_service_that_fails_and_stops_the_rest() {
     let tmp = tempfile::tempdir().unwrap();
-    let ports = free_ports(5);
+    let ports = free_ports(7);
     let settings = remote_copy(tmp.path(), &ports);
     let run = tmp.path().join("run");
     let _down = Down(run.clone());

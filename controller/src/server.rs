@@ -27,7 +27,7 @@ use tokio::task::JoinSet;
 use crate::dispatch::metrics::DispatchMetrics;
 use crate::dispatch::net::DispatchNet;
 use crate::dispatch::{DispatchConfig, Dispatcher};
-use crate::oip::Frontend;
+use crate::oip::{self, Frontend};
 use crate::registry::HEARTBEAT_INTERVAL_DEFAULT;
 use crate::state::ControllerState;
 
@@ -295,8 +295,7 @@ impl Controller {
                     "inference (Open Inference Protocol, HTTP) listening on {}",
                     addr_of(&l)
                 );
-                // HTTP_SERVE_SPOT
-                drop(l);
+                tasks.spawn(oip::http::serve(l, frontend.clone(), stop_rx.clone()));
             }
             if let Some(l) = self.inference_grpc.take() {
                 log::info!(

@@ -10,7 +10,7 @@
 //!
 //! | service | runs on | listens on | metrics |
 //! |---|---|---|---|
-//! | controller | metadata host (storage_list.txt, first line) | metadata endpoint; dispatcher on `GLOBAL_LOAD_BALANCER_PORT_FOR_CLIENT` | metadata port + offset |
+//! | controller | metadata host (storage_list.txt, first line) | metadata endpoint; dispatcher on `GLOBAL_LOAD_BALANCER_PORT_FOR_CLIENT`; inference on `GLOBAL_INFERENCE_HTTP_PORT`, `GLOBAL_INFERENCE_GRPC_PORT` | metadata port + offset |
 //! | memserver-N | its storage_list.txt line | that `host:port` | port + offset |
 //! | runtime-N | its serverhost_list.txt line | `host:GLOBAL_CAHCE_PORT_FOR_SERVER`, `slots` devices | cache port + offset |
 //!
@@ -162,6 +162,13 @@ pub(super) fn plan(
             );
             c.listen("--listen", "controller", meta, &mut ports)?;
             c.listen("--client-listen", "dispatcher", &client, &mut ports)?;
+            for (flag, label, port) in [
+                ("--http-listen", "inference http", settings.config.inference_http_port),
+                ("--grpc-listen", "inference grpc", settings.config.inference_grpc_port),
+            ] {
+                let ep = Endpoint::new(meta.host.clone(), port);
+                c.listen(flag, label, &ep, &mut ports)?;
+            }
             c.listen(
                 "--metrics",
                 "metrics",

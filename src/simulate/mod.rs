@@ -391,6 +391,8 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<Outcome> {
         settings: &a.settings,
         listen: None,
         client_listen: None,
+        http_listen: None,
+        grpc_listen: None,
         no_dispatcher: false,
         metrics: None,
         policy,

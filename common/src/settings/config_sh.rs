@@ -66,6 +66,12 @@ pub struct ConfigSh {
     pub training_port: u16,
     /// `GLOBAL_SERVER_PORT_FOR_INDEX` (7000).
     pub server_port_for_index: u16,
+    /// `GLOBAL_INFERENCE_HTTP_PORT` (8000): the Open Inference Protocol
+    /// over HTTP, on the controller's host (Triton's default port).
+    pub inference_http_port: u16,
+    /// `GLOBAL_INFERENCE_GRPC_PORT` (8001): the Open Inference Protocol
+    /// over gRPC, on the controller's host (Triton's default port).
+    pub inference_grpc_port: u16,
     /// `GLOBAL_NUM_MODELS` (128).
     pub num_models: u32,
     /// `GLOBAL_NUM_REQUEST` (1000): requests per client thread; 0 = unlimited.
@@ -100,6 +106,8 @@ pub const KNOWN_KEYS: &[&str] = &[
     "GLOBAL_CACHE_PORT_FOR_SERVER",
     "GLOBAL_TRAINING_PORT",
     "GLOBAL_SERVER_PORT_FOR_INDEX",
+    "GLOBAL_INFERENCE_HTTP_PORT",
+    "GLOBAL_INFERENCE_GRPC_PORT",
     "GLOBAL_NUM_MODELS",
     "GLOBAL_NUM_REQUEST",
     "MODE",
@@ -183,6 +191,8 @@ impl ConfigSh {
             cache_port_for_server: typed.port(cache_key, 10009)?,
             training_port: typed.port("GLOBAL_TRAINING_PORT", 9998)?,
             server_port_for_index: typed.port("GLOBAL_SERVER_PORT_FOR_INDEX", 7000)?,
+            inference_http_port: typed.port("GLOBAL_INFERENCE_HTTP_PORT", 8000)?,
+            inference_grpc_port: typed.port("GLOBAL_INFERENCE_GRPC_PORT", 8001)?,
             num_models: typed
                 .num::<u32>("GLOBAL_NUM_MODELS", Some(128), 1, u32::MAX as u64)?
                 .unwrap_or(128),
@@ -606,12 +616,25 @@ GPU_LIST="0 1"
     }
 
     #[test]
+    fn inference_ports() {
+        let c = parse("GLOBAL_INFERENCE_HTTP_PORT=18000\nGLOBAL_INFERENCE_GRPC_PORT=18001\n").unwrap();
+        assert_eq!((c.inference_http_port, c.inference_grpc_port), (18000, 18001));
+        assert_eq!(c.unknown_keys().count(), 0);
+        let e = parse("\nGLOBAL_INFERENCE_GRPC_PORT=80010").unwrap_err().to_string();
+        assert!(
+            e.contains(":2") && e.contains("GLOBAL_INFERENCE_GRPC_PORT") && e.contains("1..=65535"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn defaults_when_absent() {
         let c = parse("").unwrap();
         assert_eq!(c.metadata_ip, "127.0.0.1");
         assert_eq!(c.metadata_port, 7777);
         assert_eq!(c.cache_port_for_server, 10009);
         assert_eq!(c.train_controller_port_for_training, 8015);
+        assert_eq!((c.inference_http_port, c.inference_grpc_port), (8000, 8001));
         assert_eq!(c.mode, Mode::Local);
         assert_eq!((c.world_size, c.gpu_list.clone()), (1, vec![0]));
         let c = parse("WORLD_SIZE=3").unwrap();

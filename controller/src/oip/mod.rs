@@ -13,9 +13,12 @@
 //! gRPC code, and a message that starts with the distmind error code's wire
 //! name (`unknown_model: ...`) and names what was wrong.
 
+pub mod http;
+
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
+use distmind_common::limits::CONTROL_FRAME_BYTES_MAX;
 use distmind_common::proto::{ErrorCode, ErrorReply, RuntimeReply};
 use serde::Deserialize;
 
@@ -727,7 +730,24 @@ impl Signature {
         }
         t.check_size()?;
         let shape: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
-        Ok(npy::encode(t.datatype, &shape, &t.data))
+        let frame = npy::encode(t.datatype, &shape, &t.data);
+        // The GPU servers take one input frame of at most this many bytes.
+        let max = CONTROL_FRAME_BYTES_MAX as usize;
+        if frame.len() > max {
+            return Err(OipError {
+                kind: ErrorKind::TooLarge,
+                message: format!(
+                    "too_large: model {} input {} {:?} is {} bytes as the GPU server's input frame, over \
+                     its limit of {max} bytes ({} MiB); send a smaller batch",
+                    self.model,
+                    t.name,
+                    t.shape,
+                    frame.len(),
+                    max >> 20
+                ),
+            });
+        }
+        Ok(frame)
     }
 
     /// The output names to return, in order; unknown names are errors.
@@ -891,3 +911,6 @@ mod npy {
         Ok((datatype, shape, data.to_vec()))
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,304 @@
+"""The Open Inference Protocol over HTTP, checked with tritonclient.http and
+raw requests against a running cluster (see tests/oip.rs for the arguments).
+
+Checks: live, ready, server metadata, model metadata and readiness, the
+repository index; infer with JSON tensors and with the binary tensor data
+extension for every model, outputs equal to `distmind infer`'s; a wrong
+shape, an unknown model, an over-size body and a missing token each get the
+protocol's error (status and a message naming the problem), and the server
+keeps serving after each.
+"""
+
+import argparse
+import http.client
+import json
+import os
+import sys
+
+import numpy as np
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+# Frontend::BODY_BYTES_MAX of controller/src/oip/mod.rs.
+BODY_BYTES_MAX = 64 << 20
+
+args = argparse.ArgumentParser()
+args.add_argument("--url", required=True, help="HOST:PORT of the HTTP endpoint")
+args.add_argument("--models-dir", required=True)
+args.add_argument("--expected-dir", required=True)
+args.add_argument("--token", default=None)
+args = args.parse_args()
+
+AUTH = {"authorization": f"Bearer {args.token}"} if args.token else {}
+with open(os.path.join(args.expected_dir, "models.json")) as f:
+    MODELS = json.load(f)
+
+failures = []
+
+
+def check(cond, what):
+    print(("ok    " if cond else "FAIL  ") + what, flush=True)
+    if not cond:
+        failures.append(what)
+
+
+def raw(method, path, body=None, headers=None):
+    """(status, headers, body bytes) of one plain HTTP request."""
+    host, port = args.url.rsplit(":", 1)
+    c = http.client.HTTPConnection(host, int(port), timeout=120)
+    h = dict(AUTH)
+    h.update(headers or {})
+    c.request(method, path, body=body, headers=h)
+    r = c.getresponse()
+    data = r.read()
+    c.close()
+    return r.status, {k.lower(): v for k, v in r.getheaders()}, data
+
+
+def error_of(status, headers, data):
+    """The `error` of a protocol error body, or None."""
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return None
+    return body.get("error") if isinstance(body, dict) else None
+
+
+def close(got, want):
+    """As tests/runtime.rs compares the GPU server with `distmind infer`."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False
+    if want.dtype.kind == "f":
+        return bool(np.all(np.abs(got - want) <= 1e-6 * np.maximum(np.abs(want), 1.0)))
+    return bool(np.array_equal(got, want))
+
+
+def load(name):
+    return np.load(os.path.join(args.expected_dir, name))
+
+
+client = httpclient.InferenceServerClient(url=args.url, network_timeout=120.0)
+
+# --- health and metadata -----------------------------------------------------
+check(client.is_server_live(headers=AUTH), "server live")
+check(client.is_server_ready(headers=AUTH), "server ready")
+s, h, d = raw("GET", "/v2/health/live")
+check(s == 200 and json.loads(d) == {"live": True}, f"GET /v2/health/live -> {s} {d!r}")
+s, h, d = raw("GET", "/v2/health/ready")
+check(s == 200 and json.loads(d) == {"ready": True}, f"GET /v2/health/ready -> {s} {d!r}")
+
+meta = client.get_server_metadata(headers=AUTH)
+check(
+    isinstance(meta.get("name"), str)
+    and isinstance(meta.get("version"), str)
+    and "binary_tensor_data" in meta.get("extensions", []),
+    f"server metadata {meta}",
+)
+
+index = client.get_model_repository_index(headers=AUTH)
+names = sorted(m["name"] for m in MODELS)
+check(
+    isinstance(index, list)
+    and sorted(e["name"] for e in index) == names
+    and all(e["state"] == "READY" and isinstance(e.get("version"), str) for e in index),
+    f"repository index {index}",
+)
+s, h, d = raw("POST", "/v2/repository/index", body=b'{"ready": true}')
+check(s == 200 and sorted(e["name"] for e in json.loads(d)) == names, f"ready-only index -> {s}")
+
+for m in MODELS:
+    name = m["name"]
+    md = client.get_model_metadata(name, headers=AUTH)
+    want_inputs = [
+        {"name": t["name"], "datatype": t["datatype"], "shape": [-1] + t["shape"][1:]}
+        for t in m["inputs"]
+    ]
+    got_inputs = [{"name": t["name"], "datatype": t["datatype"], "shape": t["shape"]} for t in md["inputs"]]
+    got_outputs = [(t["name"], t["datatype"], len(t["shape"])) for t in md["outputs"]]
+    want_outputs = [(t["name"], t["datatype"], len(t["shape"])) for t in m["outputs"]]
+    check(
+        md["name"] == name
+        and md["platform"]
+        and len(md["versions"]) == 1
+        and got_inputs == want_inputs
+        and got_outputs == want_outputs
+        and all(t["shape"][0] == -1 for t in md["outputs"]),
+        f"{name}: model metadata {md}",
+    )
+    version = md["versions"][0]
+    check(client.is_model_ready(name, headers=AUTH), f"{name}: model ready")
+    check(client.is_model_ready(name, model_version=version, headers=AUTH), f"{name}: version {version} ready")
+    s, h, d = raw("GET", f"/v2/models/{name}/versions/{version}")
+    check(s == 200 and json.loads(d)["name"] == name, f"{name}: metadata of version {version} -> {s}")
+    s, h, d = raw("GET", f"/v2/models/{name}/versions/no-such-version")
+    err = error_of(s, h, d)
+    check(s == 404 and err and "no-such-version" in err, f"{name}: unknown version -> {s} {err}")
+
+
+# --- infer ----------------------------------------------------------------------
+def infer_ok(m, binary):
+    name = m["name"]
+    x = load(f"{name}.input.npy")
+    spec = m["inputs"][0]
+    inp = httpclient.InferInput(spec["name"], list(x.shape), spec["datatype"])
+    inp.set_data_from_numpy(x, binary_data=binary)
+    outs = [httpclient.InferRequestedOutput(o["name"], binary_data=binary) for o in m["outputs"]]
+    r = client.infer(name, [inp], outputs=outs, request_id="req-1", headers=AUTH)
+    resp = r.get_response()
+    good = resp["model_name"] == name and resp.get("id") == "req-1"
+    for o in m["outputs"]:
+        got = r.as_numpy(o["name"])
+        want = load(f"{name}.{o['name']}.npy")
+        good = good and got is not None and close(got, want)
+        if got is not None and not close(got, want):
+            print(f"      {o['name']}: got {got.dtype}{got.shape}, want {want.dtype}{want.shape}")
+    return good
+
+
+for m in MODELS:
+    for binary in (False, True):
+        check(infer_ok(m, binary), f"{m['name']}: infer ({'binary' if binary else 'JSON'}) equals distmind infer")
+
+# No `outputs`: every output, binary as asked request-wide.
+m = MODELS[0]
+x = load(f"{m['name']}.input.npy")
+body = json.dumps(
+    {
+        "inputs": [
+            {
+                "name": m["inputs"][0]["name"],
+                "datatype": m["inputs"][0]["datatype"],
+                "shape": list(x.shape),
+                "data": x.flatten().tolist(),
+            }
+        ],
+        "parameters": {"slo_ms": 60000, "priority": 1},
+    }
+).encode()
+s, h, d = raw("POST", f"/v2/models/{m['name']}/infer", body=body)
+resp = json.loads(d) if s == 200 else {}
+got = {o["name"]: np.array(o["data"], dtype=np.float32).reshape(o["shape"]) for o in resp.get("outputs", [])}
+check(
+    s == 200
+    and h.get("content-type") == "application/json"
+    and all(close(got.get(o["name"]), load(f"{m['name']}.{o['name']}.npy")) for o in m["outputs"]),
+    f"{m['name']}: raw JSON infer with slo_ms and priority -> {s}",
+)
+
+# --- errors, each followed by a good request ----------------------------------
+cnn = next(m for m in MODELS if m["inputs"][0]["datatype"] == "FP32")
+
+
+def still_serving(after):
+    check(infer_ok(cnn, True), f"still serving after {after}")
+
+
+def expect_error(what, call, status, words):
+    try:
+        call()
+        check(False, f"{what}: no error raised")
+        return
+    except InferenceServerException as e:
+        msg = e.message() or ""
+        check(
+            e.status() == str(status) and all(w in msg for w in words),
+            f"{what}: tritonclient raises {e.status()} {msg!r}",
+        )
+
+
+x = load(f"{cnn['name']}.input.npy")
+spec = cnn["inputs"][0]
+bad = np.zeros([1] + [d + 1 for d in x.shape[1:]], dtype=np.float32)
+
+
+def infer_bad_shape():
+    i = httpclient.InferInput(spec["name"], list(bad.shape), "FP32")
+    i.set_data_from_numpy(bad)
+    client.infer(cnn["name"], [i], headers=AUTH)
+
+
+expect_error("wrong shape", infer_bad_shape, 400, ["bad_request", "shape", str(list(bad.shape))])
+i = {"name": spec["name"], "datatype": "FP32", "shape": list(bad.shape), "data": bad.flatten().tolist()}
+s, h, d = raw("POST", f"/v2/models/{cnn['name']}/infer", body=json.dumps({"inputs": [i]}).encode())
+err = error_of(s, h, d)
+check(s == 400 and err and "shape" in err and "bad_request" in err, f"wrong shape -> {s} {err}")
+still_serving("a wrong shape")
+
+
+def infer_unknown():
+    i = httpclient.InferInput(spec["name"], list(x.shape), "FP32")
+    i.set_data_from_numpy(x)
+    client.infer("no_such_model", [i], headers=AUTH)
+
+
+expect_error("unknown model", infer_unknown, 404, ["unknown_model", "no_such_model"])
+s, h, d = raw("GET", "/v2/models/no_such_model")
+err = error_of(s, h, d)
+check(s == 404 and err and "no_such_model" in err, f"metadata of an unknown model -> {s} {err}")
+s, h, d = raw("GET", "/v2/models/no_such_model/ready")
+check(s == 404, f"readiness of an unknown model -> {s}")
+check(not client.is_model_ready("no_such_model", headers=AUTH), "unknown model not ready")
+still_serving("an unknown model")
+
+big = np.zeros([BODY_BYTES_MAX // (4 * int(np.prod(x.shape[1:]))) + 1] + list(x.shape[1:]), dtype=np.float32)
+
+
+def infer_big():
+    i = httpclient.InferInput(spec["name"], list(big.shape), "FP32")
+    i.set_data_from_numpy(big)
+    client.infer(cnn["name"], [i], headers=AUTH)
+
+
+expect_error("over-size body", infer_big, 413, ["too_large", str(BODY_BYTES_MAX)])
+s, h, d = raw("POST", f"/v2/models/{cnn['name']}/infer", body=b"0" * (BODY_BYTES_MAX + 1))
+err = error_of(s, h, d)
+check(s == 413 and err and str(BODY_BYTES_MAX) in err, f"over-size body -> {s} {err}")
+still_serving("an over-size body")
+
+# Within the body bound, over the GPU servers' 16 MiB input frame.
+wide = np.zeros([(16 << 20) // (4 * int(np.prod(x.shape[1:]))) + 1] + list(x.shape[1:]), dtype=np.float32)
+
+
+def infer_wide():
+    i = httpclient.InferInput(spec["name"], list(wide.shape), "FP32")
+    i.set_data_from_numpy(wide)
+    client.infer(cnn["name"], [i], headers=AUTH)
+
+
+expect_error("over-size batch", infer_wide, 413, ["too_large", "smaller batch"])
+still_serving("an over-size batch")
+
+if args.token:
+    s, h, d = raw("POST", f"/v2/models/{cnn['name']}/infer", body=b"{}", headers={"authorization": ""})
+    err = error_of(s, h, d)
+    check(s == 401 and err and "unauthenticated" in err, f"empty token -> {s} {err}")
+    host, port = args.url.rsplit(":", 1)
+    c = http.client.HTTPConnection(host, int(port), timeout=60)
+    c.request("GET", "/v2/models/" + cnn["name"])
+    r = c.getresponse()
+    err = error_of(r.status, {}, r.read())
+    check(r.status == 401 and err and "api key" in err, f"no token -> {r.status} {err}")
+    s, h, d = raw("GET", "/v2", headers={"authorization": "Bearer wrong-key"})
+    err = error_of(s, h, d)
+    check(s == 401 and err and "not this server's api key" in err, f"wrong token -> {s} {err}")
+    def infer_no_token():
+        i = httpclient.InferInput(spec["name"], list(x.shape), "FP32")
+        i.set_data_from_numpy(x)
+        client.infer(cnn["name"], [i])
+
+    expect_error("missing token", infer_no_token, 401, ["unauthenticated"])
+    check(not client.is_server_live(), "live without the token is refused")
+    still_serving("a missing token")
+
+s, h, d = raw("GET", "/v2/nowhere")
+err = error_of(s, h, d)
+check(s == 404 and err and "/v2/nowhere" in err, f"unknown path -> {s} {err}")
+s, h, d = raw("POST", f"/v2/models/{cnn['name']}/infer", body=b"{not json")
+err = error_of(s, h, d)
+check(s == 400 and err and "not JSON" in err, f"malformed JSON -> {s} {err}")
+still_serving("malformed requests")
+
+if failures:
+    print(f"{len(failures)} checks failed:", *failures, sep="\n  ")
+    sys.exit(1)
+print("all HTTP checks passed")
