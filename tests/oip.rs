@@ -22,7 +22,13 @@ use distmind_models::{Dtype, Package};
 use distmind_runtime::npy::write_npy;
 use support::*;
 
-const FAMILIES: [&str; 5] = ["resnet152", "densenet201", "inception_v3", "bert_base", "gpt2"];
+const FAMILIES: [&str; 5] = [
+    "resnet152",
+    "densenet201",
+    "inception_v3",
+    "bert_base",
+    "gpt2",
+];
 const API_KEY: &str = "oip-test-key-0123456789";
 
 /// The venv, reused by later runs: under the build directory, nothing
@@ -74,7 +80,9 @@ fn python_with_tritonclient() -> Result<PathBuf, String> {
     let (reachable, why) = sh(Command::new(&py).args(["-c", &probe]));
     if !reachable {
         let last = why.lines().last().unwrap_or("").to_string();
-        return Err(format!("the package index {index} cannot be reached: {last}"));
+        return Err(format!(
+            "the package index {index} cannot be reached: {last}"
+        ));
     }
     let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join("pip-cache");
     let (ok, out) = sh(Command::new(&py)
@@ -88,7 +96,10 @@ fn python_with_tritonclient() -> Result<PathBuf, String> {
             "numpy",
         ])
         .env("PIP_CACHE_DIR", &cache));
-    assert!(ok, "pip install tritonclient[http,grpc] numpy failed:\n{out}");
+    assert!(
+        ok,
+        "pip install tritonclient[http,grpc] numpy failed:\n{out}"
+    );
     let (ok, out) = sh(Command::new(&py).args(["-c", imports]));
     assert!(ok, "tritonclient installed but does not import:\n{out}");
     Ok(py)
@@ -131,9 +142,7 @@ fn expected_for(pkg_dir: &Path, dir: &Path) -> serde_json::Value {
         };
         std::fs::rename(&written, dir.join(format!("{}.{}.npy", m.name, o.name))).unwrap();
     }
-    let tensor = |name: &str, d: Dtype, shape: &[usize]| {
-        serde_json::json!({"name": name, "datatype": dtype_name(d), "shape": shape})
-    };
+    let tensor = |name: &str, d: Dtype, shape: &[usize]| serde_json::json!({"name": name, "datatype": dtype_name(d), "shape": shape});
     serde_json::json!({
         "name": m.name,
         "family": serde_json::to_value(&m.family).unwrap(),
@@ -207,10 +216,18 @@ fn tritonclient_speaks_to_the_cluster() {
         })
         .collect();
     scripts.sort();
-    assert!(!scripts.is_empty(), "no check_*.py in {}", scripts_dir.display());
+    assert!(
+        !scripts.is_empty(),
+        "no check_*.py in {}",
+        scripts_dir.display()
+    );
     for script in &scripts {
         let name = script.file_name().unwrap().to_string_lossy().into_owned();
-        let url = if name.starts_with("check_grpc") { grpc } else { http };
+        let url = if name.starts_with("check_grpc") {
+            grpc
+        } else {
+            http
+        };
         let out = Command::new(&py)
             .arg(script)
             .args(["--url", url, "--models-dir"])
@@ -226,6 +243,10 @@ fn tritonclient_speaks_to_the_cluster() {
             String::from_utf8_lossy(&out.stderr)
         );
         println!("--- {name} against {url}:\n{text}");
-        assert!(out.status.success(), "{name} failed ({}):\n{text}", out.status);
+        assert!(
+            out.status.success(),
+            "{name} failed ({}):\n{text}",
+            out.status
+        );
     }
 }

@@ -163,8 +163,16 @@ pub(super) fn plan(
             c.listen("--listen", "controller", meta, &mut ports)?;
             c.listen("--client-listen", "dispatcher", &client, &mut ports)?;
             for (flag, label, port) in [
-                ("--http-listen", "inference http", settings.config.inference_http_port),
-                ("--grpc-listen", "inference grpc", settings.config.inference_grpc_port),
+                (
+                    "--http-listen",
+                    "inference http",
+                    settings.config.inference_http_port,
+                ),
+                (
+                    "--grpc-listen",
+                    "inference grpc",
+                    settings.config.inference_grpc_port,
+                ),
             ] {
                 let ep = Endpoint::new(meta.host.clone(), port);
                 c.listen(flag, label, &ep, &mut ports)?;

@@ -617,10 +617,16 @@ GPU_LIST="0 1"
 
     #[test]
     fn inference_ports() {
-        let c = parse("GLOBAL_INFERENCE_HTTP_PORT=18000\nGLOBAL_INFERENCE_GRPC_PORT=18001\n").unwrap();
-        assert_eq!((c.inference_http_port, c.inference_grpc_port), (18000, 18001));
+        let c =
+            parse("GLOBAL_INFERENCE_HTTP_PORT=18000\nGLOBAL_INFERENCE_GRPC_PORT=18001\n").unwrap();
+        assert_eq!(
+            (c.inference_http_port, c.inference_grpc_port),
+            (18000, 18001)
+        );
         assert_eq!(c.unknown_keys().count(), 0);
-        let e = parse("\nGLOBAL_INFERENCE_GRPC_PORT=80010").unwrap_err().to_string();
+        let e = parse("\nGLOBAL_INFERENCE_GRPC_PORT=80010")
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains(":2") && e.contains("GLOBAL_INFERENCE_GRPC_PORT") && e.contains("1..=65535"),
             "{e}"

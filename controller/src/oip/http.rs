@@ -154,8 +154,7 @@ async fn refuse(stream: &mut tokio::net::TcpStream) {
 
 /// `{"error": message}` with the error's status.
 fn error(e: OipError) -> Response {
-    let status =
-        StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let status = StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     (status, json_body(&json!({"error": e.message}))).into_response()
 }
 
@@ -264,7 +263,8 @@ async fn model_ready(State(fe): State<Frontend>, Path(p): Path<ModelPath>) -> Re
             format!(
                 "model {} is not ready: {}",
                 p.model,
-                fe.ready_reason().unwrap_or_else(|| "it just became ready".into())
+                fe.ready_reason()
+                    .unwrap_or_else(|| "it just became ready".into())
             ),
         )),
         Err(e) => error(e),
@@ -349,7 +349,8 @@ async fn read_body(headers: &HeaderMap, body: Body) -> Result<Bytes, OipError> {
     let mut body = body;
     let mut out = Vec::new();
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| OipError::bad_request(format!("cannot read the body: {e}")))?;
+        let frame =
+            frame.map_err(|e| OipError::bad_request(format!("cannot read the body: {e}")))?;
         if let Ok(data) = frame.into_data() {
             if out.len() + data.len() > max {
                 drain(body).await;
@@ -511,10 +512,9 @@ fn parse_infer(
         Some(Value::Array(outs)) => {
             let mut names = Vec::with_capacity(outs.len());
             for (i, out) in outs.iter().enumerate() {
-                let name = out
-                    .get("name")
-                    .and_then(Value::as_str)
-                    .ok_or_else(|| OipError::bad_request(format!("outputs[{i}] needs a \"name\"")))?;
+                let name = out.get("name").and_then(Value::as_str).ok_or_else(|| {
+                    OipError::bad_request(format!("outputs[{i}] needs a \"name\""))
+                })?;
                 let p = parameters(out.get("parameters"), &format!("output {name}"))?;
                 match p.get("binary_data") {
                     None => {}
@@ -608,11 +608,14 @@ fn parse_input(i: usize, t: &Value, blobs: &mut &[u8]) -> Result<Tensor, OipErro
     let params = parameters(t.get("parameters"), &format!("input {name}"))?;
     let data = match params.get("binary_data_size") {
         Some(size) => {
-            let n = size.as_u64().and_then(|n| usize::try_from(n).ok()).ok_or_else(|| {
-                OipError::bad_request(format!(
-                    "input {name}: \"binary_data_size\" must be a byte count, got {size}"
-                ))
-            })?;
+            let n = size
+                .as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .ok_or_else(|| {
+                    OipError::bad_request(format!(
+                        "input {name}: \"binary_data_size\" must be a byte count, got {size}"
+                    ))
+                })?;
             if n > blobs.len() {
                 return Err(OipError::bad_request(format!(
                     "input {name}: binary_data_size {n}, but {} bytes of binary data remain \
@@ -654,9 +657,7 @@ fn json_to_raw(name: &str, dt: Datatype, shape: &[i64], data: &Value) -> Result<
             flat.len()
         )));
     }
-    let bad = |v: &Value| {
-        OipError::bad_request(format!("input {name}: {v} is not a {dt} value"))
-    };
+    let bad = |v: &Value| OipError::bad_request(format!("input {name}: {v} is not a {dt} value"));
     let mut out = Vec::with_capacity(n * dt.element_bytes().unwrap_or(8));
     for v in flat {
         match dt {
@@ -733,15 +734,13 @@ fn raw_to_json(t: &Tensor) -> Result<Vec<Value>, OipError> {
         Datatype::Bf16 => each::<2>(d, |b| {
             json!(f32::from_bits((u16::from_le_bytes(b) as u32) << 16))
         }),
-        Datatype::F16 | Datatype::Bytes => {
-            return Err(OipError::code(
-                distmind_common::proto::ErrorCode::Unsupported,
-                format!(
-                    "output {}: {} is returned as binary only; ask for it with parameters.binary_data",
-                    t.name, t.datatype
-                ),
-            ))
-        }
+        Datatype::F16 | Datatype::Bytes => return Err(OipError::code(
+            distmind_common::proto::ErrorCode::Unsupported,
+            format!(
+                "output {}: {} is returned as binary only; ask for it with parameters.binary_data",
+                t.name, t.datatype
+            ),
+        )),
     })
 }
 

@@ -9,7 +9,10 @@ fn datatypes_round_trip_their_protocol_names() {
     assert_eq!(Datatype::Bytes.element_bytes(), None);
     let e = Datatype::parse("FLOAT32").unwrap_err();
     assert_eq!(e.http_status(), 400);
-    assert!(e.message.contains("\"FLOAT32\"") && e.message.contains("FP32"), "{e}");
+    assert!(
+        e.message.contains("\"FLOAT32\"") && e.message.contains("FP32"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -36,10 +39,19 @@ fn every_error_code_maps_to_a_status_and_keeps_its_name() {
         assert_eq!(e.message, format!("{}: what went wrong", code.as_str()));
     }
     let e = OipError::too_large("request body", Some(70 << 20), Frontend::BODY_BYTES_MAX);
-    assert_eq!((e.http_status(), e.grpc_code()), (413, grpc_code::RESOURCE_EXHAUSTED));
-    assert!(e.message.contains(&Frontend::BODY_BYTES_MAX.to_string()), "{e}");
+    assert_eq!(
+        (e.http_status(), e.grpc_code()),
+        (413, grpc_code::RESOURCE_EXHAUSTED)
+    );
+    assert!(
+        e.message.contains(&Frontend::BODY_BYTES_MAX.to_string()),
+        "{e}"
+    );
     let e = OipError::unauthenticated("no key");
-    assert_eq!((e.http_status(), e.grpc_code()), (401, grpc_code::UNAUTHENTICATED));
+    assert_eq!(
+        (e.http_status(), e.grpc_code()),
+        (401, grpc_code::UNAUTHENTICATED)
+    );
 }
 
 #[test]
@@ -50,20 +62,32 @@ fn tensor_sizes_are_checked() {
         shape,
         data,
     };
-    assert!(t(Datatype::F32, vec![2, 3], vec![0; 24]).check_size().is_ok());
-    let e = t(Datatype::F32, vec![2, 3], vec![0; 20]).check_size().unwrap_err();
+    assert!(t(Datatype::F32, vec![2, 3], vec![0; 24])
+        .check_size()
+        .is_ok());
+    let e = t(Datatype::F32, vec![2, 3], vec![0; 20])
+        .check_size()
+        .unwrap_err();
     assert!(e.message.contains("24 bytes, got 20"), "{e}");
-    let e = t(Datatype::F32, vec![-1, 3], vec![]).check_size().unwrap_err();
+    let e = t(Datatype::F32, vec![-1, 3], vec![])
+        .check_size()
+        .unwrap_err();
     assert!(e.message.contains("negative"), "{e}");
-    let e = t(Datatype::U8, vec![i64::MAX, i64::MAX], vec![]).check_size().unwrap_err();
+    let e = t(Datatype::U8, vec![i64::MAX, i64::MAX], vec![])
+        .check_size()
+        .unwrap_err();
     assert!(e.message.contains("overflows"), "{e}");
     let mut bytes = Vec::new();
     for s in ["ab", ""] {
         bytes.extend((s.len() as u32).to_le_bytes());
         bytes.extend(s.as_bytes());
     }
-    assert!(t(Datatype::Bytes, vec![2], bytes.clone()).check_size().is_ok());
-    let e = t(Datatype::Bytes, vec![3], bytes.clone()).check_size().unwrap_err();
+    assert!(t(Datatype::Bytes, vec![2], bytes.clone())
+        .check_size()
+        .is_ok());
+    let e = t(Datatype::Bytes, vec![3], bytes.clone())
+        .check_size()
+        .unwrap_err();
     assert!(e.message.contains("element 2 of 3"), "{e}");
     bytes.push(0);
     assert!(t(Datatype::Bytes, vec![2], bytes).check_size().is_err());
@@ -74,12 +98,20 @@ fn npy_frames_round_trip() {
     let data: Vec<u8> = (0..24u8).collect();
     let f = npy::encode(Datatype::F32, &[2, 3], &data);
     assert_eq!(f.len() % 64, data.len() % 64, "header padded to 64 bytes");
-    assert_eq!(npy::decode(&f).unwrap(), (Datatype::F32, vec![2, 3], data.clone()));
+    assert_eq!(
+        npy::decode(&f).unwrap(),
+        (Datatype::F32, vec![2, 3], data.clone())
+    );
     let f = npy::encode(Datatype::I64, &[3], &data);
-    assert_eq!(npy::decode(&f).unwrap(), (Datatype::I64, vec![3], data.clone()));
+    assert_eq!(
+        npy::decode(&f).unwrap(),
+        (Datatype::I64, vec![3], data.clone())
+    );
     let mut cut = npy::encode(Datatype::F32, &[2, 3], &data);
     cut.pop();
-    assert!(npy::decode(&cut).unwrap_err().contains("needs Some(24) bytes"));
+    assert!(npy::decode(&cut)
+        .unwrap_err()
+        .contains("needs Some(24) bytes"));
     assert!(npy::decode(b"not npy at all").is_err());
 }
 
@@ -114,12 +146,21 @@ fn signatures_free_the_batch_and_check_inputs() {
         vec![4, 16],
         "any batch is sent on"
     );
-    let e = s.input_frame(&[ids(vec![1, 17], Datatype::I64)]).unwrap_err();
+    let e = s
+        .input_frame(&[ids(vec![1, 17], Datatype::I64)])
+        .unwrap_err();
     assert_eq!(e.http_status(), 400);
-    assert!(e.message.contains("[1, 17]") && e.message.contains("[-1, 16]"), "{e}");
-    let e = s.input_frame(&[ids(vec![0, 16], Datatype::I64)]).unwrap_err();
+    assert!(
+        e.message.contains("[1, 17]") && e.message.contains("[-1, 16]"),
+        "{e}"
+    );
+    let e = s
+        .input_frame(&[ids(vec![0, 16], Datatype::I64)])
+        .unwrap_err();
     assert!(e.message.contains("at least 1"), "{e}");
-    let e = s.input_frame(&[ids(vec![1, 16], Datatype::F32)]).unwrap_err();
+    let e = s
+        .input_frame(&[ids(vec![1, 16], Datatype::F32)])
+        .unwrap_err();
     assert!(e.message.contains("datatype FP32, expected INT64"), "{e}");
     let mut other = ids(vec![1, 16], Datatype::I64);
     other.name = "tokens".into();
@@ -128,19 +169,28 @@ fn signatures_free_the_batch_and_check_inputs() {
     assert!(s.input_frame(&[]).is_err());
     // A batch whose frame is over the GPU servers' frame bound.
     let rows = CONTROL_FRAME_BYTES_MAX as i64 / (16 * 8) + 1;
-    let e = s.input_frame(&[ids(vec![rows, 16], Datatype::I64)]).unwrap_err();
+    let e = s
+        .input_frame(&[ids(vec![rows, 16], Datatype::I64)])
+        .unwrap_err();
     assert_eq!(e.http_status(), 413);
-    assert!(e.message.contains("smaller batch") && e.message.contains("16 MiB"), "{e}");
+    assert!(
+        e.message.contains("smaller batch") && e.message.contains("16 MiB"),
+        "{e}"
+    );
     assert_eq!(
         s.requested_outputs(None).unwrap(),
         vec!["last_hidden_state", "pooler_output"]
     );
     assert_eq!(
-        s.requested_outputs(Some(&["pooler_output".into()])).unwrap(),
+        s.requested_outputs(Some(&["pooler_output".into()]))
+            .unwrap(),
         vec!["pooler_output"]
     );
     let e = s.requested_outputs(Some(&["logits".into()])).unwrap_err();
-    assert!(e.message.contains("\"logits\"") && e.message.contains("pooler_output"), "{e}");
+    assert!(
+        e.message.contains("\"logits\"") && e.message.contains("pooler_output"),
+        "{e}"
+    );
 }
 
 #[test]
