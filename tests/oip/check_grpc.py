@@ -327,7 +327,7 @@ expect_error(
     "ModelConfig (not served)",
     lambda: client.get_model_config(cnn["name"], headers=AUTH),
     "UNIMPLEMENTED",
-    [],
+    ["unsupported", "/inference.GRPCInferenceService/ModelConfig", "ModelInfer"],
 )
 still_serving("an unimplemented rpc")
 

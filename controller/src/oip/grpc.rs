@@ -23,7 +23,7 @@
 //! ModelMetadata, ModelInfer, ModelStreamInfer, RepositoryIndex. Triton's
 //! other rpcs (ModelConfig, ModelStatistics, repository load/unload, shared
 //! memory, trace and log settings) are not declared: clients get
-//! UNIMPLEMENTED.
+//! UNIMPLEMENTED `unsupported: <path> is not served here; ...`.
 
 use std::collections::HashMap;
 use std::io;
@@ -37,6 +37,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::codegen::http;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::server::{Connected, TcpConnectInfo};
 use tonic::{Request, Response, Status, Streaming};
@@ -95,7 +96,7 @@ pub async fn serve(listener: TcpListener, frontend: Frontend, stop: watch::Recei
         .max_concurrent_streams(STREAMS_PER_CONNECTION_MAX)
         .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
-        .layer(tower::util::MapResponseLayer::new(too_large_response))
+        .layer(tower::layer::layer_fn(ProtocolStatus))
         .add_service(service)
         .serve_with_incoming_shutdown(ReceiverStream::new(conns_rx), async move {
             let _ = stop_serving.wait_for(|s| *s).await;
@@ -249,18 +250,62 @@ fn too_large_status(s: &Status) -> Option<Status> {
     )))
 }
 
-/// [`too_large_status`] on a unary call's response, where tonic puts the
-/// status in the headers (a trailers-only response).
-fn too_large_response<B>(
-    mut resp: tonic::codegen::http::Response<B>,
-) -> tonic::codegen::http::Response<B> {
-    if resp.headers().get("grpc-status").map(|v| v.as_bytes()) != Some(b"11") {
-        return resp; // fast path: success (status in the trailers) or another code
+/// The rpcs this server declares, for the message of any other.
+const SERVED_RPCS: &str = "ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, \
+                           ModelInfer, ModelStreamInfer and RepositoryIndex";
+
+/// The statuses tonic answers by itself, before any rpc of ours runs, made
+/// the protocol's with a message: an over-size message ([`too_large_status`])
+/// and an rpc this server does not declare (UNIMPLEMENTED, which tonic sends
+/// with no message at all).
+#[derive(Clone)]
+struct ProtocolStatus<S>(S);
+
+impl<S, B, RB> tower::Service<http::Request<B>> for ProtocolStatus<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<RB>>,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<RB>;
+    type Error = S::Error;
+    type Future =
+        Pin<Box<dyn std::future::Future<Output = Result<Self::Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.0.poll_ready(cx)
     }
-    if let Some(s) = Status::from_header_map(resp.headers()).and_then(|s| too_large_status(&s)) {
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        let path = req.uri().path().to_string();
+        let answer = self.0.call(req);
+        Box::pin(async move { Ok(protocol_status(answer.await?, &path)) })
+    }
+}
+
+/// [`ProtocolStatus`] on one response. Only a trailers-only response (the
+/// status in the headers: how tonic answers before an rpc runs) is looked
+/// at; a success carries its status in the trailers.
+fn protocol_status<B>(mut resp: http::Response<B>, path: &str) -> http::Response<B> {
+    let code = match resp.headers().get("grpc-status").map(|v| v.as_bytes()) {
+        Some(b"11") => tonic::Code::OutOfRange,
+        Some(b"12") => tonic::Code::Unimplemented,
+        _ => return resp,
+    };
+    let Some(s) = Status::from_header_map(resp.headers()) else {
+        return resp;
+    };
+    let better = match code {
+        tonic::Code::OutOfRange => too_large_status(&s),
+        _ if s.message().is_empty() => Some(status(OipError::code(
+            ErrorCode::Unsupported,
+            format!("{path} is not served here; this server serves {SERVED_RPCS}"),
+        ))),
+        _ => None,
+    };
+    if let Some(better) = better {
         // `add_header` inserts, replacing grpc-status and grpc-message.
-        if let Err(e) = s.add_header(resp.headers_mut()) {
-            log::warn!("gRPC: cannot rewrite an over-size message's status: {e}");
+        if let Err(e) = better.add_header(resp.headers_mut()) {
+            log::warn!("gRPC: cannot rewrite the status of {path}: {e}");
         }
     }
     resp
@@ -1166,7 +1211,8 @@ mod tests {
         assert!(s.message().contains("67108869"), "{}", s.message());
         assert!(s.message().contains(&Frontend::BODY_BYTES_MAX.to_string()));
         // As a unary response: the status is in the headers.
-        let resp = too_large_response(tonic_says.into_http::<()>());
+        let path = "/inference.GRPCInferenceService/ModelInfer";
+        let resp = protocol_status(tonic_says.into_http::<()>(), path);
         let s = Status::from_header_map(resp.headers()).unwrap();
         assert_eq!(s.code(), tonic::Code::ResourceExhausted);
         assert!(s
@@ -1174,11 +1220,26 @@ mod tests {
             .starts_with("too_large: the message is 67108869 bytes"));
         // Other statuses are left alone.
         assert!(too_large_status(&Status::out_of_range("index 3 of 2")).is_none());
-        let other = too_large_response(Status::not_found("x").into_http::<()>());
-        assert_eq!(
-            Status::from_header_map(other.headers()).unwrap().code(),
-            tonic::Code::NotFound
-        );
+        for kept in [Status::not_found("x"), Status::unimplemented("said")] {
+            let code = kept.code();
+            let resp = protocol_status(kept.into_http::<()>(), path);
+            assert_eq!(
+                Status::from_header_map(resp.headers()).unwrap().code(),
+                code
+            );
+        }
+    }
+
+    #[test]
+    fn an_undeclared_rpc_is_unimplemented_with_a_message() {
+        let mut resp = http::Response::new(());
+        resp.headers_mut().insert("grpc-status", 12.into());
+        let path = "/inference.GRPCInferenceService/ModelConfig";
+        let s = Status::from_header_map(protocol_status(resp, path).headers()).unwrap();
+        assert_eq!(s.code(), tonic::Code::Unimplemented);
+        assert!(s.message().starts_with("unsupported: "), "{}", s.message());
+        assert!(s.message().contains(path), "{}", s.message());
+        assert!(s.message().contains("ModelInfer"), "{}", s.message());
     }
 
     #[test]

@@ -734,13 +734,15 @@ fn raw_to_json(t: &Tensor) -> Result<Vec<Value>, OipError> {
         Datatype::Bf16 => each::<2>(d, |b| {
             json!(f32::from_bits((u16::from_le_bytes(b) as u32) << 16))
         }),
-        Datatype::F16 | Datatype::Bytes => return Err(OipError::code(
-            distmind_common::proto::ErrorCode::Unsupported,
-            format!(
+        Datatype::F16 | Datatype::Bytes => {
+            return Err(OipError::code(
+                distmind_common::proto::ErrorCode::Unsupported,
+                format!(
                 "output {}: {} is returned as binary only; ask for it with parameters.binary_data",
                 t.name, t.datatype
             ),
-        )),
+            ))
+        }
     })
 }
 
