@@ -90,7 +90,12 @@ pub async fn serve(listener: TcpListener, frontend: Frontend, stop: watch::Recei
     // Connections come through a channel from our own accept loop, which
     // holds a permit per open connection (tonic's own loop has no cap).
     let (conns_tx, conns_rx) = mpsc::channel(1);
-    let accept = tokio::spawn(accept_loop(listener, conns_tx, stop.clone()));
+    let accept = tokio::spawn(accept_loop(
+        listener,
+        Frontend::CONNECTIONS_MAX,
+        conns_tx,
+        stop.clone(),
+    ));
     let mut stop_serving = stop;
     let result = tonic::transport::Server::builder()
         .max_concurrent_streams(STREAMS_PER_CONNECTION_MAX)
@@ -108,22 +113,20 @@ pub async fn serve(listener: TcpListener, frontend: Frontend, stop: watch::Recei
     }
 }
 
-/// Accepts connections while fewer than [`Frontend::CONNECTIONS_MAX`] are
-/// open and hands them to tonic.
+/// Accepts connections while fewer than `max` are open and hands them to
+/// tonic; the others wait in the listen backlog until one closes.
 async fn accept_loop(
     listener: TcpListener,
+    max: usize,
     conns: mpsc::Sender<io::Result<LimitedConn>>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let limit = Arc::new(Semaphore::new(Frontend::CONNECTIONS_MAX));
+    let limit = Arc::new(Semaphore::new(max));
     loop {
         let permit = match limit.clone().try_acquire_owned() {
             Ok(p) => p,
             Err(_) => {
-                log::warn!(
-                    "gRPC: {} connections open (the limit): new connections wait",
-                    Frontend::CONNECTIONS_MAX
-                );
+                log::warn!("gRPC: {max} connections open (the limit): new connections wait");
                 tokio::select! {
                     p = limit.clone().acquire_owned() => p.expect("the semaphore is never closed"),
                     _ = stop.wait_for(|s| *s) => return,
@@ -1240,6 +1243,36 @@ mod tests {
         assert!(s.message().starts_with("unsupported: "), "{}", s.message());
         assert!(s.message().contains(path), "{}", s.message());
         assert!(s.message().contains("ModelInfer"), "{}", s.message());
+    }
+
+    #[tokio::test]
+    async fn connections_over_the_limit_wait_for_a_slot() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (conns_tx, mut conns) = mpsc::channel(8);
+        let (stop_tx, stop) = watch::channel(false);
+        let accept = tokio::spawn(accept_loop(listener, 2, conns_tx, stop));
+        // All three connect (the kernel's backlog), two are accepted.
+        let mut clients = Vec::new();
+        for _ in 0..3 {
+            clients.push(TcpStream::connect(addr).await.unwrap());
+        }
+        let first = conns.recv().await.unwrap().unwrap();
+        let _second = conns.recv().await.unwrap().unwrap();
+        let waited = tokio::time::timeout(Duration::from_millis(300), conns.recv()).await;
+        assert!(
+            waited.is_err(),
+            "a third connection was accepted over the limit of 2"
+        );
+        // Closing one frees its slot for the one waiting.
+        drop(first);
+        let third = tokio::time::timeout(Duration::from_secs(30), conns.recv()).await;
+        assert!(
+            matches!(third, Ok(Some(Ok(_)))),
+            "the waiting connection was not accepted"
+        );
+        stop_tx.send(true).unwrap();
+        accept.await.unwrap();
     }
 
     #[test]
