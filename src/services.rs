@@ -399,10 +399,10 @@ pub fn run_controller(
             println!("metrics listening on {a}");
         }
         if let Some(a) = server.inference_http_addr() {
-            println!("inference http listening on {a}");
+            println!("inference-http listening on {a}");
         }
         if let Some(a) = server.inference_grpc_addr() {
-            println!("inference grpc listening on {a}");
+            println!("inference-grpc listening on {a}");
         }
         server.serve(shutdown_signal()).await?;
         anyhow::Ok(())

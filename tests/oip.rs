@@ -145,7 +145,7 @@ fn expected_for(pkg_dir: &Path, dir: &Path) -> serde_json::Value {
     let tensor = |name: &str, d: Dtype, shape: &[usize]| serde_json::json!({"name": name, "datatype": dtype_name(d), "shape": shape});
     serde_json::json!({
         "name": m.name,
-        "family": serde_json::to_value(&m.family).unwrap(),
+        "family": serde_json::to_value(m.family).unwrap(),
         "inputs": m.inputs.iter().map(|t| tensor(&t.name, t.dtype, &t.shape)).collect::<Vec<_>>(),
         "outputs": m.outputs.iter().map(|t| tensor(&t.name, t.dtype, &t.shape)).collect::<Vec<_>>(),
     })

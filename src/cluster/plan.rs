@@ -151,7 +151,13 @@ pub(super) fn plan(
         "controller".into(),
         on(meta).as_deref(),
         &["controller", "--settings", s],
-        &["controller", "dispatcher", "metrics"],
+        &[
+            "controller",
+            "dispatcher",
+            "metrics",
+            "inference-http",
+            "inference-grpc",
+        ],
     );
     match remote {
         None => c.flag("--metrics", "127.0.0.1:0"),
@@ -165,12 +171,12 @@ pub(super) fn plan(
             for (flag, label, port) in [
                 (
                     "--http-listen",
-                    "inference http",
+                    "inference-http",
                     settings.config.inference_http_port,
                 ),
                 (
                     "--grpc-listen",
-                    "inference grpc",
+                    "inference-grpc",
                     settings.config.inference_grpc_port,
                 ),
             ] {

@@ -29,7 +29,14 @@ args.add_argument("--expected-dir", required=True)
 args.add_argument("--token", default=None)
 args = args.parse_args()
 
-AUTH = {"authorization": f"Bearer {args.token}"} if args.token else {}
+
+
+def auth():
+    """The token header, a fresh dict per call: tritonclient adds its own
+    headers (Inference-Header-Content-Length) to the dict it is given."""
+    return {"authorization": f"Bearer {args.token}"} if args.token else {}
+
+
 with open(os.path.join(args.expected_dir, "models.json")) as f:
     MODELS = json.load(f)
 
@@ -46,7 +53,7 @@ def raw(method, path, body=None, headers=None):
     """(status, headers, body bytes) of one plain HTTP request."""
     host, port = args.url.rsplit(":", 1)
     c = http.client.HTTPConnection(host, int(port), timeout=120)
-    h = dict(AUTH)
+    h = auth()
     h.update(headers or {})
     c.request(method, path, body=body, headers=h)
     r = c.getresponse()
@@ -80,14 +87,14 @@ def load(name):
 client = httpclient.InferenceServerClient(url=args.url, network_timeout=120.0)
 
 # --- health and metadata -----------------------------------------------------
-check(client.is_server_live(headers=AUTH), "server live")
-check(client.is_server_ready(headers=AUTH), "server ready")
+check(client.is_server_live(headers=auth()), "server live")
+check(client.is_server_ready(headers=auth()), "server ready")
 s, h, d = raw("GET", "/v2/health/live")
 check(s == 200 and json.loads(d) == {"live": True}, f"GET /v2/health/live -> {s} {d!r}")
 s, h, d = raw("GET", "/v2/health/ready")
 check(s == 200 and json.loads(d) == {"ready": True}, f"GET /v2/health/ready -> {s} {d!r}")
 
-meta = client.get_server_metadata(headers=AUTH)
+meta = client.get_server_metadata(headers=auth())
 check(
     isinstance(meta.get("name"), str)
     and isinstance(meta.get("version"), str)
@@ -95,7 +102,7 @@ check(
     f"server metadata {meta}",
 )
 
-index = client.get_model_repository_index(headers=AUTH)
+index = client.get_model_repository_index(headers=auth())
 names = sorted(m["name"] for m in MODELS)
 check(
     isinstance(index, list)
@@ -108,7 +115,7 @@ check(s == 200 and sorted(e["name"] for e in json.loads(d)) == names, f"ready-on
 
 for m in MODELS:
     name = m["name"]
-    md = client.get_model_metadata(name, headers=AUTH)
+    md = client.get_model_metadata(name, headers=auth())
     want_inputs = [
         {"name": t["name"], "datatype": t["datatype"], "shape": [-1] + t["shape"][1:]}
         for t in m["inputs"]
@@ -126,8 +133,8 @@ for m in MODELS:
         f"{name}: model metadata {md}",
     )
     version = md["versions"][0]
-    check(client.is_model_ready(name, headers=AUTH), f"{name}: model ready")
-    check(client.is_model_ready(name, model_version=version, headers=AUTH), f"{name}: version {version} ready")
+    check(client.is_model_ready(name, headers=auth()), f"{name}: model ready")
+    check(client.is_model_ready(name, model_version=version, headers=auth()), f"{name}: version {version} ready")
     s, h, d = raw("GET", f"/v2/models/{name}/versions/{version}")
     check(s == 200 and json.loads(d)["name"] == name, f"{name}: metadata of version {version} -> {s}")
     s, h, d = raw("GET", f"/v2/models/{name}/versions/no-such-version")
@@ -143,7 +150,7 @@ def infer_ok(m, binary):
     inp = httpclient.InferInput(spec["name"], list(x.shape), spec["datatype"])
     inp.set_data_from_numpy(x, binary_data=binary)
     outs = [httpclient.InferRequestedOutput(o["name"], binary_data=binary) for o in m["outputs"]]
-    r = client.infer(name, [inp], outputs=outs, request_id="req-1", headers=AUTH)
+    r = client.infer(name, [inp], outputs=outs, request_id="req-1", headers=auth())
     resp = r.get_response()
     good = resp["model_name"] == name and resp.get("id") == "req-1"
     for o in m["outputs"]:
@@ -214,7 +221,7 @@ bad = np.zeros([1] + [d + 1 for d in x.shape[1:]], dtype=np.float32)
 def infer_bad_shape():
     i = httpclient.InferInput(spec["name"], list(bad.shape), "FP32")
     i.set_data_from_numpy(bad)
-    client.infer(cnn["name"], [i], headers=AUTH)
+    client.infer(cnn["name"], [i], headers=auth())
 
 
 expect_error("wrong shape", infer_bad_shape, 400, ["bad_request", "shape", str(list(bad.shape))])
@@ -228,7 +235,7 @@ still_serving("a wrong shape")
 def infer_unknown():
     i = httpclient.InferInput(spec["name"], list(x.shape), "FP32")
     i.set_data_from_numpy(x)
-    client.infer("no_such_model", [i], headers=AUTH)
+    client.infer("no_such_model", [i], headers=auth())
 
 
 expect_error("unknown model", infer_unknown, 404, ["unknown_model", "no_such_model"])
@@ -237,7 +244,7 @@ err = error_of(s, h, d)
 check(s == 404 and err and "no_such_model" in err, f"metadata of an unknown model -> {s} {err}")
 s, h, d = raw("GET", "/v2/models/no_such_model/ready")
 check(s == 404, f"readiness of an unknown model -> {s}")
-check(not client.is_model_ready("no_such_model", headers=AUTH), "unknown model not ready")
+check(not client.is_model_ready("no_such_model", headers=auth()), "unknown model not ready")
 still_serving("an unknown model")
 
 big = np.zeros([BODY_BYTES_MAX // (4 * int(np.prod(x.shape[1:]))) + 1] + list(x.shape[1:]), dtype=np.float32)
@@ -246,7 +253,7 @@ big = np.zeros([BODY_BYTES_MAX // (4 * int(np.prod(x.shape[1:]))) + 1] + list(x.
 def infer_big():
     i = httpclient.InferInput(spec["name"], list(big.shape), "FP32")
     i.set_data_from_numpy(big)
-    client.infer(cnn["name"], [i], headers=AUTH)
+    client.infer(cnn["name"], [i], headers=auth())
 
 
 expect_error("over-size body", infer_big, 413, ["too_large", str(BODY_BYTES_MAX)])
@@ -262,7 +269,7 @@ wide = np.zeros([(16 << 20) // (4 * int(np.prod(x.shape[1:]))) + 1] + list(x.sha
 def infer_wide():
     i = httpclient.InferInput(spec["name"], list(wide.shape), "FP32")
     i.set_data_from_numpy(wide)
-    client.infer(cnn["name"], [i], headers=AUTH)
+    client.infer(cnn["name"], [i], headers=auth())
 
 
 expect_error("over-size batch", infer_wide, 413, ["too_large", "smaller batch"])

@@ -44,8 +44,9 @@ pub const INFERENCE_HEADER: &str = "inference-header-content-length";
 /// Time a client has to send a request's headers (a stalled client holds
 /// a connection slot no longer than this).
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long shutdown lets requests in progress finish.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+/// How long shutdown lets requests in progress finish (within the
+/// controller's own 5 s for all of its tasks).
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(4);
 /// An over-size body is read and dropped (up to this many bytes, within
 /// [`DRAIN_TIMEOUT`]) before the 413 goes out, so that a client that
 /// writes its whole body before it reads gets the answer rather than a
@@ -78,9 +79,19 @@ pub fn router(frontend: Frontend) -> Router {
 
 /// Serves HTTP/1.1 on `listener` until `stop`, then lets requests in
 /// progress finish (up to a grace period) and closes every connection.
-pub async fn serve(listener: TcpListener, frontend: Frontend, mut stop: watch::Receiver<bool>) {
+pub async fn serve(listener: TcpListener, frontend: Frontend, stop: watch::Receiver<bool>) {
+    serve_bounded(listener, frontend, stop, Frontend::CONNECTIONS_MAX).await
+}
+
+/// [`serve`] with at most `connections_max` connections open.
+async fn serve_bounded(
+    listener: TcpListener,
+    frontend: Frontend,
+    mut stop: watch::Receiver<bool>,
+    connections_max: usize,
+) {
     let app = router(frontend);
-    let limit = Arc::new(Semaphore::new(Frontend::CONNECTIONS_MAX));
+    let limit = Arc::new(Semaphore::new(connections_max));
     let graceful = GracefulShutdown::new();
     let mut conns = JoinSet::new();
     let mut refusing = false;
@@ -101,14 +112,14 @@ pub async fn serve(listener: TcpListener, frontend: Frontend, mut stop: watch::R
         let Ok(permit) = limit.clone().try_acquire_owned() else {
             if !refusing {
                 log::warn!(
-                    "inference (HTTP): refusing {peer}: {} connections open (the limit)",
-                    Frontend::CONNECTIONS_MAX
+                    "inference (HTTP): refusing {peer}: {connections_max} connections open (the limit)"
                 );
                 refusing = true;
             }
             // Answered in the background, briefly, so accepting goes on.
             conns.spawn(async move {
-                let _ = tokio::time::timeout(Duration::from_secs(1), refuse(&mut stream)).await;
+                let refusal = refuse(&mut stream, connections_max);
+                let _ = tokio::time::timeout(Duration::from_secs(1), refusal).await;
             });
             continue;
         };
@@ -137,10 +148,9 @@ pub async fn serve(listener: TcpListener, frontend: Frontend, mut stop: watch::R
 }
 
 /// The answer to a connection over the limit.
-async fn refuse(stream: &mut tokio::net::TcpStream) {
+async fn refuse(stream: &mut tokio::net::TcpStream, connections_max: usize) {
     let body = json!({"error": format!(
-        "unavailable: the server has {} connections open (the limit); retry later",
-        Frontend::CONNECTIONS_MAX
+        "unavailable: the server has {connections_max} connections open (the limit); retry later"
     )})
     .to_string();
     let head = format!(
@@ -399,12 +409,14 @@ async fn infer(
 }
 
 /// A parsed infer body: the request, and which outputs go back binary.
+#[derive(Debug)]
 struct ParsedInfer {
     request: InferRequest,
     /// Output name -> binary; `default` for outputs not named.
     binary: BinaryOutputs,
 }
 
+#[derive(Debug)]
 struct BinaryOutputs {
     default: bool,
     named: Vec<(String, bool)>,
@@ -553,7 +565,7 @@ fn parse_infer(
 }
 
 /// A `parameters` object (absent: empty).
-fn parameters<'a>(v: Option<&'a Value>, whose: &str) -> Result<Map<String, Value>, OipError> {
+fn parameters(v: Option<&Value>, whose: &str) -> Result<Map<String, Value>, OipError> {
     match v {
         None | Some(Value::Null) => Ok(Map::new()),
         Some(Value::Object(o)) => Ok(o.clone()),
@@ -813,4 +825,249 @@ fn json_body_str(s: String) -> ([(header::HeaderName, HeaderValue); 1], String) 
         )],
         s,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    use distmind_common::handshake::ClusterKey;
+    use tokio::io::AsyncReadExt;
+
+    use crate::dispatch::metrics::DispatchMetrics;
+    use crate::dispatch::net::DispatchNet;
+    use crate::dispatch::{DispatchConfig, Dispatcher};
+    use crate::policy::distmind::DistMindConfig;
+    use crate::policy::PolicyKind;
+    use crate::state::ControllerState;
+
+    /// One request on a fresh connection, answered with `connection: close`.
+    async fn get(addr: std::net::SocketAddr, path: &str, token: Option<&str>) -> String {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let auth = token.map_or(String::new(), |t| format!("authorization: Bearer {t}\r\n"));
+        let req = format!("GET {path} HTTP/1.1\r\nhost: x\r\n{auth}connection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    }
+
+    #[tokio::test]
+    async fn a_real_server_bounds_connections_checks_tokens_and_stops() {
+        let (stop_tx, stop) = watch::channel(false);
+        let mut tasks = JoinSet::new();
+        let state = Arc::new(Mutex::new(ControllerState::new(Duration::from_secs(1))));
+        let config = DispatchConfig::new(
+            PolicyKind::Slo,
+            DistMindConfig {
+                period: 1_000_000,
+                zipf_s: 0.9,
+                inference_workload_s: vec![1],
+                use_train: false,
+                seed: 1,
+            },
+        );
+        let net = DispatchNet::start(
+            Dispatcher::new(config).unwrap(),
+            state.clone(),
+            ClusterKey::from_secret(b"oip-http-unit-test-key"),
+            Arc::new(DispatchMetrics::new()),
+            &mut tasks,
+            stop.clone(),
+        );
+        let fe = Frontend::new(net.handle(), state, Some("sesame".into()));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tasks.spawn(serve_bounded(listener, fe, stop.clone(), 2));
+
+        let live = get(addr, "/v2/health/live", Some("sesame")).await;
+        assert!(
+            live.starts_with("HTTP/1.1 200") && live.ends_with(r#"{"live":true}"#),
+            "{live}"
+        );
+        let r = get(addr, "/v2", None).await;
+        assert!(
+            r.starts_with("HTTP/1.1 401") && r.contains("unauthenticated"),
+            "{r}"
+        );
+        let r = get(addr, "/v2/health/ready", Some("sesame")).await;
+        assert!(
+            r.starts_with("HTTP/1.1 503") && r.contains("no GPU server is up"),
+            "{r}"
+        );
+        let r = get(addr, "/v2/models/m", Some("sesame")).await;
+        assert!(
+            r.starts_with("HTTP/1.1 404") && r.contains("unknown model 'm'"),
+            "{r}"
+        );
+
+        // Two idle keep-alive connections fill the bound; a third is refused
+        // with a protocol error, and served again once one closes.
+        let held_a = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let _held_b = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let refused = loop {
+            let r = get(addr, "/v2/health/live", Some("sesame")).await;
+            if r.starts_with("HTTP/1.1 503") {
+                break r;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "a third connection is served: {r}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        assert!(
+            refused.contains("2 connections open (the limit)"),
+            "{refused}"
+        );
+        drop(held_a);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let r = get(addr, "/v2/health/live", Some("sesame")).await;
+            if r.starts_with("HTTP/1.1 200") {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "still refused: {r}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+
+        // Stopping ends the server (idle connections included) at once.
+        stop_tx.send(true).unwrap();
+        let all = async { while tasks.join_next().await.is_some() {} };
+        tokio::time::timeout(Duration::from_secs(3), all)
+            .await
+            .expect("the server and the dispatcher stop within the grace period");
+    }
+
+    fn headers(json_len: Option<usize>) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        if let Some(n) = json_len {
+            h.insert(INFERENCE_HEADER, HeaderValue::from(n));
+        }
+        h
+    }
+
+    fn parse(body: &[u8], json_len: Option<usize>) -> Result<ParsedInfer, OipError> {
+        parse_infer("m".into(), None, &headers(json_len), body)
+    }
+
+    #[test]
+    fn json_tensors_nested_or_flat_become_raw_bytes() {
+        let body = br#"{"id": "r1", "inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 2],
+            "data": [[1.5, 2], [3, -4]]}], "parameters": {"slo_ms": 12.5, "priority": 1}}"#;
+        let p = parse(body, None).unwrap();
+        let r = &p.request;
+        assert_eq!((r.id.as_str(), r.slo_ms, r.priority), ("r1", Some(13), 1));
+        let want: Vec<u8> = [1.5f32, 2.0, 3.0, -4.0]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        assert_eq!(r.inputs[0].data, want);
+        assert_eq!(r.outputs, None);
+        assert!(!p.binary.get("anything"));
+        assert_eq!(
+            raw_to_json(&r.inputs[0]).unwrap(),
+            vec![json!(1.5), json!(2.0), json!(3.0), json!(-4.0)]
+        );
+    }
+
+    #[test]
+    fn binary_inputs_come_from_after_the_json_part() {
+        let json = br#"{"inputs": [{"name": "ids", "datatype": "INT64", "shape": [1, 2],
+            "parameters": {"binary_data_size": 16}}],
+            "outputs": [{"name": "a", "parameters": {"binary_data": true}}, {"name": "b"}]}"#;
+        let mut body = json.to_vec();
+        body.extend(7i64.to_le_bytes());
+        body.extend((-1i64).to_le_bytes());
+        let p = parse(&body, Some(json.len())).unwrap();
+        let t = &p.request.inputs[0];
+        assert_eq!((t.datatype, t.shape.clone()), (Datatype::I64, vec![1, 2]));
+        assert_eq!(raw_to_json(t).unwrap(), vec![json!(7), json!(-1)]);
+        assert_eq!(p.request.outputs, Some(vec!["a".into(), "b".into()]));
+        assert!(p.binary.get("a") && !p.binary.get("b"));
+        // Without the header there is no binary part.
+        let e = parse(&body, None).unwrap_err();
+        assert!(e.message.contains("not JSON"), "{e}");
+        let e = parse(json, Some(json.len())).unwrap_err();
+        assert!(
+            e.message.contains("binary_data_size 16") && e.message.contains(INFERENCE_HEADER),
+            "{e}"
+        );
+        body.push(0);
+        let e = parse(&body, Some(json.len())).unwrap_err();
+        assert!(e.message.contains("1 bytes of binary data follow"), "{e}");
+        let e = parse(json, Some(json.len() + 1)).unwrap_err();
+        assert!(e.message.contains("the body has"), "{e}");
+    }
+
+    #[test]
+    fn every_datatype_converts_from_json() {
+        let raw = |dt, data: Value| json_to_raw("x", dt, &[2], &data);
+        assert_eq!(
+            raw(Datatype::Bool, json!([true, false])).unwrap(),
+            vec![1, 0]
+        );
+        assert_eq!(raw(Datatype::I8, json!([-1, 2])).unwrap(), vec![255, 2]);
+        assert_eq!(
+            raw(Datatype::U16, json!([1, 256])).unwrap(),
+            vec![1, 0, 0, 1]
+        );
+        assert_eq!(
+            raw(Datatype::Bf16, json!([1.0, -2.0])).unwrap(),
+            vec![0x80, 0x3f, 0x00, 0xc0]
+        );
+        assert_eq!(
+            raw(Datatype::Bytes, json!(["ab", ""])).unwrap(),
+            vec![2, 0, 0, 0, b'a', b'b', 0, 0, 0, 0]
+        );
+        let e = raw(Datatype::U8, json!([1, 256])).unwrap_err();
+        assert!(e.message.contains("256 is not a UINT8 value"), "{e}");
+        let e = raw(Datatype::F32, json!([1.0])).unwrap_err();
+        assert!(
+            e.message.contains("holds 2 elements, \"data\" has 1"),
+            "{e}"
+        );
+        let e = raw(Datatype::F16, json!([1.0, 2.0])).unwrap_err();
+        assert!(e.message.contains("binary only"), "{e}");
+    }
+
+    #[test]
+    fn malformed_requests_are_named() {
+        let cases: [(&[u8], &str); 7] = [
+            (b"[]", "must be a JSON object"),
+            (b"{}", "needs \"inputs\""),
+            (
+                br#"{"inputs": [{"datatype": "FP32"}]}"#,
+                "inputs[0] needs a \"name\"",
+            ),
+            (
+                br#"{"inputs": [{"name": "x", "datatype": "F32", "shape": [1], "data": [1]}]}"#,
+                "unknown datatype \"F32\"",
+            ),
+            (
+                br#"{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}]}"#,
+                "neither \"data\"",
+            ),
+            (
+                br#"{"inputs": [], "parameters": {"priority": -1}}"#,
+                "\"priority\" must be a whole number",
+            ),
+            (
+                br#"{"inputs": [], "parameters": {"slo_ms": 0}}"#,
+                "\"slo_ms\" must be a positive number",
+            ),
+        ];
+        for (body, words) in cases {
+            let e = parse(body, None)
+                .err()
+                .unwrap_or_else(|| panic!("{} parsed", String::from_utf8_lossy(body)));
+            assert_eq!(e.http_status(), 400);
+            assert!(
+                e.message.starts_with("bad_request: ") && e.message.contains(words),
+                "{e}"
+            );
+        }
+    }
 }
