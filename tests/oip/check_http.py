@@ -150,7 +150,9 @@ def infer_ok(m, binary):
     inp = httpclient.InferInput(spec["name"], list(x.shape), spec["datatype"])
     inp.set_data_from_numpy(x, binary_data=binary)
     outs = [httpclient.InferRequestedOutput(o["name"], binary_data=binary) for o in m["outputs"]]
-    r = client.infer(name, [inp], outputs=outs, request_id="req-1", headers=auth())
+    # The binary requests also carry an SLO and a priority, as the README shows.
+    extra = {"parameters": {"slo_ms": 60000}, "priority": 1} if binary else {}
+    r = client.infer(name, [inp], outputs=outs, request_id="req-1", headers=auth(), **extra)
     resp = r.get_response()
     good = resp["model_name"] == name and resp.get("id") == "req-1"
     for o in m["outputs"]:

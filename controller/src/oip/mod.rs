@@ -444,8 +444,8 @@ impl Frontend {
         self.ready_reason().is_none()
     }
 
-    /// Why the server is not ready, or `None`.
-    fn ready_reason(&self) -> Option<String> {
+    /// Why the server is not ready (for error messages), or `None` when it is.
+    pub fn ready_reason(&self) -> Option<String> {
         let s = self.state();
         let alive = s
             .runtimes()
