@@ -302,8 +302,7 @@ impl Controller {
                     "inference (Open Inference Protocol, gRPC) listening on {}",
                     addr_of(&l)
                 );
-                // The gRPC service: `oip::grpc::serve(l, frontend.clone(), stop_rx.clone())`.
-                drop((l, frontend));
+                tasks.spawn(oip::grpc::serve(l, frontend.clone(), stop_rx.clone()));
             }
             let key = self.shared.key.clone();
             let stop = stop_rx.clone();

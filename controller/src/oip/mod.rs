@@ -25,6 +25,8 @@ use serde::Deserialize;
 use crate::dispatch::net::DispatchHandle;
 use crate::state::ControllerState;
 
+pub mod grpc;
+
 /// Element type of a protocol tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Datatype {
