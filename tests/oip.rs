@@ -142,12 +142,15 @@ fn expected_for(pkg_dir: &Path, dir: &Path) -> serde_json::Value {
         };
         std::fs::rename(&written, dir.join(format!("{}.{}.npy", m.name, o.name))).unwrap();
     }
-    let tensor = |name: &str, d: Dtype, shape: &[usize]| serde_json::json!({"name": name, "datatype": dtype_name(d), "shape": shape});
+    // `shape`: the package's default; `protocol_shape`: what model metadata
+    // must report (-1 for every dimension a request chooses).
+    let tensor = |name: &str, d: Dtype, shape: &[usize], protocol: Vec<i64>| serde_json::json!({"name": name, "datatype": dtype_name(d), "shape": shape, "protocol_shape": protocol});
+    let out_protocol = m.output_protocol_shapes();
     serde_json::json!({
         "name": m.name,
         "family": serde_json::to_value(m.family).unwrap(),
-        "inputs": m.inputs.iter().map(|t| tensor(&t.name, t.dtype, &t.shape)).collect::<Vec<_>>(),
-        "outputs": m.outputs.iter().map(|t| tensor(&t.name, t.dtype, &t.shape)).collect::<Vec<_>>(),
+        "inputs": m.inputs.iter().map(|t| tensor(&t.name, t.dtype, &t.shape, t.protocol_shape())).collect::<Vec<_>>(),
+        "outputs": m.outputs.iter().zip(out_protocol).map(|(t, p)| tensor(&t.name, t.dtype, &t.shape, p)).collect::<Vec<_>>(),
     })
 }
 

@@ -97,10 +97,10 @@ check(sorted(e.name for e in ready_only.models) == names, "ready-only repository
 for m in MODELS:
     name = m["name"]
     md = client.get_model_metadata(name, headers=AUTH)
-    want_inputs = [(t["name"], t["datatype"], [-1] + t["shape"][1:]) for t in m["inputs"]]
+    want_inputs = [(t["name"], t["datatype"], t["protocol_shape"]) for t in m["inputs"]]
     got_inputs = [(t.name, t.datatype, list(t.shape)) for t in md.inputs]
-    want_outputs = [(t["name"], t["datatype"], len(t["shape"])) for t in m["outputs"]]
-    got_outputs = [(t.name, t.datatype, len(t.shape)) for t in md.outputs]
+    want_outputs = [(t["name"], t["datatype"], t["protocol_shape"]) for t in m["outputs"]]
+    got_outputs = [(t.name, t.datatype, list(t.shape)) for t in md.outputs]
     check(
         md.name == name
         and md.platform != ""

@@ -116,13 +116,15 @@ check(s == 200 and sorted(e["name"] for e in json.loads(d)) == names, f"ready-on
 for m in MODELS:
     name = m["name"]
     md = client.get_model_metadata(name, headers=auth())
+    # -1 marks every dimension a request chooses: the batch, and the tokens
+    # of a transformer (up to its position table).
     want_inputs = [
-        {"name": t["name"], "datatype": t["datatype"], "shape": [-1] + t["shape"][1:]}
+        {"name": t["name"], "datatype": t["datatype"], "shape": t["protocol_shape"]}
         for t in m["inputs"]
     ]
     got_inputs = [{"name": t["name"], "datatype": t["datatype"], "shape": t["shape"]} for t in md["inputs"]]
-    got_outputs = [(t["name"], t["datatype"], len(t["shape"])) for t in md["outputs"]]
-    want_outputs = [(t["name"], t["datatype"], len(t["shape"])) for t in m["outputs"]]
+    got_outputs = [(t["name"], t["datatype"], t["shape"]) for t in md["outputs"]]
+    want_outputs = [(t["name"], t["datatype"], t["protocol_shape"]) for t in m["outputs"]]
     check(
         md["name"] == name
         and md["platform"]
@@ -167,6 +169,28 @@ def infer_ok(m, binary):
 for m in MODELS:
     for binary in (False, True):
         check(infer_ok(m, binary), f"{m['name']}: infer ({'binary' if binary else 'JSON'}) equals distmind infer")
+
+# A transformer takes any number of tokens up to its position table: a
+# shorter request is served at its own length. GPT-2 is causal, so the rows
+# of a prefix equal the first rows of the longer request's output.
+for m in MODELS:
+    spec = m["inputs"][0]
+    if spec["protocol_shape"][1:] != [-1]:
+        continue
+    x = load(f"{m['name']}.input.npy")
+    short = x[:, : max(1, x.shape[1] // 2)].copy()
+    inp = httpclient.InferInput(spec["name"], list(short.shape), spec["datatype"])
+    inp.set_data_from_numpy(short)
+    r = client.infer(m["name"], [inp], headers=auth())
+    first = m["outputs"][0]["name"]
+    got = r.as_numpy(first)
+    good = got is not None and got.shape[:2] == short.shape
+    if m["family"] == "gpt2":
+        # Another length is another matmul shape: summation order may
+        # differ, hence 1e-5 rather than close()'s 1e-6.
+        want = load(f"{m['name']}.{first}.npy")[:, : short.shape[1]]
+        good = good and bool(np.all(np.abs(got - want) <= 1e-5 * np.maximum(np.abs(want), 1.0)))
+    check(good, f"{m['name']}: {short.shape[1]} tokens instead of {x.shape[1]} -> {None if got is None else got.shape}")
 
 # No `outputs`: every output, binary as asked request-wide.
 m = MODELS[0]

@@ -20,6 +20,7 @@ use std::time::Instant;
 
 use distmind_common::limits::CONTROL_FRAME_BYTES_MAX;
 use distmind_common::proto::{ErrorCode, ErrorReply, RuntimeReply};
+use distmind_models::{Dtype, Manifest, TensorSpec};
 use serde::Deserialize;
 
 use crate::dispatch::net::DispatchHandle;
@@ -635,7 +636,7 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 /// The inputs and outputs of a package manifest, as the catalog holds it.
 #[derive(Debug, Deserialize)]
 struct ManifestIo {
-    inputs: Vec<ManifestTensor>,
+    inputs: Vec<TensorSpec>,
     outputs: Vec<ManifestTensor>,
 }
 
@@ -643,7 +644,7 @@ struct ManifestIo {
 struct ManifestTensor {
     name: String,
     shape: Vec<usize>,
-    dtype: String,
+    dtype: Dtype,
 }
 
 /// A model's protocol signature, from its manifest.
@@ -652,6 +653,9 @@ struct Signature {
     version: String,
     inputs: Vec<TensorMeta>,
     outputs: Vec<TensorMeta>,
+    /// The package's input declarations: which dimensions a request
+    /// chooses, and their bounds.
+    specs: Vec<TensorSpec>,
 }
 
 impl Signature {
@@ -666,25 +670,50 @@ impl Signature {
                 format!("model {model}: its catalog manifest has no readable inputs/outputs: {e}"),
             )
         })?;
-        let meta = |t: &ManifestTensor| -> Result<TensorMeta, OipError> {
-            Ok(TensorMeta {
-                name: t.name.clone(),
-                datatype: manifest_datatype(model, t)?,
-                shape: protocol_shape(&t.shape),
-            })
+        // Output dims that follow a variable input dim are variable too; the
+        // shape rules over the layers say which. A manifest without its
+        // layers (none the deploy tool writes) frees the batch only.
+        let output_shapes: Vec<Vec<i64>> = match Manifest::deserialize(manifest) {
+            Ok(m) => m.output_protocol_shapes(),
+            Err(_) => io
+                .outputs
+                .iter()
+                .map(|o| TensorSpec::batched(o.name.clone(), o.shape.clone(), Dtype::F32))
+                .map(|spec| spec.protocol_shape())
+                .collect(),
         };
+        let inputs = io
+            .inputs
+            .iter()
+            .map(|t| TensorMeta {
+                name: t.name.clone(),
+                datatype: datatype_of(t.dtype),
+                shape: t.protocol_shape(),
+            })
+            .collect();
+        let outputs = io
+            .outputs
+            .iter()
+            .zip(output_shapes)
+            .map(|(t, shape)| TensorMeta {
+                name: t.name.clone(),
+                datatype: datatype_of(t.dtype),
+                shape,
+            })
+            .collect();
         Ok(Signature {
             model: model.to_string(),
             version,
-            inputs: io.inputs.iter().map(meta).collect::<Result<_, _>>()?,
-            outputs: io.outputs.iter().map(meta).collect::<Result<_, _>>()?,
+            inputs,
+            outputs,
+            specs: io.inputs,
         })
     }
 
     /// Checks `inputs` against the model's (one tensor of the right name,
     /// datatype and shape) and encodes it as the runtime's `.npy` frame.
     fn input_frame(&self, inputs: &[Tensor]) -> Result<Vec<u8>, OipError> {
-        let [spec] = self.inputs.as_slice() else {
+        let ([meta], [spec]) = (self.inputs.as_slice(), self.specs.as_slice()) else {
             return Err(OipError::code(
                 ErrorCode::Unsupported,
                 format!(
@@ -696,40 +725,46 @@ impl Signature {
         };
         let [t] = inputs else {
             return Err(OipError::bad_request(format!(
-                "model {} takes one input, {} {} {:?}; the request has {}",
+                "model {} takes one input, {} {} {}; the request has {}",
                 self.model,
-                spec.name,
-                spec.datatype,
-                spec.shape,
+                meta.name,
+                meta.datatype,
+                spec.expected(),
                 inputs.len()
             )));
         };
-        if t.name != spec.name {
+        if t.name != meta.name {
             return Err(OipError::bad_request(format!(
-                "model {} has no input {:?}; its input is {} {} {:?}",
-                self.model, t.name, spec.name, spec.datatype, spec.shape
+                "model {} has no input {:?}; its input is {} {} {}",
+                self.model,
+                t.name,
+                meta.name,
+                meta.datatype,
+                spec.expected()
             )));
         }
-        if t.datatype != spec.datatype {
+        if t.datatype != meta.datatype {
             return Err(OipError::bad_request(format!(
                 "model {} input {}: datatype {}, expected {}",
-                self.model, t.name, t.datatype, spec.datatype
+                self.model, t.name, t.datatype, meta.datatype
             )));
         }
-        let fits = t.shape.len() == spec.shape.len()
-            && t.shape.first().is_some_and(|&b| b >= 1)
-            && t.shape
-                .iter()
-                .zip(&spec.shape)
-                .all(|(&got, &want)| want == -1 || got == want);
-        if !fits {
+        let shape: Vec<usize> = t
+            .shape
+            .iter()
+            .map(|&d| usize::try_from(d).unwrap_or(0))
+            .collect();
+        if let Err(why) = spec.check_shape(&shape) {
             return Err(OipError::bad_request(format!(
-                "model {} input {}: shape {:?} does not fit {:?} (-1: any size, the batch at least 1)",
-                self.model, t.name, t.shape, spec.shape
+                "model {} input {}: shape {:?} does not fit {:?}, i.e. {}: {why}",
+                self.model,
+                t.name,
+                t.shape,
+                meta.shape,
+                spec.expected()
             )));
         }
         t.check_size()?;
-        let shape: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
         let frame = npy::encode(t.datatype, &shape, &t.data);
         // The GPU servers take one input frame of at most this many bytes.
         let max = CONTROL_FRAME_BYTES_MAX as usize;
@@ -769,30 +804,12 @@ impl Signature {
     }
 }
 
-/// The protocol datatype of a manifest tensor (`F32` or `I64`).
-fn manifest_datatype(model: &str, t: &ManifestTensor) -> Result<Datatype, OipError> {
-    match t.dtype.as_str() {
-        "F32" => Ok(Datatype::F32),
-        "I64" => Ok(Datatype::I64),
-        other => Err(OipError::code(
-            ErrorCode::Internal,
-            format!(
-                "model {model}: tensor {} has dtype {other:?}, not F32 or I64",
-                t.name
-            ),
-        )),
+/// The protocol datatype of a package tensor's element type.
+fn datatype_of(dtype: Dtype) -> Datatype {
+    match dtype {
+        Dtype::F32 => Datatype::F32,
+        Dtype::I64 => Datatype::I64,
     }
-}
-
-/// The protocol shape of a manifest tensor shape: the one place that says
-/// which dimensions a request may choose (-1). The first, the batch, is
-/// always free; the others are the package's.
-pub fn protocol_shape(manifest_shape: &[usize]) -> Vec<i64> {
-    manifest_shape
-        .iter()
-        .enumerate()
-        .map(|(i, &d)| if i == 0 { -1 } else { d as i64 })
-        .collect()
 }
 
 /// The runtime's frames: NumPy `.npy` files, little-endian `<f4` or `<i8`,

@@ -157,7 +157,7 @@ fn signatures_free_the_batch_and_check_inputs() {
     let e = s
         .input_frame(&[ids(vec![0, 16], Datatype::I64)])
         .unwrap_err();
-    assert!(e.message.contains("at least 1"), "{e}");
+    assert!(e.message.contains("(batch) is 0"), "{e}");
     let e = s
         .input_frame(&[ids(vec![1, 16], Datatype::F32)])
         .unwrap_err();
@@ -189,6 +189,36 @@ fn signatures_free_the_batch_and_check_inputs() {
     let e = s.requested_outputs(Some(&["logits".into()])).unwrap_err();
     assert!(
         e.message.contains("\"logits\"") && e.message.contains("pooler_output"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_transformer_takes_any_length_up_to_its_position_table() {
+    let mut m = manifest();
+    m["inputs"][0]["variable"] = serde_json::json!([
+        {"dim": 0, "kind": "batch"},
+        {"dim": 1, "kind": "sequence", "max": 64}
+    ]);
+    let s = Signature::of("bert", "3".into(), &m).unwrap();
+    assert_eq!(s.inputs[0].shape, vec![-1, -1]);
+    let ids = |shape: Vec<i64>| {
+        let n: i64 = shape.iter().product();
+        Tensor {
+            name: "input_ids".into(),
+            datatype: Datatype::I64,
+            shape,
+            data: vec![0; n as usize * 8],
+        }
+    };
+    for len in [1, 16, 64] {
+        let frame = s.input_frame(&[ids(vec![2, len])]).unwrap();
+        assert_eq!(npy::decode(&frame).unwrap().1, vec![2, len]);
+    }
+    let e = s.input_frame(&[ids(vec![1, 65])]).unwrap_err();
+    assert_eq!(e.http_status(), 400);
+    assert!(
+        e.message.contains("[1, 65]") && e.message.contains("tokens 1..=64"),
         "{e}"
     );
 }
