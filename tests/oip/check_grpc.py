@@ -12,11 +12,7 @@ status code and a message naming the problem, and the server keeps serving
 after each.
 """
 
-import argparse
-import json
-import os
 import queue
-import sys
 
 import grpc
 import numpy as np
@@ -24,41 +20,11 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-# Frontend::BODY_BYTES_MAX of controller/src/oip/mod.rs.
-BODY_BYTES_MAX = 64 << 20
+from oip_common import BODY_BYTES_MAX, MODELS, args, check, close, finish, load
 
-args = argparse.ArgumentParser()
-args.add_argument("--url", required=True, help="HOST:PORT of the gRPC endpoint")
-args.add_argument("--models-dir", required=True)
-args.add_argument("--expected-dir", required=True)
-args.add_argument("--token", default=None)
-args = args.parse_args()
 
 AUTH = {"authorization": f"Bearer {args.token}"} if args.token else {}
 METADATA = list(AUTH.items())
-with open(os.path.join(args.expected_dir, "models.json")) as f:
-    MODELS = json.load(f)
-
-failures = []
-
-
-def check(cond, what):
-    print(("ok    " if cond else "FAIL  ") + what, flush=True)
-    if not cond:
-        failures.append(what)
-
-
-def close(got, want):
-    """As tests/runtime.rs compares the GPU server with `distmind infer`."""
-    if got is None or got.shape != want.shape or got.dtype != want.dtype:
-        return False
-    if want.dtype.kind == "f":
-        return bool(np.all(np.abs(got - want) <= 1e-6 * np.maximum(np.abs(want), 1.0)))
-    return bool(np.array_equal(got, want))
-
-
-def load(name):
-    return np.load(os.path.join(args.expected_dir, name))
 
 
 NP_OF = {"FP32": np.float32, "INT64": np.int64}
@@ -355,7 +321,4 @@ if args.token:
 
 client.close()
 channel.close()
-if failures:
-    print(f"{len(failures)} checks failed:", *failures, sep="\n  ")
-    sys.exit(1)
-print("all gRPC checks passed")
+finish("gRPC")

@@ -9,44 +9,20 @@ protocol's error (status and a message naming the problem), and the server
 keeps serving after each.
 """
 
-import argparse
 import http.client
 import json
-import os
-import sys
 
 import numpy as np
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-# Frontend::BODY_BYTES_MAX of controller/src/oip/mod.rs.
-BODY_BYTES_MAX = 64 << 20
-
-args = argparse.ArgumentParser()
-args.add_argument("--url", required=True, help="HOST:PORT of the HTTP endpoint")
-args.add_argument("--models-dir", required=True)
-args.add_argument("--expected-dir", required=True)
-args.add_argument("--token", default=None)
-args = args.parse_args()
-
+from oip_common import BODY_BYTES_MAX, MODELS, args, check, close, finish, load
 
 
 def auth():
     """The token header, a fresh dict per call: tritonclient adds its own
     headers (Inference-Header-Content-Length) to the dict it is given."""
     return {"authorization": f"Bearer {args.token}"} if args.token else {}
-
-
-with open(os.path.join(args.expected_dir, "models.json")) as f:
-    MODELS = json.load(f)
-
-failures = []
-
-
-def check(cond, what):
-    print(("ok    " if cond else "FAIL  ") + what, flush=True)
-    if not cond:
-        failures.append(what)
 
 
 def raw(method, path, body=None, headers=None):
@@ -69,19 +45,6 @@ def error_of(status, headers, data):
     except ValueError:
         return None
     return body.get("error") if isinstance(body, dict) else None
-
-
-def close(got, want):
-    """As tests/runtime.rs compares the GPU server with `distmind infer`."""
-    if got.shape != want.shape or got.dtype != want.dtype:
-        return False
-    if want.dtype.kind == "f":
-        return bool(np.all(np.abs(got - want) <= 1e-6 * np.maximum(np.abs(want), 1.0)))
-    return bool(np.array_equal(got, want))
-
-
-def load(name):
-    return np.load(os.path.join(args.expected_dir, name))
 
 
 client = httpclient.InferenceServerClient(url=args.url, network_timeout=120.0)
@@ -331,7 +294,4 @@ err = error_of(s, h, d)
 check(s == 400 and err and "not JSON" in err, f"malformed JSON -> {s} {err}")
 still_serving("malformed requests")
 
-if failures:
-    print(f"{len(failures)} checks failed:", *failures, sep="\n  ")
-    sys.exit(1)
-print("all HTTP checks passed")
+finish("HTTP")
