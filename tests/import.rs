@@ -81,6 +81,21 @@ fn failed(out: Output, what: &str) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
+/// `distmind infer` of `pkg` on `input` with the cpu executor.
+fn infer_cpu(pkg: &Path, input: &Path, output: &Path) -> Output {
+    distmind(&[
+        "infer",
+        "--model",
+        s(pkg),
+        "--input",
+        s(input),
+        "--output",
+        s(output),
+        "--executor",
+        "cpu",
+    ])
+}
+
 fn s(p: &Path) -> &str {
     p.to_str().expect("utf-8 path")
 }
@@ -141,20 +156,7 @@ impl Reference {
         ok(distmind(&args), &format!("{label}: model import"));
         let out = tmp.join(format!("{label}-out.npy"));
         let input = self.dir.join("input.npy");
-        ok(
-            distmind(&[
-                "infer",
-                "--model",
-                s(&pkg),
-                "--input",
-                s(&input),
-                "--output",
-                s(&out),
-                "--executor",
-                "cpu",
-            ]),
-            &format!("{label}: infer"),
-        );
+        ok(infer_cpu(&pkg, &input, &out), &format!("{label}: infer"));
         // `infer` writes the last output to --output and the others next to
         // it as <stem>.<name>.npy, as torch_reference.py names PyTorch's.
         let mut worst = 0f64;
@@ -264,20 +266,7 @@ fn one_transformer_package_serves_every_length_like_pytorch() {
             let label = format!("{case} L={len}");
             let out = tmp.path().join(format!("{case}-L{len}.npy"));
             let input = r.dir.join(c["input"]["file"].as_str().unwrap());
-            ok(
-                distmind(&[
-                    "infer",
-                    "--model",
-                    s(&pkg),
-                    "--input",
-                    s(&input),
-                    "--output",
-                    s(&out),
-                    "--executor",
-                    "cpu",
-                ]),
-                &format!("{label}: infer"),
-            );
+            ok(infer_cpu(&pkg, &input, &out), &format!("{label}: infer"));
             for o in c["outputs"].as_array().unwrap() {
                 let name = o["name"].as_str().unwrap();
                 let file = o["file"].as_str().unwrap();
@@ -305,17 +294,7 @@ fn one_transformer_package_serves_every_length_like_pytorch() {
         let long = tmp.path().join(format!("{case}-L129-input.npy"));
         write_tokens_npy(&long, 1, 129);
         let err = failed(
-            distmind(&[
-                "infer",
-                "--model",
-                s(&pkg),
-                "--input",
-                s(&long),
-                "--output",
-                s(&tmp.path().join("never.npy")),
-                "--executor",
-                "cpu",
-            ]),
+            infer_cpu(&pkg, &long, &tmp.path().join("never.npy")),
             &format!("{case}: 129 tokens"),
         );
         assert!(

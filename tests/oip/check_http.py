@@ -14,9 +14,8 @@ import json
 
 import numpy as np
 import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException
 
-from oip_common import BODY_BYTES_MAX, MODELS, args, check, close, finish, load
+from oip_common import BODY_BYTES_MAX, MODELS, args, check, close, expect_raised, finish, load
 
 
 def auth():
@@ -190,16 +189,7 @@ def still_serving(after):
 
 
 def expect_error(what, call, status, words):
-    try:
-        call()
-        check(False, f"{what}: no error raised")
-        return
-    except InferenceServerException as e:
-        msg = e.message() or ""
-        check(
-            e.status() == str(status) and all(w in msg for w in words),
-            f"{what}: tritonclient raises {e.status()} {msg!r}",
-        )
+    expect_raised(what, call, str(status), words)
 
 
 x = load(f"{cnn['name']}.input.npy")

@@ -8,6 +8,7 @@ import os
 import sys
 
 import numpy as np
+from tritonclient.utils import InferenceServerException
 
 # Frontend::BODY_BYTES_MAX of controller/src/oip/mod.rs.
 BODY_BYTES_MAX = 64 << 20
@@ -43,6 +44,21 @@ def close(got, want):
 def load(name):
     """An expected array (`M.input.npy`, `M.<output>.npy`)."""
     return np.load(os.path.join(args.expected_dir, name))
+
+
+def expect_raised(what, call, status, words):
+    """`call()` raises tritonclient's error with `status` (its text: "413",
+    "StatusCode.NOT_FOUND") and a message holding every one of `words`."""
+    try:
+        call()
+        check(False, f"{what}: no error raised")
+        return
+    except InferenceServerException as e:
+        msg = e.message() or ""
+        check(
+            e.status() == status and all(w in msg for w in words),
+            f"{what}: tritonclient raises {e.status()} {msg!r}",
+        )
 
 
 def finish(protocol):

@@ -92,6 +92,21 @@ fn gpu(runtime: u32) -> Gpu {
 }
 
 /// Marks `model` resident on runtime `r`'s device through a snapshot.
+/// Runtime `r` (one device, 4 resident models at most, `cache_bytes` of
+/// host cache) heartbeats at time 0 with `snap`.
+fn heartbeat(d: &mut Dispatcher, r: u32, cache_bytes: u64, snap: &RuntimeSnapshot) {
+    d.runtime_seen(
+        0,
+        r,
+        1,
+        &[0],
+        cache_bytes,
+        4,
+        Some((next_seq(), snap)),
+        &mut Vec::new(),
+    );
+}
+
 fn make_resident(d: &mut Dispatcher, r: u32, name: &str) {
     let snap = RuntimeSnapshot {
         devices: vec![DeviceSnapshot {
@@ -102,16 +117,7 @@ fn make_resident(d: &mut Dispatcher, r: u32, name: &str) {
         host_cached: vec![name.into()],
         host_cached_truncated: false,
     };
-    d.runtime_seen(
-        0,
-        r,
-        1,
-        &[0],
-        1 << 30,
-        4,
-        Some((next_seq(), &snap)),
-        &mut Vec::new(),
-    );
+    heartbeat(d, r, 1 << 30, &snap);
 }
 
 #[test]
@@ -232,16 +238,7 @@ fn a_training_gpu_costs_one_iteration_to_yield() {
         host_cached: vec!["a".into()],
         host_cached_truncated: false,
     };
-    d.runtime_seen(
-        0,
-        0,
-        1,
-        &[0],
-        1 << 30,
-        4,
-        Some((next_seq(), &snap)),
-        &mut Vec::new(),
-    );
+    heartbeat(&mut d, 0, 1 << 30, &snap);
     let mut out = Vec::new();
     // 10 ms of compute after up to 50 ms of training iteration.
     let r = d.submit(0, m, Some(55.0), &mut out);
@@ -1453,16 +1450,7 @@ fn a_warm_cache_is_warm_for_models_first_asked_for_after_the_snapshot() {
         host_cached: vec!["a".into()],
         host_cached_truncated: false,
     };
-    d.runtime_seen(
-        0,
-        0,
-        1,
-        &[0],
-        1 << 30,
-        4,
-        Some((next_seq(), &snap)),
-        &mut Vec::new(),
-    );
+    heartbeat(&mut d, 0, 1 << 30, &snap);
     let a = model(&mut d, "a");
     let b = model(&mut d, "b");
     assert_eq!(d.where_is(0, a), Where::HostCached);
