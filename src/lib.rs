@@ -9,6 +9,7 @@ pub mod emulate;
 pub mod loadgen;
 pub mod logging;
 pub mod plot;
+pub mod profile;
 pub mod services;
 pub mod simulate;
 pub mod train;

@@ -68,6 +68,10 @@ enum Command {
     /// Draw PNG figures (grouped bars, lines, stacked areas) from experiment CSVs (`up --csv`).
     #[command(subcommand)]
     Plot(distmind::plot::PlotCommand),
+    /// GPU time profiles: measure one on this machine's GPU (every layer of the five
+    /// families, CUDA events), or compare two.
+    #[command(subcommand)]
+    Profile(distmind::profile::ProfileCommand),
 }
 
 #[derive(Args)]
@@ -595,6 +599,7 @@ fn run(command: Command) -> anyhow::Result<()> {
         }
         Command::Train(t) => distmind::train::run(&t),
         Command::Plot(p) => distmind::plot::run(&p),
+        Command::Profile(p) => distmind::profile::run(&p),
         Command::Infer(i) => {
             let exec = services::executor(i.executor, &i.profile, 1.0)?;
             let report =

@@ -534,9 +534,10 @@ fn one() -> u32 {
 
 /// One event of a request's pipeline, `at_ms` after the pipeline started.
 /// `event` is one of `host_ready`, `upload_start`, `uploaded`, `gate_opened`
-/// (`index`: the group), `layer_start`, `layer_end` (`index`: the layer),
-/// `group_ready` (the program's own gate event; `index`: the group),
-/// `compute_start`, `compute_end`.
+/// (`index`: the group), `uploads_complete` (every copy done on the device),
+/// `layer_start`, `layer_end` (`index`: the layer), `group_ready` (the
+/// program's own gate event; `index`: the group), `compute_start`,
+/// `compute_end`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TraceEntry {
     pub at_ms: f64,

@@ -61,7 +61,19 @@ pub const BLOCK_BYTES_MIN: u64 = 4096;
 /// registered with the transport. This is where `cudaHostRegister` (pinning
 /// the cache for asynchronous H2D copies) goes when the `cuda` executor is
 /// present; nothing pins on CPU-only builds.
-pub type PinHook = Box<dyn Fn(&HostBuffer) -> Result<(), String> + Send + Sync>;
+/// The hook returns a [`Pinned`] registration, which the cache keeps until it
+/// is dropped and then releases (`cuMemHostUnregister`) before the buffer can
+/// be unmapped.
+pub type PinHook = Box<dyn Fn(&HostBuffer) -> Result<Pinned, String> + Send + Sync>;
+
+/// A registration of host memory with a device driver, undone on drop.
+pub struct Pinned(pub Box<dyn Send + Sync>);
+
+impl std::fmt::Debug for Pinned {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Pinned")
+    }
+}
 
 pub struct CacheConfig {
     pub capacity_bytes: u64,
@@ -90,6 +102,13 @@ impl CacheConfig {
             huge_pages: HugePages::No,
             pin: None,
         }
+    }
+
+    /// Pins the buffer when `executor` uploads from it by DMA (`cuda`:
+    /// page-locked memory lets copies overlap compute); others need nothing.
+    pub fn pinned_for(mut self, executor: crate::exec::ExecutorKind) -> Self {
+        self.pin = (executor == crate::exec::ExecutorKind::Cuda).then(crate::exec::cuda::pin_hook);
+        self
     }
 }
 
@@ -292,6 +311,10 @@ impl Table {
 }
 
 struct Inner {
+    /// Declared before `buf`: the registration is undone before this
+    /// `Inner`'s reference to the buffer goes (no upload is in flight by
+    /// then: each holds a pin, which holds this `Inner`).
+    _pinned: Option<Pinned>,
     buf: Arc<HostBuffer>,
     block_bytes: u64,
     blocks: usize,
@@ -347,9 +370,10 @@ impl HostCache {
             ))
         })?;
         let buf = Arc::new(HostBuffer::new(len, config.huge_pages)?);
-        if let Some(pin) = &config.pin {
-            pin(&buf).map_err(CacheError::Pin)?;
-        }
+        let pinned = match &config.pin {
+            Some(pin) => Some(pin(&buf).map_err(CacheError::Pin)?),
+            None => None,
+        };
         let region = transport
             .register(buf.clone())
             .map_err(|source| CacheError::Register {
@@ -382,6 +406,7 @@ impl HostCache {
         };
         Ok(HostCache {
             inner: Arc::new(Inner {
+                _pinned: pinned,
                 buf,
                 block_bytes: config.block_bytes,
                 blocks: blocks as usize,

@@ -283,7 +283,8 @@ pub struct Timing {
     /// fetch's own clock); for a model another request was filling, the wait
     /// for its last group; 0 when the model was in host memory already.
     pub fetch: Duration,
-    /// First upload started to last upload done; 0 when resident.
+    /// First upload started to the last copy completed on the device
+    /// (asynchronous copies run past their enqueueing); 0 when resident.
     pub h2d: Duration,
     /// `Program::run`, gate waits included.
     pub compute: Duration,
@@ -308,10 +309,14 @@ pub enum PipelineEvent {
     UploadStart {
         group: usize,
     },
-    /// Stage 2 done for a group: its gate is open.
+    /// Stage 2 done for a group: its gate is open (its copy is enqueued;
+    /// on a GPU it may still be running).
     Uploaded {
         group: usize,
     },
+    /// Every copy stage 2 started has completed: the device read the last
+    /// host byte ([`Arena::wait_uploaded`] returned for every group).
+    UploadsComplete,
     /// Compute's `gate(group)` returned (timed by the pipeline itself).
     GateOpened {
         group: usize,
@@ -788,6 +793,10 @@ fn upload_groups(
     // Every group whose copy was started, the failed one included (it may
     // have enqueued part of its copy).
     let waited = (0..started).try_for_each(|g| arena.wait_uploaded(g));
+    if waited.is_ok() && started > 0 {
+        // The channel holds two events per group and one more: never blocks.
+        let _ = events.try_send((Instant::now(), PipelineEvent::UploadsComplete));
+    }
     enqueued?;
     waited.map_err(|e| {
         resident

@@ -20,8 +20,11 @@
 //!   its architecture and [`Peaks::H200_ESTIMATED`]; [`estimated_h200`] builds
 //!   the shipped `settings/profiles/h200-estimated.json`, and
 //!   [`Profile::to_json_text`] writes it byte for byte.
+//! - [`measure`] times every layer on a real executor (`distmind profile
+//!   measure`): the measured profiles.
 
 mod estimate;
+pub mod measure;
 #[cfg(test)]
 mod tests;
 

@@ -80,7 +80,6 @@ use tokio::task::JoinSet;
 use crate::cache::{CacheConfig, CacheError, HostCache, BLOCK_BYTES_DEFAULT, CACHE_BYTES_DEFAULT};
 use crate::device::{Residency, RESIDENT_MODELS_MAX_DEFAULT};
 use crate::exec::Executor;
-use crate::exec::ExecutorKind;
 use crate::pipeline::PipelineOptions;
 use crate::train::SgdConfig;
 
@@ -639,9 +638,10 @@ impl RuntimeServer {
             } else {
                 HugePages::No
             },
-            // Pinned host memory lets H2D copies run asynchronously.
-            pin: (config.executor.kind() == ExecutorKind::Cuda).then(crate::exec::cuda::pin_hook),
-        };
+            pin: None,
+        }
+        // Pinned host memory lets H2D copies run asynchronously.
+        .pinned_for(config.executor.kind());
         // Faulting in gigabytes takes seconds: keep it off the async workers.
         let cache = tokio::task::spawn_blocking(move || HostCache::new(cache_config, transport))
             .await

@@ -1,7 +1,8 @@
 //! The cuda executor on a real GPU: every family at tiny scale against the
 //! cpu executor, gating (host gate + device event), lazy and pipelined
 //! uploads from pinned memory, full-scale ResNet-152 at batch 8 cold vs warm,
-//! and the H2D bandwidth probe. All `#[ignore]`d: run on a GPU machine with
+//! the H2D bandwidth probe, half-precision widening and per-layer device
+//! timing (`layer_events`). All `#[ignore]`d: run on a GPU machine with
 //! `cargo test -p distmind-runtime --release --features cuda --test cuda_gpu -- --ignored --nocapture`.
 #![cfg(feature = "cuda")]
 
@@ -13,7 +14,7 @@ use distmind_models::graph::EmbeddingIds;
 use distmind_models::{
     generate, Dtype, Family, GenOptions, Manifest, Op, Package, ParamDtype, Scale,
 };
-use distmind_runtime::cache::PinHook;
+use distmind_runtime::cache::{PinHook, Pinned};
 use distmind_runtime::exec::cpu::CpuExecutor;
 use distmind_runtime::exec::cuda::{h2d_bench, pin_hook, CudaExecutor, CudaOptions};
 use distmind_runtime::exec::{all_ready, Executor, HostTensor, TensorData, Trace, TraceEvent};
@@ -163,6 +164,7 @@ fn cuda_every_family_at_tiny_scale_matches_the_cpu_executor() {
         0,
         CudaOptions {
             sync_per_layer: true,
+            ..CudaOptions::default()
         },
     )
     .unwrap();
@@ -192,10 +194,10 @@ fn cuda_every_family_at_tiny_scale_matches_the_cpu_executor() {
 }
 
 /// A pinned host copy of the whole packed model (what the host cache holds).
-fn pinned_model(pkg: &Package, hook: &PinHook) -> HostBuffer {
+fn pinned_model(pkg: &Package, hook: &PinHook) -> (HostBuffer, Pinned) {
     let m = &pkg.manifest;
     let buf = HostBuffer::new(m.stored_bytes as usize, HugePages::No).unwrap();
-    hook(&buf).expect("pin the host copy");
+    let pinned = hook(&buf).expect("pin the host copy");
     for g in &m.groups {
         let bytes = pkg.group_bytes(g.index).unwrap();
         let range = g.offset as usize..g.offset as usize + bytes.len();
@@ -203,7 +205,7 @@ fn pinned_model(pkg: &Package, hook: &PinHook) -> HostBuffer {
         // different groups do not overlap.
         unsafe { buf.slice_mut(range) }.copy_from_slice(&bytes);
     }
-    buf
+    (buf, pinned)
 }
 
 /// Cold: arena + program + a run whose groups are uploaded by another
@@ -215,7 +217,8 @@ fn cuda_resnet152_full_scale_batch8_cold_vs_warm() {
     let dir = tempfile::tempdir().unwrap();
     let pkg = Arc::new(package(dir.path(), Family::Resnet152, Scale::Full, None));
     let m = pkg.manifest.clone();
-    let host = Arc::new(pinned_model(&pkg, &pin_hook()));
+    let (host, pinned) = pinned_model(&pkg, &pin_hook());
+    let host = Arc::new(host);
     let x = input(&m, 8, 1);
     let exec = CudaExecutor::new(0).expect("a CUDA device");
 
@@ -260,6 +263,8 @@ fn cuda_resnet152_full_scale_batch8_cold_vs_warm() {
         .unwrap();
     let cold = start.elapsed();
     uploader.join().unwrap();
+    // Every copy completed: unregister while the buffer is still mapped.
+    drop(pinned);
 
     let start = Instant::now();
     let warm_out = program
@@ -304,4 +309,161 @@ fn cuda_h2d_bench_pinned_vs_pageable() {
         bw.pinned_gbps, bw.plain_memcpy_gbps
     );
     assert!(bw.pinned_gbps > 0.0 && bw.plain_memcpy_gbps > 0.0);
+}
+
+/// Half-precision packages: the copy stream carries the stored bf16 / f16
+/// bytes and the widening kernel writes f32 into the arena; the outputs
+/// equal the cpu executor's, which widens the same bytes on the host.
+#[test]
+#[ignore = "requires an NVIDIA GPU"]
+fn cuda_half_precision_packages_widen_on_the_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let cpu = CpuExecutor::new();
+    let gpu = CudaExecutor::new(0).expect("a CUDA device");
+    for dtype in [ParamDtype::BF16, ParamDtype::F16] {
+        for family in [Family::Resnet152, Family::Gpt2] {
+            let sub = dir.path().join(format!("{dtype}-{family}"));
+            let dirs = generate(&GenOptions {
+                scale: Scale::Tiny,
+                group_bytes: GROUP_BYTES,
+                dtype,
+                ..GenOptions::new(family, &sub)
+            })
+            .expect("generate");
+            let pkg = Package::open(&dirs[0]).expect("open");
+            assert_eq!(pkg.manifest.param_dtype, dtype);
+            let x = input(&pkg.manifest, 2, 3);
+            let (want, _) = infer_package(&pkg, &cpu, std::slice::from_ref(&x)).unwrap();
+            let (got, _) = infer_package(&pkg, &gpu, std::slice::from_ref(&x)).unwrap();
+            for ((g, w), spec) in got.iter().zip(&want).zip(&pkg.manifest.outputs) {
+                let what = format!("{} {dtype} {}", pkg.manifest.name, spec.name);
+                assert_close(&what, g, w, REL_TOL);
+            }
+        }
+    }
+}
+
+/// `layer_events`: every layer gets a device time, the layers' span fits
+/// inside the host's wall time of the same runs, and the numbers computed
+/// are those of a plain executor (events change no kernel).
+#[test]
+#[ignore = "requires an NVIDIA GPU"]
+fn cuda_layer_events_time_every_layer_on_the_device() {
+    use distmind_runtime::profile::measure::{time_layers, MeasureOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let pkg = package(dir.path(), Family::Resnet152, Scale::Full, None);
+    let x = input(&pkg.manifest, 8, 5);
+    let timed = CudaExecutor::with_options(
+        0,
+        CudaOptions {
+            layer_events: true,
+            ..CudaOptions::default()
+        },
+    )
+    .unwrap();
+    let plain = CudaExecutor::new(0).unwrap();
+    let opts = MeasureOptions { warmup: 2, runs: 5 };
+    let t = time_layers(&timed, &pkg, std::slice::from_ref(&x), opts).unwrap();
+    let p = time_layers(&plain, &pkg, std::slice::from_ref(&x), opts).unwrap();
+    assert_eq!(t.layer_s.len(), pkg.manifest.layers.len());
+    assert!(t.layer_s.iter().all(|&s| s > 0.0), "a layer took no time");
+    // Per run the span is inside the wall time; medians of 5 runs get a 5% margin.
+    assert!(
+        t.layers_total_s() <= t.run_s * 1.05,
+        "the layers' device span {} s exceeds the runs' wall time {} s",
+        t.layers_total_s(),
+        t.run_s
+    );
+    println!(
+        "resnet152 b8 on {}: layers (events) {:.3} ms, plain run {:.3} ms (ratio {:.3})",
+        plain.describe(),
+        t.layers_total_s() * 1e3,
+        p.run_s * 1e3,
+        t.layers_total_s() / p.run_s
+    );
+    let (a, _) = infer_package(&pkg, &timed, std::slice::from_ref(&x)).unwrap();
+    let (b, _) = infer_package(&pkg, &plain, std::slice::from_ref(&x)).unwrap();
+    assert_eq!(a, b, "layer events changed the outputs");
+}
+
+/// Model switches on one device: arena, program, upload, two runs, drop,
+/// alternating two ResNet-152s of the same shape. With fresh arenas every
+/// switch pays `cuMemAlloc` and `cuMemFree`; by default the dropped arena's
+/// memory serves the next one. Both give each model its own numbers (no
+/// stale parameters), and the per-step times print side by side.
+#[test]
+#[ignore = "requires an NVIDIA GPU"]
+fn cuda_model_switches_reuse_arena_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let dirs = generate(&GenOptions {
+        variants: 2,
+        ..GenOptions::new(Family::Resnet152, dir.path())
+    })
+    .expect("generate");
+    let pkgs: Vec<Package> = dirs.iter().map(|d| Package::open(d).unwrap()).collect();
+    let x = input(&pkgs[0].manifest, 1, 9);
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+    let mut reference: Vec<Option<Vec<HostTensor>>> = vec![None, None];
+    for fresh in [true, false] {
+        let exec = CudaExecutor::with_options(
+            0,
+            CudaOptions {
+                fresh_arenas: fresh,
+                ..CudaOptions::default()
+            },
+        )
+        .unwrap();
+        let (mut alloc, mut prog, mut first, mut warm, mut free) =
+            (vec![], vec![], vec![], vec![], vec![]);
+        for i in 0..8 {
+            let pkg = &pkgs[i % 2];
+            let m = &pkg.manifest;
+            let t = Instant::now();
+            let arena = exec.alloc_arena(m.stored_bytes).unwrap();
+            alloc.push(ms(t.elapsed()));
+            let t = Instant::now();
+            let mut program = exec.program(m, arena.clone()).unwrap();
+            prog.push(ms(t.elapsed()));
+            for g in &m.groups {
+                arena
+                    .upload(g.index, g.offset, &pkg.group_bytes(g.index).unwrap())
+                    .unwrap();
+            }
+            let t = Instant::now();
+            let out = program
+                .run(std::slice::from_ref(&x), &mut all_ready, &mut Trace::new())
+                .unwrap();
+            first.push(ms(t.elapsed()));
+            let t = Instant::now();
+            program
+                .run(std::slice::from_ref(&x), &mut all_ready, &mut Trace::new())
+                .unwrap();
+            warm.push(ms(t.elapsed()));
+            match &reference[i % 2] {
+                None => reference[i % 2] = Some(out),
+                Some(want) => assert_eq!(&out, want, "{} (switch {i}, fresh {fresh})", m.name),
+            }
+            let t = Instant::now();
+            drop(program);
+            drop(arena);
+            free.push(ms(t.elapsed()));
+        }
+        let med = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        println!(
+            "switches, {} arenas: alloc {:.3} ms, program {:.3} ms, first run {:.3} ms, warm run {:.3} ms, drop {:.3} ms (medians of 8)",
+            if fresh { "fresh" } else { "reused" },
+            med(&mut alloc),
+            med(&mut prog),
+            med(&mut first),
+            med(&mut warm),
+            med(&mut free)
+        );
+    }
+    assert_ne!(
+        reference[0], reference[1],
+        "the two models compute different numbers"
+    );
 }

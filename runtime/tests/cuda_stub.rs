@@ -27,6 +27,7 @@ fn cuda_without_the_feature_every_entry_point_says_how_to_rebuild() {
         0,
         CudaOptions {
             sync_per_layer: true,
+            ..CudaOptions::default()
         },
     ))
     .expect("a stub cannot open a device");
@@ -77,6 +78,7 @@ fn cuda_with_the_feature_a_missing_driver_or_device_is_a_clear_error() {
     // missing driver, in the message.
     let options = CudaOptions {
         sync_per_layer: true,
+        ..CudaOptions::default()
     };
     let why = unavailable_why(CudaExecutor::with_options(4096, options))
         .expect("no machine has 4097 GPUs");

@@ -510,6 +510,16 @@ fn pipeline_warm_paths_skip_stages() {
         trace.count(|e| matches!(e, PipelineEvent::Uploaded { .. })),
         n
     );
+    // The copies' completion closes the upload stage and its time.
+    let complete = trace.time_of(PipelineEvent::UploadsComplete).unwrap();
+    let last_uploaded = trace
+        .time_of(PipelineEvent::Uploaded { group: n - 1 })
+        .unwrap();
+    let first_start = trace
+        .time_of(PipelineEvent::UploadStart { group: 0 })
+        .unwrap();
+    assert!(complete >= last_uploaded);
+    assert_eq!(t.h2d, complete - first_start);
     assert_eq!(wk.transport.stats().bytes_read, bytes);
 
     // Gone from both: cold again.

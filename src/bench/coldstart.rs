@@ -314,7 +314,8 @@ impl Bench<'_> {
         })?);
         let block = BLOCK_BYTES_DEFAULT;
         let cache = HostCache::new(
-            CacheConfig::new((m.stored_bytes.div_ceil(block) + 1) * block, block),
+            CacheConfig::new((m.stored_bytes.div_ceil(block) + 1) * block, block)
+                .pinned_for(self.exec.kind()),
             transport,
         )?;
         let residency = Residency::new(m.stored_bytes * 2, 2);

@@ -178,7 +178,7 @@ fn with_batch(config: ModelConfig, batch: usize) -> ModelConfig {
     config.with_batch_size(batch)
 }
 
-fn round_ns(s: f64) -> f64 {
+pub(super) fn round_ns(s: f64) -> f64 {
     (s * 1e9).round() / 1e9
 }
 

@@ -409,3 +409,39 @@ fn token_scaling_stays_near_the_roofline_at_other_lengths() {
         }
     }
 }
+
+/// Every measured profile shipped in settings/profiles/ loads, says where,
+/// on what and when it was measured, and covers what the estimates cover
+/// (the five families at full scale, batches 1 and 8, and tiny batch 1) with
+/// layers that match the families' graphs (names, FLOPs and bytes).
+#[test]
+fn shipped_measured_profiles_load_and_cover_the_families() {
+    let dir = repo_path("settings/profiles");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        if !name.contains("-measured-") || !name.ends_with(".json") {
+            continue;
+        }
+        seen += 1;
+        let p = Profile::load(&path).unwrap();
+        assert_eq!(p.source, Source::Measured, "{name}");
+        assert!(p.driver.is_some(), "{name}: no driver version");
+        assert!(name.contains(&p.date), "{name}: dated {}", p.date);
+        assert!(p.method.contains("distmind profile measure"), "{name}");
+        for family in Family::ALL {
+            for (scale, batch) in [(Scale::Full, 1), (Scale::Full, 8), (Scale::Tiny, 1)] {
+                let m = p
+                    .get_exact(family, scale, batch)
+                    .unwrap_or_else(|| panic!("{name}: no {}", model_key(family, scale, batch)));
+                let graph = estimate(family, scale, batch);
+                assert_eq!(m.layers.len(), graph.layers.len(), "{name}");
+                for (a, b) in m.layers.iter().zip(&graph.layers) {
+                    assert_eq!((&a.name, a.flops, a.bytes), (&b.name, b.flops, b.bytes));
+                }
+            }
+        }
+    }
+    assert!(seen >= 1, "no measured profile in {}", dir.display());
+}

@@ -1087,6 +1087,7 @@ pub(crate) fn trace_entries(trace: &MergedTrace) -> (Vec<TraceEntry>, bool) {
             PipelineEvent::HostReady { group } => entry(*at, "host_ready", Some(group)),
             PipelineEvent::UploadStart { group } => entry(*at, "upload_start", Some(group)),
             PipelineEvent::Uploaded { group } => entry(*at, "uploaded", Some(group)),
+            PipelineEvent::UploadsComplete => entry(*at, "uploads_complete", None),
             PipelineEvent::GateOpened { group } => entry(*at, "gate_opened", Some(group)),
             PipelineEvent::ComputeStart => entry(*at, "compute_start", None),
             PipelineEvent::ComputeEnd => entry(*at, "compute_end", None),

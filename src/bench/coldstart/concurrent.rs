@@ -271,7 +271,7 @@ impl Setup<'_> {
             .map(|p| p.manifest.stored_bytes.div_ceil(block) + 1)
             .sum();
         let cache = HostCache::new(
-            CacheConfig::new(blocks * block, block),
+            CacheConfig::new(blocks * block, block).pinned_for(self.exec.kind()),
             Arc::new(self.transport()?),
         )?;
         let devices: Vec<Residency> = pkgs

@@ -12,13 +12,13 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use cudarc::cublas::{result as blas, sys as blas_sys};
-use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaStream};
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaStream};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 
 use super::kernels::{KERNEL_NAMES, KERNEL_SOURCE};
 use super::widen::{widen_grid, widen_kernel, WIDEN_SOURCE, WIDEN_THREADS};
 use super::H2dBandwidth;
-use crate::cache::PinHook;
+use crate::cache::{PinHook, Pinned};
 use crate::exec::{ExecError, ExecutorKind};
 use distmind_models::ParamDtype;
 
@@ -132,6 +132,9 @@ pub(super) enum Arg {
 
 /// The device, its streams, cuBLAS and the compiled kernels.
 pub(super) struct Gpu {
+    /// Device memory of dropped arenas, kept for the next ones. First, so
+    /// that it is freed before the streams and context go.
+    spares: SparePool,
     pub(super) ctx: Arc<CudaContext>,
     /// Kernels, GEMMs, activation allocations, output copies.
     pub(super) compute: Arc<CudaStream>,
@@ -185,8 +188,12 @@ fn context(device: usize) -> Result<Arc<CudaContext>, ExecError> {
 }
 
 impl Gpu {
-    pub(super) fn open(device: usize) -> Result<Arc<Gpu>, ExecError> {
+    /// Opens `device`; with `reuse_arenas`, the memory of dropped arenas
+    /// is kept (at most [`SPARES_MAX`]) and handed to the next arena that
+    /// fits instead of a `cuMemFree` / `cuMemAlloc` pair per model switch.
+    pub(super) fn open(device: usize, reuse_arenas: bool) -> Result<Arc<Gpu>, ExecError> {
         let ctx = context(device)?;
+        let ctx_for_pool = ctx.clone();
         let fail = |what: &str, e: &dyn std::fmt::Display| unavailable(cuda_err(what, e));
         // SAFETY: we synchronise streams ourselves (events per group, one
         // compute stream) and never use cudarc's CudaSlice, whose automatic
@@ -275,6 +282,7 @@ impl Gpu {
             widen,
             name,
             compute_capability: cc,
+            spares: SparePool::new(&ctx_for_pool, reuse_arenas),
         }))
     }
 
@@ -549,22 +557,46 @@ impl Drop for DeviceBuffer {
     }
 }
 
-/// One synchronous `cuMemAlloc`: an arena's device memory.
+/// An arena's device memory: one `cuMemAlloc`, or the memory of a dropped
+/// arena of about the same size ([`SparePool`]).
 pub(super) struct ArenaMemory {
     ptr: u64,
+    /// What the arena asked for (the allocation may be up to
+    /// [`SPARE_SLACK`] larger when reused).
     bytes: usize,
+    /// The allocation's real size.
+    allocated: usize,
     gpu: Arc<Gpu>,
 }
 
 impl ArenaMemory {
     pub(super) fn new(gpu: &Arc<Gpu>, bytes: usize) -> Result<Self, String> {
         gpu.bind()?;
+        let want = bytes.max(4);
+        if let Some((ptr, allocated)) = gpu.spares.take(want, gpu)? {
+            return Ok(ArenaMemory {
+                ptr,
+                bytes,
+                allocated,
+                gpu: gpu.clone(),
+            });
+        }
         // SAFETY: plain allocation in the bound context.
-        let ptr =
-            unsafe { result::malloc_sync(bytes.max(4)) }.map_err(|e| cuda_err("cuMemAlloc", e))?;
+        let ptr = match unsafe { result::malloc_sync(want) } {
+            Ok(p) => p,
+            Err(first) => {
+                // Spares hold memory the allocator could use: give it back, retry once.
+                if gpu.spares.release_all() == 0 {
+                    return Err(cuda_err("cuMemAlloc", first));
+                }
+                // SAFETY: as above.
+                unsafe { result::malloc_sync(want) }.map_err(|e| cuda_err("cuMemAlloc", e))?
+            }
+        };
         Ok(ArenaMemory {
             ptr,
             bytes,
+            allocated: want,
             gpu: gpu.clone(),
         })
     }
@@ -582,12 +614,138 @@ impl Drop for ArenaMemory {
     fn drop(&mut self) {
         let ctx = &self.gpu.ctx;
         ctx.record_err(ctx.bind_to_thread());
-        // Uploads may still be in flight and programs hold the arena by Arc,
-        // so no kernel reads it any more; wait for the copies.
+        // Programs hold the arena by Arc, so no kernel is enqueued against
+        // it any more; copies and kernels already enqueued may still run.
+        if self.gpu.spares.keep(self.ptr, self.allocated, &self.gpu) {
+            return;
+        }
         ctx.record_err(self.gpu.copy.synchronize());
         ctx.record_err(self.gpu.compute.synchronize());
         // SAFETY: allocated by `malloc_sync`, freed once, no work pending.
         ctx.record_err(unsafe { result::free_sync(self.ptr) });
+    }
+}
+
+/// Most spare arenas a device keeps.
+pub(super) const SPARES_MAX: usize = 2;
+/// A spare serves an arena of at least `allocated / SPARE_SLACK` bytes:
+/// reuse may waste at most a quarter.
+const SPARE_SLACK: f64 = 1.25;
+
+/// Memory of dropped arenas. A model switch (evict one model, load the
+/// next) would otherwise pay a `cuMemFree` (which waits for the device) and
+/// a `cuMemAlloc` on the device's serial path; the evaluation's models are
+/// often the same size. A spare is handed out only after the device passed
+/// every copy and kernel that used it: its two events, recorded on the copy
+/// and compute streams when it was dropped, are made the copy stream's
+/// dependencies (the new arena's uploads go there; its kernels run behind
+/// their uploads). Spares are device memory the residency accounting does
+/// not see: at most [`SPARES_MAX`], given back when an allocation fails and
+/// when the executor goes.
+pub(super) struct SparePool {
+    ctx: Arc<CudaContext>,
+    enabled: bool,
+    spares: Mutex<Vec<Spare>>,
+}
+
+struct Spare {
+    ptr: u64,
+    bytes: usize,
+    /// Recorded on the copy and the compute stream when the arena dropped.
+    after_copies: CudaEvent,
+    after_kernels: CudaEvent,
+}
+
+impl SparePool {
+    fn new(ctx: &Arc<CudaContext>, enabled: bool) -> SparePool {
+        SparePool {
+            ctx: ctx.clone(),
+            enabled,
+            spares: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Spare>> {
+        self.spares.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Keeps `ptr` as a spare; false when the pool is off or full, or the
+    /// events cannot be recorded (then the caller frees it).
+    fn keep(&self, ptr: u64, bytes: usize, gpu: &Gpu) -> bool {
+        if !self.enabled {
+            return false;
+        }
+        let mut spares = self.lock();
+        if spares.len() >= SPARES_MAX {
+            return false;
+        }
+        let record = |stream: &CudaStream| stream.record_event(None);
+        match (record(&gpu.copy), record(&gpu.compute)) {
+            (Ok(after_copies), Ok(after_kernels)) => {
+                spares.push(Spare {
+                    ptr,
+                    bytes,
+                    after_copies,
+                    after_kernels,
+                });
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The smallest spare that holds `bytes` without wasting more than
+    /// [`SPARE_SLACK`], ordered on the copy stream after its last users.
+    fn take(&self, bytes: usize, gpu: &Gpu) -> Result<Option<(u64, usize)>, String> {
+        let mut spares = self.lock();
+        let fits = |s: &Spare| s.bytes >= bytes && s.bytes as f64 <= bytes as f64 * SPARE_SLACK;
+        let Some(i) = spares
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| fits(s))
+            .min_by_key(|(_, s)| s.bytes)
+            .map(|(i, _)| i)
+        else {
+            return Ok(None);
+        };
+        let spare = spares.swap_remove(i);
+        drop(spares);
+        let ordered = gpu
+            .copy
+            .wait(&spare.after_copies)
+            .and_then(|()| gpu.copy.wait(&spare.after_kernels));
+        if let Err(e) = ordered {
+            // Not ordered behind its last users: free it (after a full
+            // sync) rather than hand it out.
+            self.free(spare);
+            return Err(cuda_err("cuStreamWaitEvent on a spare arena", e));
+        }
+        Ok(Some((spare.ptr, spare.bytes)))
+    }
+
+    /// Frees every spare; returns how many there were.
+    fn release_all(&self) -> usize {
+        let spares: Vec<Spare> = std::mem::take(&mut *self.lock());
+        let n = spares.len();
+        for s in spares {
+            self.free(s);
+        }
+        n
+    }
+
+    fn free(&self, spare: Spare) {
+        self.ctx.record_err(self.ctx.bind_to_thread());
+        self.ctx.record_err(spare.after_copies.synchronize());
+        self.ctx.record_err(spare.after_kernels.synchronize());
+        // SAFETY: allocated by `malloc_sync` for an arena that was dropped;
+        // its last copy and kernel completed (the events above); freed once.
+        self.ctx.record_err(unsafe { result::free_sync(spare.ptr) });
+    }
+}
+
+impl Drop for SparePool {
+    fn drop(&mut self) {
+        self.release_all();
     }
 }
 
@@ -605,16 +763,17 @@ fn pinning_context() -> Result<&'static Arc<CudaContext>, String> {
 
 /// A host-cache pin hook: `cuMemHostRegister` (portable: usable by every
 /// context) on the cache buffer, so that uploads from it are true DMA and
-/// overlap compute. The cache buffer lives for the life of the process and
-/// is never unregistered.
+/// overlap compute. The returned registration calls `cuMemHostUnregister`
+/// when dropped; the cache drops it before its buffer can be unmapped.
 pub fn pin_hook() -> PinHook {
     Box::new(|buf| {
         let ctx = pinning_context()?;
         ctx.bind_to_thread()
             .map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
-        // SAFETY: `buf` is a live mapping of `buf.len()` bytes that the host
-        // cache keeps for the life of the process; registration only locks
-        // its pages and maps them for the device.
+        // SAFETY: `buf` is a live mapping of `buf.len()` bytes; the
+        // registration only locks its pages and maps them for the device,
+        // and the returned guard undoes it while the mapping still exists
+        // (the cache keeps the buffer alive past the guard).
         unsafe {
             sys::cuMemHostRegister_v2(
                 buf.as_ptr().cast(),
@@ -623,8 +782,32 @@ pub fn pin_hook() -> PinHook {
             )
             .result()
         }
-        .map_err(|e| cuda_err(&format!("cuMemHostRegister of {} bytes", buf.len()), e))
+        .map_err(|e| cuda_err(&format!("cuMemHostRegister of {} bytes", buf.len()), e))?;
+        Ok(Pinned(Box::new(HostRegistration {
+            ptr: buf.as_ptr() as usize,
+            ctx: ctx.clone(),
+        })))
     })
+}
+
+/// Host memory registered by [`pin_hook`]; unregistered on drop.
+struct HostRegistration {
+    /// The registered address (kept as an integer: the guard never reads it).
+    ptr: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        self.ctx.record_err(self.ctx.bind_to_thread());
+        // SAFETY: `ptr` was registered by `pin_hook` and is unregistered
+        // once, here, while still mapped; no copy from it is in flight (the
+        // cache drops this only when no upload holds a pin).
+        let r = unsafe { sys::cuMemHostUnregister(self.ptr as *mut c_void) }.result();
+        if let Err(e) = r {
+            log::warn!("cuMemHostUnregister of the host cache: {e}");
+        }
+    }
 }
 
 /// Page-locked host memory from `cuMemHostAlloc`, freed on drop.
@@ -650,7 +833,7 @@ pub fn h2d_bench(bytes: usize, iters: usize) -> Result<H2dBandwidth, ExecError> 
             "h2d_bench needs bytes > 0 and iters > 0, got {bytes} and {iters}"
         )));
     }
-    let gpu = Gpu::open(0)?;
+    let gpu = Gpu::open(0, false)?;
     let err = |what: &str, e: &dyn std::fmt::Display| unavailable(cuda_err(what, e));
     gpu.bind().map_err(unavailable)?;
     let dst = ArenaMemory::new(&gpu, bytes).map_err(unavailable)?;

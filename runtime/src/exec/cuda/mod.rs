@@ -7,7 +7,10 @@
 //!   NVRTC. Without a driver it returns
 //!   [`ExecError::Unavailable`](super::ExecError::Unavailable) naming the
 //!   libraries it looked for (cudarc would panic; we check first).
-//! * `CudaArena`: ONE `cuMemAlloc` of the model's packed bytes.
+//! * `CudaArena`: ONE `cuMemAlloc` of the model's packed bytes, or the
+//!   memory of a dropped arena of about the same size (at most two are kept,
+//!   ordered behind their last copy and kernel by events): a model switch
+//!   pays no `cuMemFree` / `cuMemAlloc` on the serial path.
 //!   [`Arena::upload_async`](super::Arena::upload_async) enqueues
 //!   `cuMemcpyHtoDAsync` of the group's host bytes on the copy stream and
 //!   records the group's event behind it;
@@ -30,8 +33,9 @@
 //! * Trace timestamps are host times at which a layer was *enqueued*, not
 //!   when it ran, unless [`CudaOptions::sync_per_layer`] is set: then the
 //!   compute stream is synchronised after every layer and `LayerEnd` is the
-//!   layer's completion (slower; for per-layer profiles such as
-//!   `settings/profiles/h200.json`).
+//!   layer's completion (slower), or [`CudaOptions::layer_events`]: then
+//!   layer timestamps are device times from CUDA events (per-layer
+//!   profiles, `distmind profile measure`).
 //!
 //! Without the `cuda` cargo feature this module still exists (candle's
 //! pattern): [`CudaExecutor::new`] then returns `Unavailable` saying how to
@@ -77,6 +81,20 @@ pub struct CudaOptions {
     /// timestamps are completion times (per-layer profiles) instead of
     /// enqueue times. Off for serving: it removes all CPU/GPU overlap.
     pub sync_per_layer: bool,
+    /// Record a timing event on the compute stream before the first layer
+    /// and after every layer. After the run, every `LayerStart` /
+    /// `LayerEnd` timestamp of the trace is the device time of its event
+    /// (placed on the host clock at the instant the first event was
+    /// enqueued), so a layer's duration is the GPU time from the end of the
+    /// layer before it to its own end: its kernels plus any time the GPU sat
+    /// waiting for the host to enqueue them (eager mode's launch cost). What
+    /// `distmind profile measure` reads; no host synchronisation per layer,
+    /// so CPU/GPU overlap stays as in serving.
+    pub layer_events: bool,
+    /// `cuMemAlloc` every arena and `cuMemFree` it when dropped, instead of
+    /// keeping the memory of dropped arenas for the next ones (a model
+    /// switch then pays both on the serial path). For comparisons.
+    pub fresh_arenas: bool,
 }
 
 /// Host-to-device bandwidth from [`h2d_bench`], in GB/s (1e9 bytes/s).

@@ -9,6 +9,8 @@ use std::time::Instant;
 use distmind_models::shape::{self, Shape};
 use distmind_models::{Dtype, Layer, Manifest, Op, TensorSpec};
 
+use cudarc::driver::{sys, CudaEvent};
+
 use super::arena::CudaArena;
 use super::driver::{cuda_err, DeviceBuffer, Gpu};
 use super::ops::{self, dtype_bytes, DevTensor, LayerParams};
@@ -44,8 +46,13 @@ impl CudaExecutor {
 
     /// [`CudaExecutor::new`] with `options`; an error names the device.
     pub fn with_options(device: usize, options: CudaOptions) -> Result<Self, ExecError> {
-        let gpu = Gpu::open(device).map_err(|e| name_device(device, e))?;
+        let gpu = Gpu::open(device, !options.fresh_arenas).map_err(|e| name_device(device, e))?;
         Ok(CudaExecutor { gpu, options })
+    }
+
+    /// The GPU's name as the driver reports it, e.g. `NVIDIA H100 80GB HBM3`.
+    pub fn device_name(&self) -> String {
+        self.gpu.name.clone()
     }
 }
 
@@ -73,10 +80,11 @@ impl Executor for CudaExecutor {
             "cuda ({}, sm_{major}{minor}, device {}{})",
             self.gpu.name,
             self.gpu.ctx.ordinal(),
-            if self.options.sync_per_layer {
-                ", sync per layer"
-            } else {
-                ""
+            match (self.options.sync_per_layer, self.options.layer_events) {
+                (true, true) => ", sync per layer, layer events",
+                (true, false) => ", sync per layer",
+                (false, true) => ", layer events",
+                (false, false) => "",
             }
         )
     }
@@ -288,6 +296,11 @@ impl Program for CudaProgram {
             .map_err(model_err)?;
         let mut values: Vec<Option<DevTensor>> = vec![None; self.layers.len()];
         let mut gated = vec![false; self.groups];
+        let mut timing = if self.options.layer_events {
+            Some(LayerEvents::start(&self.gpu, start.elapsed(), trace.len()).map_err(model_err)?)
+        } else {
+            None
+        };
         for i in 0..self.layers.len() {
             if let Some(g) = self.layers[i].group {
                 if !self.param_ptrs[i].is_empty() && !gated[g] {
@@ -337,6 +350,10 @@ impl Program for CudaProgram {
                     .synchronize()
                     .map_err(|e| self.layer_error(i, cuda_err("cuStreamSynchronize", e)))?;
             }
+            if let Some(t) = &mut timing {
+                t.record(&self.gpu)
+                    .map_err(|why| self.layer_error(i, why))?;
+            }
             trace.push((start.elapsed(), TraceEvent::LayerEnd { layer: i }));
         }
         let outputs = self
@@ -356,7 +373,79 @@ impl Program for CudaProgram {
             .compute
             .synchronize()
             .map_err(|e| model_err(cuda_err("cuStreamSynchronize", e)))?;
+        if let Some(t) = timing {
+            t.restamp(trace).map_err(model_err)?;
+        }
         Ok(outputs)
+    }
+}
+
+/// [`CudaOptions::layer_events`]: one timing event before the first layer
+/// and one after each layer, on the compute stream.
+struct LayerEvents {
+    /// Host time (since the run's start) at which `first` was enqueued.
+    origin: std::time::Duration,
+    /// The trace's length when the run began: entries before it belong to
+    /// earlier runs and keep their times.
+    first_entry: usize,
+    first: CudaEvent,
+    /// After layer i, in layer order.
+    after: Vec<CudaEvent>,
+}
+
+impl LayerEvents {
+    fn start(
+        gpu: &Gpu,
+        origin: std::time::Duration,
+        first_entry: usize,
+    ) -> Result<LayerEvents, String> {
+        let first = gpu
+            .compute
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| cuda_err("cuEventRecord", e))?;
+        Ok(LayerEvents {
+            origin,
+            first_entry,
+            first,
+            after: Vec::new(),
+        })
+    }
+
+    fn record(&mut self, gpu: &Gpu) -> Result<(), String> {
+        let event = gpu
+            .compute
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| cuda_err("cuEventRecord", e))?;
+        self.after.push(event);
+        Ok(())
+    }
+
+    /// Rewrites the trace's layer timestamps to device times (the stream
+    /// has been synchronised): `LayerStart` of layer i is the event before
+    /// it (the previous layer's end), `LayerEnd` its own event.
+    fn restamp(self, trace: &mut Trace) -> Result<(), String> {
+        let at = |event: &CudaEvent| -> Result<std::time::Duration, String> {
+            let ms = self
+                .first
+                .elapsed_ms(event)
+                .map_err(|e| cuda_err("cuEventElapsedTime", e))?;
+            Ok(self.origin + std::time::Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
+        };
+        let ends = self.after.iter().map(at).collect::<Result<Vec<_>, _>>()?;
+        for (t, ev) in trace.iter_mut().skip(self.first_entry) {
+            match *ev {
+                TraceEvent::LayerStart { layer } => {
+                    *t = if layer == 0 {
+                        self.origin
+                    } else {
+                        ends[layer - 1]
+                    }
+                }
+                TraceEvent::LayerEnd { layer } => *t = ends[layer],
+                TraceEvent::GroupReady { .. } => {}
+            }
+        }
+        Ok(())
     }
 }
 

@@ -33,6 +33,11 @@ impl CudaExecutor {
     pub fn with_options(_device: usize, _options: CudaOptions) -> Result<Self, ExecError> {
         Err(unavailable())
     }
+
+    /// Never called: no value of this type exists in this build.
+    pub fn device_name(&self) -> String {
+        match self.never {}
+    }
 }
 
 impl Executor for CudaExecutor {
