@@ -123,6 +123,11 @@ pub struct Row {
     /// Pipelined over the ideal pipeline of its measured stages
     /// (`ideal_pipeline_ms`).
     pub ratio_to_ideal: f64,
+    /// Pipelined over the ideal pipeline of its groups as they are
+    /// (`flow_shop_ms`: each group's share of the network and upload by its
+    /// bytes, of compute by its layers' times in a warm run); `None` where
+    /// the trace's layer times are not device times (cuda).
+    pub ratio_to_flow_ideal: Option<f64>,
 }
 
 /// Everything one family's measurements need, built once.
@@ -213,7 +218,7 @@ pub fn run(args: &ColdstartArgs) -> anyhow::Result<()> {
         );
     }
     println!(
-        "{:<13} {:<10} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9}",
+        "{:<13} {:<10} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8}",
         "family",
         "link",
         "groups",
@@ -225,7 +230,8 @@ pub fn run(args: &ColdstartArgs) -> anyhow::Result<()> {
         "pipelined",
         "sequent.",
         "pip/seq",
-        "to ideal"
+        "to ideal",
+        "to flow"
     );
     let bench = Bench {
         args,
@@ -352,6 +358,7 @@ impl Bench<'_> {
         let k = dilation(self.emulated.as_ref());
         let ms = |d: Duration| ms(d) / k;
         let mut last_trace = None;
+        let mut warm_trace = None;
         for _ in 0..self.args.repeat {
             forget();
             let (_, t, _) = sequential(&stages, &request(), &opts)?;
@@ -359,8 +366,9 @@ impl Bench<'_> {
             network.push(ms(t.fetch));
             transfer.push(ms(t.fetch + t.h2d));
             // Resident now: a warm run is compute only.
-            let (_, w, _) = cold_start(&stages, &request(), &opts)?;
+            let (_, w, wt) = cold_start(&stages, &request(), &opts)?;
             compute.push(ms(w.compute));
+            warm_trace = Some(wt);
             forget();
             let (_, t, tr): (_, Timing, _) = cold_start(&stages, &request(), &opts)?;
             pipelined.push(ms(t.total));
@@ -399,9 +407,24 @@ impl Bench<'_> {
             pipelined_over_sequential: pipelined / sequential,
             ratio_to_ideal: pipelined
                 / ideal_pipeline_ms(&[network, transfer - network, compute], m.groups.len()),
+            ratio_to_flow_ideal: warm_trace
+                .filter(|_| self.exec.kind() != ExecutorKind::Cuda)
+                .and_then(|tr| group_compute_shares(m, &tr))
+                .map(|shares| {
+                    let total = m.stored_bytes.max(1) as f64;
+                    let by_bytes = |ms: f64| -> Vec<f64> {
+                        m.groups
+                            .iter()
+                            .map(|g| ms * g.bytes as f64 / total)
+                            .collect()
+                    };
+                    let comp: Vec<f64> = shares.iter().map(|s| s * compute).collect();
+                    pipelined
+                        / flow_shop_ms(&[by_bytes(network), by_bytes(transfer - network), comp])
+                }),
         };
         println!(
-            "{:<13} {:<10} {:>6} {:>10.1} {:>10.2} {:>10} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>9.2} {:>9.2}",
+            "{:<13} {:<10} {:>6} {:>10.1} {:>10.2} {:>10} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>9.2} {:>9.2} {:>8}",
             row.family,
             row.link,
             row.groups,
@@ -414,7 +437,9 @@ impl Bench<'_> {
             row.pipelined_ms,
             row.sequential_ms,
             row.pipelined_over_sequential,
-            row.ratio_to_ideal
+            row.ratio_to_ideal,
+            row.ratio_to_flow_ideal
+                .map_or("-".to_string(), |r| format!("{r:.2}"))
         );
         if let (true, Some(tr)) = (self.args.trace, last_trace) {
             print_trace(m, &tr);
@@ -438,6 +463,64 @@ fn ideal_pipeline_ms(stages: &[f64], groups: usize) -> f64 {
     let slowest = stages.iter().copied().fold(0.0, f64::max);
     let rest: f64 = stages.iter().sum::<f64>() - slowest;
     slowest + rest / groups.max(1) as f64
+}
+
+/// The shortest a pipeline of the groups as they are can take: stages in
+/// order (network, upload, compute), each working on one group at a time,
+/// group g entering a stage once it left the stage before and the stage
+/// finished group g - 1 (a permutation flow shop in the groups' order).
+/// `stages[s][g]`: stage s's time on group g (ms).
+fn flow_shop_ms(stages: &[Vec<f64>]) -> f64 {
+    let groups = stages.first().map_or(0, Vec::len);
+    let mut done = vec![0.0f64; stages.len()];
+    for g in 0..groups {
+        let mut ready = 0.0f64;
+        for (s, times) in stages.iter().enumerate() {
+            done[s] = done[s].max(ready) + times.get(g).copied().unwrap_or(0.0);
+            ready = done[s];
+        }
+    }
+    done.last().copied().unwrap_or(0.0)
+}
+
+/// Each group's share of a warm run's compute: the layers from its first
+/// layer to the next group's first (parameter-free layers go with the group
+/// before them), timed by the trace's layer events. `None` when a layer's
+/// events are missing or the run took no time.
+fn group_compute_shares(
+    m: &distmind_models::Manifest,
+    tr: &distmind_runtime::pipeline::MergedTrace,
+) -> Option<Vec<f64>> {
+    use distmind_runtime::exec::TraceEvent;
+    use distmind_runtime::pipeline::PipelineEvent;
+    let mut start = vec![None; m.layers.len()];
+    let mut end = vec![None; m.layers.len()];
+    for &(t, e) in &tr.events {
+        match e {
+            PipelineEvent::Exec(TraceEvent::LayerStart { layer }) if layer < start.len() => {
+                start[layer] = Some(t)
+            }
+            PipelineEvent::Exec(TraceEvent::LayerEnd { layer }) if layer < end.len() => {
+                end[layer] = Some(t)
+            }
+            _ => {}
+        }
+    }
+    let layer_ms: Vec<f64> = start
+        .iter()
+        .zip(&end)
+        .map(|(s, e)| Some(ms(e.as_ref()?.saturating_sub(*s.as_ref()?))))
+        .collect::<Option<_>>()?;
+    let mut firsts: Vec<usize> = m.groups.iter().map(|g| g.first_layer).collect();
+    firsts[0] = 0;
+    let per_group: Vec<f64> = (0..firsts.len())
+        .map(|g| {
+            let to = firsts.get(g + 1).copied().unwrap_or(layer_ms.len());
+            layer_ms[firsts[g]..to.max(firsts[g])].iter().sum()
+        })
+        .collect();
+    let total: f64 = per_group.iter().sum();
+    (total > 0.0).then(|| per_group.iter().map(|t| t / total).collect())
 }
 
 fn print_trace(m: &distmind_models::Manifest, tr: &distmind_runtime::pipeline::MergedTrace) {
@@ -533,6 +616,26 @@ fn tempfile_dir() -> anyhow::Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::ideal_pipeline_ms;
+
+    #[test]
+    fn the_flow_shop_of_equal_groups_is_the_ideal_pipeline() {
+        // Equal groups: the two formulas agree.
+        let g = 8;
+        let stages = [vec![20.0 / 8.0; g], vec![16.0 / 8.0; g], vec![1.0; g]];
+        assert!(
+            (super::flow_shop_ms(&stages) - ideal_pipeline_ms(&[20.0, 16.0, 8.0], g)).abs() < 1e-9
+        );
+        // A large first group holds compute back for its whole transfer:
+        // group 0 takes 6 + 3, then compute runs 10 + 2 + 2.
+        let stages = [
+            vec![6.0, 1.0, 1.0],
+            vec![3.0, 0.5, 0.5],
+            vec![10.0, 2.0, 2.0],
+        ];
+        assert_eq!(super::flow_shop_ms(&stages), 23.0);
+        assert!(ideal_pipeline_ms(&[8.0, 4.0, 14.0], 3) < 23.0);
+        assert_eq!(super::flow_shop_ms(&[]), 0.0);
+    }
 
     #[test]
     fn the_ideal_pipeline_is_the_slowest_stage_plus_one_group_of_the_rest() {
