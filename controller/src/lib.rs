@@ -34,6 +34,7 @@ pub mod registry;
 pub mod runtimes;
 pub mod server;
 pub mod state;
+pub mod training;
 
 pub use client::{ClientError, ControllerClient};
 pub use placement::{plan, PlanError, PlanOptions, SlicePlan, Strategy};
