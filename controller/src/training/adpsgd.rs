@@ -30,10 +30,18 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
-use super::group::{CloseReason, Group, GroupError, GroupScheduler, Roster, WorkerId};
+use super::group::{CloseReason, Group, GroupError, GroupScheduler, Roster, WorkerId, WORKERS_MAX};
 
 /// Most rounds kept between the slowest live worker's and the newest drawn.
 pub const ROUNDS_AHEAD_MAX: u64 = 1024;
+
+/// No partner this round (a matching's entry).
+const NO_PARTNER: u32 = u32::MAX;
+
+// A worker id fits a matching's entry, and the matchings kept stay within
+// 4 MiB (ROUNDS_AHEAD_MAX x WORKERS_MAX entries of 4 bytes).
+const _: () = assert!((WORKERS_MAX as u64) < NO_PARTNER as u64);
+const _: () = assert!(ROUNDS_AHEAD_MAX * WORKERS_MAX as u64 * 4 <= 4 << 20);
 
 /// Random pairwise gossip for one stage key.
 #[derive(Debug, Clone)]
@@ -44,8 +52,9 @@ pub struct AdPsgd {
     round: Vec<u64>,
     /// When a waiting worker said ready.
     waiting_since: Vec<Option<Duration>>,
-    /// The matchings of rounds `first_round..`: partner per worker.
-    matchings: VecDeque<Vec<Option<WorkerId>>>,
+    /// The matchings of rounds `first_round..`: partner per worker, or
+    /// [`NO_PARTNER`].
+    matchings: VecDeque<Vec<u32>>,
     first_round: u64,
 }
 
@@ -93,15 +102,24 @@ impl AdPsgd {
         while self.first_round + (self.matchings.len() as u64) <= round {
             let mut order: Vec<WorkerId> = self.roster.live().collect();
             order.shuffle(&mut self.rng);
-            let mut partner = vec![None; self.roster.workers()];
+            let mut partner = vec![NO_PARTNER; self.roster.workers()];
             for pair in order.chunks_exact(2) {
-                partner[pair[0]] = Some(pair[1]);
-                partner[pair[1]] = Some(pair[0]);
+                // Ids are below WORKERS_MAX, so below NO_PARTNER.
+                partner[pair[0]] = pair[1] as u32;
+                partner[pair[1]] = pair[0] as u32;
             }
             self.matchings.push_back(partner);
         }
         let idx = (round - self.first_round) as usize;
-        Ok(self.matchings[idx][worker].filter(|&p| self.roster.is_live(p)))
+        Ok(self.partner_in(idx, worker))
+    }
+
+    /// `worker`'s live partner in the `idx`-th kept matching.
+    fn partner_in(&self, idx: usize, worker: WorkerId) -> Option<WorkerId> {
+        let p = *self.matchings.get(idx)?.get(worker)?;
+        (p != NO_PARTNER)
+            .then_some(p as WorkerId)
+            .filter(|&p| self.roster.is_live(p))
     }
 
     fn alone(&mut self, worker: WorkerId, since: Duration, now: Duration) -> Group {
@@ -175,9 +193,12 @@ impl GroupScheduler for AdPsgd {
             .filter_map(|(w, s)| s.map(|s| (w, s)))
             .collect();
         for (w, since) in waiting {
+            // Its partner this round, read before the removal hid it.
             let idx = self.round[w].checked_sub(self.first_round);
-            let partner = idx.and_then(|i| self.matchings.get(i as usize)?[w]);
-            if partner == Some(worker) {
+            let partner = idx
+                .and_then(|i| self.matchings.get(i as usize))
+                .map(|m| m[w]);
+            if partner == Some(worker as u32) {
                 self.waiting_since[w] = None;
                 out.push(self.alone(w, since, now));
             }
@@ -254,7 +275,7 @@ mod tests {
         let first = s.ready(0, MS).unwrap();
         assert!(first.is_empty(), "0 waits for its partner");
         let partner = (1..4)
-            .find(|&w| s.matchings[0][w] == Some(0))
+            .find(|&w| s.matchings[0][w] == 0)
             .expect("0 has a partner");
         let g = s.remove(partner, 2 * MS).unwrap();
         assert_eq!(g.len(), 1);

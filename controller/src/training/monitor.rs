@@ -16,6 +16,11 @@
 //!   starts over: windows count from there and a new baseline is frozen
 //!   `baseline_at` iterations later (DynPipe restarts its training loop).
 //!
+//! **Assumption:** a stage's reported time is its own compute for the
+//! iteration (forward + backward, as DynPipe's `pre_real + pre_back`), not
+//! the time it waited for its neighbours; with waits in it, a slow stage's
+//! neighbours would look slow too.
+//!
 //! Iterations count from 0; a boundary is "`n` iterations have run", so the
 //! first window is iterations 0..50 and the baseline is iterations 50..100.
 //! A stage whose baseline is 0 has ratio 1 while it stays 0, infinite once

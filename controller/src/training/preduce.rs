@@ -26,6 +26,13 @@
 //!   2nd), (3rd, 4th), ...; an odd last member goes alone. A graph sync is
 //!   not split.
 //!
+//! **Assumption:** the caller reports events in time order and calls
+//! `poll` at `next_deadline` (or later: a late poll closes the group at its
+//! deadline, and a `ready` after a passed deadline first closes that
+//! group). A group is a set of workers to average; how they average
+//! (SD-Pipe: an NCCL AllReduce with `ncclAvg` over the weights) is the
+//! caller's.
+//!
 //! Where this differs from SD-Pipe's code, and why:
 //! * `remove` (a pipeline died) takes a worker out: nothing waits for it,
 //!   `P` is the live workers from then on, and the graph sync connects the
@@ -192,20 +199,19 @@ impl PartialReduce {
             return Vec::new();
         }
         let root = self.sets.find(worker);
-        let live: Vec<WorkerId> = self.roster.live().collect();
-        live.into_iter()
+        self.roster
+            .live()
             .filter(|&v| self.sets.find(v) == root)
             .collect()
     }
 
     /// Every live worker is in one union-find set.
     fn connected(&mut self) -> bool {
-        let live: Vec<WorkerId> = self.roster.live().collect();
-        let Some(&first) = live.first() else {
+        let Some(first) = self.roster.live().next() else {
             return true;
         };
         let root = self.sets.find(first);
-        live.iter().all(|&v| self.sets.find(v) == root)
+        self.roster.live().all(|v| self.sets.find(v) == root)
     }
 
     /// Why the open group closes now, if it does.
@@ -228,9 +234,9 @@ impl PartialReduce {
             let r = self.sets.find(m);
             self.covered[r] = true;
         }
-        let live: Vec<WorkerId> = self.roster.live().collect();
-        live.iter()
-            .all(|&v| {
+        self.roster
+            .live()
+            .all(|v| {
                 let r = self.sets.find(v);
                 self.covered[r]
             })

@@ -31,11 +31,16 @@
 //! The steady-state time per microbatch is measured at stage 0, from the
 //! forward of microbatch `S` (the first one that waited for a backward) to
 //! the forward of microbatch `M - 1` (the last), so warm-up and drain are
-//! left out. Where the critical cycle carries several microbatches the
-//! spacing repeats over that many, so the average is off by at most one
-//! cycle over the span (under 1/(M - S - 1) relative). DynPipe averages stage 0's forward spacing from microbatch 0,
-//! warm-up included; [`dynpipe_average`] is that figure, kept so the two can
-//! be compared.
+//! left out. Where the critical cycle carries several microbatches, the
+//! spacing repeats over that many rather than per microbatch, so the
+//! average can be off by up to one cycle's time over the span (at most
+//! `S / (M - S - 1)` relative). DynPipe averages stage 0's forward spacing
+//! from microbatch 0, warm-up included; [`dynpipe_average`] is that
+//! figure, kept so the two can be compared.
+//!
+//! **Assumption (DynPipe's):** a stage runs one op at a time, its times do
+//! not vary from microbatch to microbatch, and an op's input is usable the
+//! moment it has arrived (no queueing on the link).
 //!
 //! Pure: no IO, no clock; times are seconds of a virtual clock.
 
@@ -148,8 +153,9 @@ pub enum SimError {
     },
 }
 
-/// Simulates `microbatches` microbatches through `stages` under 1F1B.
-/// `comm` is empty (no communication) or has one entry per boundary.
+/// Simulates `microbatches` microbatches (DynPipe's:
+/// [`MICROBATCHES_DEFAULT`]) through `stages` under 1F1B. `comm` is empty
+/// (no communication) or has one entry per boundary.
 pub fn simulate(
     stages: &[StageTime],
     comm: &[BoundaryComm],
@@ -195,30 +201,39 @@ pub fn op_at(stages: usize, stage: usize, microbatches: usize, p: usize) -> (OpK
 /// 0 while more than `S` microbatches remain, averaged per microbatch
 /// (`show_batches_time`). `None` without such a span.
 pub fn dynpipe_average(events: &[OpEvent], stages: usize, microbatches: usize) -> Option<f64> {
-    let mut starts = vec![f64::NAN; microbatches];
-    for e in events {
-        if e.stage == 0 && e.kind == OpKind::Forward {
-            starts[e.microbatch] = e.start_s;
-        }
+    if stages == 0 {
+        return None;
     }
     let last = (microbatches.checked_sub(stages + 1)? / stages) * stages;
     if last == 0 {
         return None;
     }
-    Some((starts[last] - starts[0]) / last as f64)
+    let start = |i: usize| {
+        events
+            .iter()
+            .find(|e| e.stage == 0 && e.kind == OpKind::Forward && e.microbatch == i)
+            .map(|e| e.start_s)
+    };
+    Some((start(last)? - start(0)?) / last as f64)
 }
 
 /// The simulator with its buffers, reused across runs (the re-partitioner
 /// simulates every candidate with one).
 #[derive(Debug, Default)]
 pub struct Simulator {
+    microbatches: usize,
+    /// Per stage and microbatch (`s * M + i`); NaN until it ran.
     forward_end: Vec<f64>,
     backward_end: Vec<f64>,
-    next_op: Vec<usize>,
+    /// Stage 0's forward starts, for the steady-state figure.
+    forward_start0: Vec<f64>,
+    /// When each stage is free.
     free_at: Vec<f64>,
 }
 
 impl Simulator {
+    /// [`simulate`] (and, with `events`, [`simulate_with_events`]) on this
+    /// simulator's buffers.
     pub fn run(
         &mut self,
         stages: &[StageTime],
@@ -229,15 +244,13 @@ impl Simulator {
         validate(stages, comm, microbatches)?;
         let s_n = stages.len();
         let m = microbatches;
-        let none = BoundaryComm::default();
-        let boundary = |s: usize| comm.get(s).copied().unwrap_or(none);
-
+        self.microbatches = m;
         self.forward_end.clear();
         self.forward_end.resize(s_n * m, f64::NAN);
         self.backward_end.clear();
         self.backward_end.resize(s_n * m, f64::NAN);
-        self.next_op.clear();
-        self.next_op.resize(s_n, 0);
+        self.forward_start0.clear();
+        self.forward_start0.resize(m, f64::NAN);
         self.free_at.clear();
         self.free_at.resize(s_n, 0.0);
         if let Some(ev) = events.as_deref_mut() {
@@ -245,72 +258,39 @@ impl Simulator {
             ev.reserve(2 * s_n * m);
         }
 
-        let mut remaining = 2 * s_n * m;
-        let mut per_stage: Vec<Vec<OpEvent>> = match events {
-            Some(_) => vec![Vec::with_capacity(2 * m); s_n],
-            None => Vec::new(),
-        };
-        while remaining > 0 {
-            let mut progressed = false;
-            for (s, stage) in stages.iter().enumerate() {
-                while self.next_op[s] < 2 * m {
-                    let (kind, i) = op_at(s_n, s, m, self.next_op[s]);
-                    // When its input is there (NaN: not yet).
-                    let input_at = match kind {
-                        OpKind::Forward if s == 0 => 0.0,
-                        OpKind::Forward => {
-                            self.forward_end[(s - 1) * m + i] + boundary(s - 1).activation_s
-                        }
-                        OpKind::Backward if s + 1 == s_n => self.forward_end[s * m + i],
-                        OpKind::Backward => {
-                            self.backward_end[(s + 1) * m + i] + boundary(s).gradient_s
-                        }
-                    };
-                    if input_at.is_nan() {
-                        break;
-                    }
-                    let start_s = self.free_at[s].max(input_at);
-                    let (end_s, slot) = match kind {
-                        OpKind::Forward => {
-                            (start_s + stage.forward_s, &mut self.forward_end[s * m + i])
-                        }
-                        OpKind::Backward => (
-                            start_s + stage.backward_s,
-                            &mut self.backward_end[s * m + i],
-                        ),
-                    };
-                    *slot = end_s;
-                    self.free_at[s] = end_s;
-                    self.next_op[s] += 1;
-                    remaining -= 1;
-                    progressed = true;
-                    if let Some(v) = per_stage.get_mut(s) {
-                        v.push(OpEvent {
-                            stage: s,
-                            microbatch: i,
-                            kind,
-                            start_s,
-                            end_s,
-                        });
-                    }
+        // One order that respects every dependency, so no op waits to be
+        // ready: the warm-up forwards stage by stage (stage s - 1 runs one
+        // more than s), then rounds r = 0.. of one forward per stage going
+        // down (stage s - 1 is a forward ahead) and the backward of
+        // microbatch r per stage going up. Each stage still runs its own
+        // ops in 1F1B order ([`op_at`]).
+        let warmup = |s: usize| (s_n - s - 1).min(m);
+        for s in 0..s_n {
+            for i in 0..warmup(s) {
+                self.exec(stages, comm, s, OpKind::Forward, i, events.as_deref_mut());
+            }
+        }
+        for r in 0..m {
+            for s in 0..s_n {
+                let i = warmup(s) + r;
+                if i < m {
+                    self.exec(stages, comm, s, OpKind::Forward, i, events.as_deref_mut());
                 }
             }
-            // 1F1B's order is deadlock-free: every round moves some stage.
-            assert!(progressed, "1F1B simulation made no progress");
+            for s in (0..s_n).rev() {
+                self.exec(stages, comm, s, OpKind::Backward, r, events.as_deref_mut());
+            }
         }
         if let Some(ev) = events {
-            for v in per_stage {
-                ev.extend(v);
-            }
+            // Stage by stage, each in its own order (the sort is stable).
+            ev.sort_by_key(|e| e.stage);
         }
 
         let makespan_s = self.free_at.iter().copied().fold(0.0, f64::max);
-        // Stage 0's forward of microbatch i started at its end minus f0.
-        let f0 = stages[0].forward_s;
-        let start0 = |i: usize| self.forward_end[i] - f0;
         let (lo, hi) = (s_n, m.saturating_sub(1));
         let (time_per_microbatch_s, steady_state) = if hi > lo {
-            ((start0(hi) - start0(lo)) / (hi - lo) as f64, true)
+            let start0 = &self.forward_start0;
+            ((start0[hi] - start0[lo]) / (hi - lo) as f64, true)
         } else {
             (makespan_s / m as f64, false)
         };
@@ -319,6 +299,59 @@ impl Simulator {
             time_per_microbatch_s,
             steady_state,
         })
+    }
+
+    /// Runs stage `s`'s `kind` of microbatch `i` as soon as the stage is
+    /// free and its input has arrived (which the caller's order ensures
+    /// has been simulated).
+    fn exec(
+        &mut self,
+        stages: &[StageTime],
+        comm: &[BoundaryComm],
+        s: usize,
+        kind: OpKind,
+        i: usize,
+        events: Option<&mut Vec<OpEvent>>,
+    ) {
+        let m = self.microbatches;
+        let last = stages.len() - 1;
+        let boundary = |b: usize| comm.get(b).copied().unwrap_or_default();
+        let input_at = match kind {
+            OpKind::Forward if s == 0 => 0.0,
+            OpKind::Forward => self.forward_end[(s - 1) * m + i] + boundary(s - 1).activation_s,
+            OpKind::Backward if s == last => self.forward_end[s * m + i],
+            OpKind::Backward => self.backward_end[(s + 1) * m + i] + boundary(s).gradient_s,
+        };
+        debug_assert!(
+            !input_at.is_nan(),
+            "stage {s} {kind:?} {i} before its input"
+        );
+        let start_s = self.free_at[s].max(input_at);
+        let end_s = match kind {
+            OpKind::Forward => {
+                if s == 0 {
+                    self.forward_start0[i] = start_s;
+                }
+                let end = start_s + stages[s].forward_s;
+                self.forward_end[s * m + i] = end;
+                end
+            }
+            OpKind::Backward => {
+                let end = start_s + stages[s].backward_s;
+                self.backward_end[s * m + i] = end;
+                end
+            }
+        };
+        self.free_at[s] = end_s;
+        if let Some(ev) = events {
+            ev.push(OpEvent {
+                stage: s,
+                microbatch: i,
+                kind,
+                start_s,
+                end_s,
+            });
+        }
     }
 }
 
