@@ -8,8 +8,8 @@
 //!   wait; the group closes when every live worker is ready or when the
 //!   deadline passes. Its members (sorted) average together; a group of one
 //!   is returned too (that worker goes on alone).
-//! * Adaptive wait, per worker as in SD-Pipe (each worker keeps its own and
-//!   the group's opener's sets the deadline): a worker whose group had
+//! * Adaptive wait, per worker as in SD-Pipe (each worker keeps its own, and
+//!   the wait of the worker that opens a group sets its deadline): a worker whose group had
 //!   fewer than 2 members doubles its wait, up to 10 ms; otherwise it takes
 //!   0.9 of it, down to 0.01 ms. It starts at 1 ms.
 //! * Connectivity: a union-find over the workers merges the members of
@@ -20,9 +20,9 @@
 //!   ready workers, together with the union-find sets, connect every live
 //!   worker: when every set has a ready member. Then the union-find resets.
 //!   So within each window every worker is averaged in, transitively.
-//! * Above 8 workers (`P > 8`: SD-Pipe's handler switches to
-//!   `getPartnerPairWise` on `max_workers`, not on the ready count), a
-//!   closing group is split into pairs: its members sorted, then (1st,
+//! * Above 8 workers (the configured `workers`, removed ones included:
+//!   SD-Pipe's handler switches to `getPartnerPairWise` on `max_workers`,
+//!   not on how many are ready), a closing group is split into pairs: its members sorted, then (1st,
 //!   2nd), (3rd, 4th), ...; an odd last member goes alone. A graph sync is
 //!   not split.
 //!
