@@ -37,7 +37,7 @@ pub enum TrainError {
         mb: u64,
         layer: usize,
         name: String,
-        op: String,
+        op: &'static str,
         why: String,
     },
     /// What a microbatch brought does not fit the stage: a missing or
@@ -88,7 +88,7 @@ impl TrainError {
                 model,
                 layer,
                 name,
-                op,
+                op: op.into(),
                 why,
             },
             TrainError::StageBatch { model, why, .. } => TrainError::BadBatch { model, why },

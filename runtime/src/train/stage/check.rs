@@ -119,22 +119,33 @@ fn shapes_at(
     refs: &[i64],
     (batch, seq): RequestDims,
 ) -> Result<HashMap<i64, Shape>, String> {
-    let specs: Vec<TensorSpec> = manifest
-        .inputs
-        .iter()
-        .map(|spec| {
-            let mut s = spec.clone();
-            for v in &spec.variable {
-                if let Some(d) = s.shape.get_mut(v.dim) {
-                    match v.kind {
-                        DimKind::Batch => *d = batch,
-                        DimKind::Sequence => *d = seq.unwrap_or(*d),
-                    }
-                }
+    let at = format!(
+        "at batch {batch}{}",
+        seq.map(|s| format!(" and {s} tokens")).unwrap_or_default()
+    );
+    let mut specs: Vec<TensorSpec> = Vec::with_capacity(manifest.inputs.len());
+    for (k, spec) in manifest.inputs.iter().enumerate() {
+        let mut s = spec.clone();
+        for v in &spec.variable {
+            let Some(d) = s.shape.get_mut(v.dim) else {
+                continue;
+            };
+            *d = match v.kind {
+                DimKind::Batch => batch,
+                DimKind::Sequence => seq.unwrap_or(*d),
+            };
+            if *d == 0 || v.max.is_some_and(|m| *d > m) {
+                return Err(format!(
+                    "{at}: model input {k} ({}) takes {} {} in 1..={}",
+                    spec.name,
+                    v.kind.as_str(),
+                    d,
+                    v.max.map_or("any".to_string(), |m| m.to_string())
+                ));
             }
-            s
-        })
-        .collect();
+        }
+        specs.push(s);
+    }
     // Only the layers before the last input matter.
     let upto = refs.iter().map(|&r| r + 1).max().unwrap_or(0).max(0) as usize;
     let params: HashMap<&str, &[usize]> = manifest
@@ -145,8 +156,7 @@ fn shapes_at(
     let layer_shapes = shape::infer(&manifest.layers[..upto], &specs, |n| params.get(n).copied())
         .map_err(|(i, why)| {
         format!(
-            "at batch {batch}{}, layer {i} ({}) cannot run: {why}",
-            seq.map(|s| format!(" and {s} tokens")).unwrap_or_default(),
+            "{at}, layer {i} ({}) cannot run: {why}",
             manifest.layers[i].name
         )
     })?;

@@ -48,6 +48,12 @@ use check::ShapeCheck;
 pub const STAGE_MICROBATCHES_IN_FLIGHT_MAX: usize = 32;
 const _: () = assert!(STAGE_MICROBATCHES_IN_FLIGHT_MAX >= 2);
 
+// A pipeline worker thread owns its stage.
+const _: fn() = || {
+    fn owned_by_a_thread<T: Send + Sync>() {}
+    owned_by_a_thread::<StageModel>();
+};
+
 /// A boundary tensor as a stage takes it: a candle tensor (another stage's
 /// output) or host memory (a model input, or bytes off the network).
 #[derive(Debug, Clone)]
@@ -472,7 +478,7 @@ impl StageModel {
             mb,
             layer: id,
             name: layer.name.clone(),
-            op: layer.op.name().into(),
+            op: layer.op.name(),
             why,
         }
     }
