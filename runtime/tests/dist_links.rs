@@ -630,6 +630,30 @@ fn a_member_killed_mid_reduce_fails_every_other_member_then_the_group_recovers()
 }
 
 #[test]
+fn a_member_gone_between_operations_fails_the_others_at_once() {
+    let ws = workers(&[0, 1, 2]);
+    let members = group(&ws, &[0, 1, 2]);
+    let mut cs: Vec<_> = ws.iter().map(|w| collective(w, options())).collect();
+    all_reduce(
+        &mut cs,
+        &members,
+        &[vec![1.0; 8], vec![2.0; 8], vec![3.0; 8]],
+    );
+    // Member 2 goes away: its sockets close with no bye.
+    drop(cs.pop());
+    let results = together(&mut cs, |_, c| c.all_reduce_mean(&members, &mut [1.0; 8]));
+    for r in &results {
+        // Lost at once on the cached edge, not after a timeout (WAIT is 30 s
+        // and the error is not a timeout).
+        let e = r.as_ref().unwrap_err();
+        assert!(
+            matches!(e, CollectiveError::MemberLost { member: 0 | 2, .. }),
+            "{e}"
+        );
+    }
+}
+
+#[test]
 fn a_member_that_never_joins_fails_the_others_within_the_setup_timeout() {
     let ws = workers(&[0, 1, 2]);
     let members = group(&ws, &[0, 1, 2]);

@@ -15,29 +15,32 @@
 //! * all-gather, `n-1` steps: the means travel round the ring and are
 //!   copied, never recomputed, so every member ends with the same bits.
 //!
-//! Every step's chunk goes in frames of at most [`RING_SEGMENT_ELEMENTS`];
+//! Every step's chunk goes in frames of at most
+//! [`RING_SEGMENT_ELEMENTS`](super::limits::RING_SEGMENT_ELEMENTS);
 //! a sender thread (one per operation, scoped) writes them while the
 //! caller's thread reads and reduces, so no member waits on its own write
 //! and the ring cannot deadlock on full socket buffers.
 //!
 //! ```text
 //! ring frame header (40 bytes, little-endian)
-//!   0..4    tag: "DMRS" start, "DMRA" ack, "DMRD" data
+//!   0..4    tag: "DMRS" start, "DMRA" ack, "DMRD" data, "DMRB" bye
 //!   4..6    op u16: 1 all-reduce mean, 2 broadcast
 //!   6..8    reserved u16, 0
 //!   8..16   seq u64: operations done on this connection before this one
 //!   16..40  start: elements u64, group fingerprint u64, root u64
-//!           ack:   0, 0, 0
+//!           ack, bye: 0, 0, 0
 //!           data:  step u64, first element u64, elements u64; then the f32s
 //! ```
 //!
 //! Connections are cached per group (the sorted member ids), as SD-Pipe
 //! caches a communicator per member tuple, in a least-recently-used cache of
-//! at most [`RING_CACHE_MAX`] rings. Members evict independently, so every
-//! operation opens with a start/ack exchange on each edge: a member that
-//! finds its cached edge closed by the peer (which evicted the group and
-//! dialled again) moves to the peer's new connection, and the start frame
-//! checks that all members run the same operation on the same length.
+//! at most [`RING_CACHE_MAX`] rings. Members evict independently, so a
+//! member that evicts a ring sends a bye on both edges before closing them,
+//! and every operation opens with a start/ack exchange on each edge: a
+//! member that finds a cached edge retired (a bye, or a reset where the
+//! close met a start it had written) moves to the connection the neighbour
+//! dials for the group next time. The start frame also checks that all
+//! members run the same operation on the same length.
 //!
 //! A member that dies closes its sockets; its neighbours fail, close theirs,
 //! and the failure goes round the ring, so every member returns an error
@@ -45,28 +48,27 @@
 //! that never joins by `setup_timeout`.
 
 use std::fmt;
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
-use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam::channel::{Receiver, Sender};
 use distmind_common::handshake::ClusterKey;
 use distmind_transport::TokenBucket;
 
+mod frame;
+mod phase;
+
+pub use frame::RING_FRAME_HEADER_BYTES;
+pub use phase::chunk_range;
+
+use frame::{fingerprint, read_header, EdgeError, FrameHeader, ACK_TAG, BYE_TAG, START_TAG};
+use phase::{all_reduce_steps, broadcast_steps, PhaseError, Pipe};
+
 use super::limits::{
     COLLECTIVE_ELEMENTS_MAX, GROUP_MEMBERS_MAX, RING_CACHE_MAX, RING_SEGMENTS_IN_FLIGHT,
-    RING_SEGMENT_ELEMENTS,
 };
 use super::listener::{dial, ConnSlot, DialError, DistListener, Hello, Pending, PendingKey};
-use super::tensor::{f32s_to_le, le_to_f32s};
-
-const START_TAG: [u8; 4] = *b"DMRS";
-const ACK_TAG: [u8; 4] = *b"DMRA";
-const DATA_TAG: [u8; 4] = *b"DMRD";
-pub const RING_FRAME_HEADER_BYTES: usize = 40;
-const SEGMENT_BYTES_MAX: usize = RING_FRAME_HEADER_BYTES + RING_SEGMENT_ELEMENTS * 4;
 
 /// One member of a group: its worker id and its listener's address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -256,10 +258,29 @@ struct Ring {
 }
 
 impl Ring {
-    /// Closes both edges, so the neighbours see the end at once.
+    /// Closes both edges, so the neighbours see the end at once: this
+    /// member failed.
     fn poison(&self) {
         let _ = self.next.stream.shutdown(Shutdown::Both);
         let _ = self.prev.stream.shutdown(Shutdown::Both);
+    }
+
+    /// Closes both edges after a bye: the ring is gone, not the member,
+    /// and the neighbours that still cache it move to the connections this
+    /// member dials for the group next time.
+    fn retire(&self) {
+        for conn in [&self.next, &self.prev] {
+            let bye = FrameHeader {
+                tag: BYE_TAG,
+                op: 0,
+                seq: conn.seq,
+                a: 0,
+                b: 0,
+                c: 0,
+            };
+            let _ = (&conn.stream).write_all(&bye.encode());
+        }
+        self.poison();
     }
 }
 
@@ -284,310 +305,6 @@ impl fmt::Debug for Collective {
             .field("rings", &self.cached_groups())
             .field("stats", &self.stats)
             .finish()
-    }
-}
-
-/// Chunk `c` of `n` over `len` elements.
-pub fn chunk_range(len: usize, n: usize, c: usize) -> Range<usize> {
-    debug_assert!(c < n);
-    let at = |i: usize| (i as u128 * len as u128 / n as u128) as usize;
-    at(c)..at(c + 1)
-}
-
-/// Reduce-scatter step `s` for rank `r` of `n`: (chunk sent, chunk received).
-fn reduce_scatter_chunks(r: usize, s: usize, n: usize) -> (usize, usize) {
-    ((r + n - s) % n, (r + 2 * n - s - 1) % n)
-}
-
-/// All-gather step `s` for rank `r` of `n`: (chunk sent, chunk received).
-fn all_gather_chunks(r: usize, s: usize, n: usize) -> (usize, usize) {
-    ((r + 1 + n - s) % n, (r + n - s) % n)
-}
-
-/// The chunk rank `r` owns (sums and divides) after reduce-scatter.
-fn owned_chunk(r: usize, n: usize) -> usize {
-    (r + 1) % n
-}
-
-fn fingerprint(ids: &[u32]) -> u64 {
-    // FNV-1a over the count and the ids.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in (ids.len() as u64)
-        .to_le_bytes()
-        .into_iter()
-        .chain(ids.iter().flat_map(|i| i.to_le_bytes()))
-    {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct FrameHeader {
-    tag: [u8; 4],
-    op: u16,
-    seq: u64,
-    a: u64,
-    b: u64,
-    c: u64,
-}
-
-impl FrameHeader {
-    fn encode(&self) -> [u8; RING_FRAME_HEADER_BYTES] {
-        let mut out = [0u8; RING_FRAME_HEADER_BYTES];
-        out[0..4].copy_from_slice(&self.tag);
-        out[4..6].copy_from_slice(&self.op.to_le_bytes());
-        out[8..16].copy_from_slice(&self.seq.to_le_bytes());
-        out[16..24].copy_from_slice(&self.a.to_le_bytes());
-        out[24..32].copy_from_slice(&self.b.to_le_bytes());
-        out[32..40].copy_from_slice(&self.c.to_le_bytes());
-        out
-    }
-
-    fn decode(b: &[u8; RING_FRAME_HEADER_BYTES]) -> Result<Self, String> {
-        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
-        let reserved = u16::from_le_bytes([b[6], b[7]]);
-        if reserved != 0 {
-            return Err(format!("ring frame reserved field is {reserved}"));
-        }
-        Ok(FrameHeader {
-            tag: b[0..4].try_into().expect("4 bytes"),
-            op: u16::from_le_bytes([b[4], b[5]]),
-            seq: u64_at(8),
-            a: u64_at(16),
-            b: u64_at(24),
-            c: u64_at(32),
-        })
-    }
-
-    /// Checks a frame against the one expected, field by field.
-    fn expect(&self, want: &FrameHeader) -> Result<(), String> {
-        let name = |t: &[u8; 4]| String::from_utf8_lossy(t).into_owned();
-        if self.tag != want.tag {
-            return Err(format!(
-                "frame tag {:?} where {:?} was due",
-                name(&self.tag),
-                name(&want.tag)
-            ));
-        }
-        for (field, got, exp) in [
-            ("op", u64::from(self.op), u64::from(want.op)),
-            ("seq", self.seq, want.seq),
-        ] {
-            if got != exp {
-                return Err(format!("field `{field}` is {got}, expected {exp}"));
-            }
-        }
-        let fields: [&str; 3] = match self.tag {
-            START_TAG => ["elements", "group fingerprint", "root"],
-            DATA_TAG => ["step", "first element", "elements"],
-            _ => ["a", "b", "c"],
-        };
-        for (field, got, exp) in [
-            (fields[0], self.a, want.a),
-            (fields[1], self.b, want.b),
-            (fields[2], self.c, want.c),
-        ] {
-            if got != exp {
-                return Err(format!("field `{field}` is {got}, expected {exp}"));
-            }
-        }
-        Ok(())
-    }
-}
-
-/// How a read or write on an edge failed.
-enum EdgeError {
-    /// The neighbour closed the connection (end of stream, reset, broken pipe).
-    Closed(String),
-    TimedOut,
-    Io(io::Error),
-    Protocol(String),
-}
-
-impl From<io::Error> for EdgeError {
-    fn from(e: io::Error) -> Self {
-        match e.kind() {
-            io::ErrorKind::UnexpectedEof => EdgeError::Closed("end of stream".into()),
-            io::ErrorKind::ConnectionReset
-            | io::ErrorKind::ConnectionAborted
-            | io::ErrorKind::BrokenPipe => EdgeError::Closed(e.to_string()),
-            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => EdgeError::TimedOut,
-            _ => EdgeError::Io(e),
-        }
-    }
-}
-
-fn read_header(s: &mut TcpStream) -> Result<FrameHeader, EdgeError> {
-    let mut b = [0u8; RING_FRAME_HEADER_BYTES];
-    s.read_exact(&mut b)?;
-    FrameHeader::decode(&b).map_err(EdgeError::Protocol)
-}
-
-/// How received values meet the buffer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Combine {
-    /// `buf = received + buf` (reduce-scatter).
-    Add,
-    /// `buf = received` (all-gather, broadcast).
-    Copy,
-}
-
-/// The sender thread's two channels and the frames the caller holds.
-struct Pipe<'a> {
-    to_writer: Option<Sender<Vec<u8>>>,
-    from_writer: Receiver<io::Result<Vec<u8>>>,
-    free: Vec<Vec<u8>>,
-    outstanding: usize,
-    segments_sent: u64,
-    fault: Option<InjectedFault>,
-    /// `seq` of the next edge (frames sent) and of the prev edge (received).
-    send_seq: u64,
-    recv_seq: u64,
-    op: Op,
-    recv_scratch: &'a mut Vec<u8>,
-}
-
-/// Why a data phase stopped, and on which edge.
-enum PhaseError {
-    Next(EdgeError),
-    Prev(EdgeError),
-    Injected(InjectedFault),
-}
-
-impl Pipe<'_> {
-    fn reclaim(&mut self, block: bool) -> Result<(), PhaseError> {
-        loop {
-            let got = if block {
-                self.from_writer.recv().ok()
-            } else {
-                self.from_writer.try_recv().ok()
-            };
-            match got {
-                Some(Ok(b)) => {
-                    self.outstanding -= 1;
-                    self.free.push(b);
-                    if block {
-                        return Ok(());
-                    }
-                }
-                Some(Err(e)) => return Err(PhaseError::Next(e.into())),
-                None if block => {
-                    return Err(PhaseError::Next(EdgeError::Closed(
-                        "sender thread stopped".into(),
-                    )))
-                }
-                None => return Ok(()),
-            }
-        }
-    }
-
-    fn hand(&mut self, step: u64, at: usize, values: &[f32]) -> Result<(), PhaseError> {
-        let mut b = self.free.pop().expect("a free frame");
-        b.clear();
-        b.extend_from_slice(
-            &FrameHeader {
-                tag: DATA_TAG,
-                op: self.op as u16,
-                seq: self.send_seq,
-                a: step,
-                b: at as u64,
-                c: values.len() as u64,
-            }
-            .encode(),
-        );
-        b.resize(RING_FRAME_HEADER_BYTES + values.len() * 4, 0);
-        f32s_to_le(values, &mut b[RING_FRAME_HEADER_BYTES..]);
-        let tx = self.to_writer.as_ref().expect("open during the phase");
-        if tx.send(b).is_err() {
-            return Err(PhaseError::Next(EdgeError::Closed(
-                "sender thread stopped".into(),
-            )));
-        }
-        self.outstanding += 1;
-        self.segments_sent += 1;
-        if let Some(f @ InjectedFault::DieAfterSegments(k)) = self.fault {
-            if self.segments_sent >= k {
-                return Err(PhaseError::Injected(f));
-            }
-        }
-        Ok(())
-    }
-
-    fn receive(
-        &mut self,
-        prev: &mut TcpStream,
-        step: u64,
-        at: usize,
-        dst: &mut [f32],
-        combine: Combine,
-    ) -> Result<(), PhaseError> {
-        let want = FrameHeader {
-            tag: DATA_TAG,
-            op: self.op as u16,
-            seq: self.recv_seq,
-            a: step,
-            b: at as u64,
-            c: dst.len() as u64,
-        };
-        let h = read_header(prev).map_err(PhaseError::Prev)?;
-        h.expect(&want)
-            .map_err(|d| PhaseError::Prev(EdgeError::Protocol(d)))?;
-        // Sized by what we expect, never by the peer: at most one segment.
-        self.recv_scratch.resize(dst.len() * 4, 0);
-        prev.read_exact(self.recv_scratch)
-            .map_err(|e| PhaseError::Prev(e.into()))?;
-        match combine {
-            Combine::Copy => le_to_f32s(self.recv_scratch, dst),
-            Combine::Add => {
-                for (d, s) in dst.iter_mut().zip(self.recv_scratch.chunks_exact(4)) {
-                    *d += f32::from_le_bytes(s.try_into().expect("4 bytes"));
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// One step: send `send` (if any) while receiving into `recv` (if any);
-    /// with `forward`, `send` is `recv`'s range and each segment goes on
-    /// once it has arrived.
-    fn step(
-        &mut self,
-        prev: &mut TcpStream,
-        buf: &mut [f32],
-        step: u64,
-        send: Option<Range<usize>>,
-        recv: Option<(Range<usize>, Combine)>,
-        forward: bool,
-    ) -> Result<(), PhaseError> {
-        let segments = |r: &Range<usize>| r.len().div_ceil(RING_SEGMENT_ELEMENTS);
-        let seg = |r: &Range<usize>, i: usize| {
-            let start = r.start + i * RING_SEGMENT_ELEMENTS;
-            start..(start + RING_SEGMENT_ELEMENTS).min(r.end)
-        };
-        let (send_n, recv_n) = (
-            send.as_ref().map_or(0, segments),
-            recv.as_ref().map_or(0, |(r, _)| segments(r)),
-        );
-        let (mut si, mut ri) = (0, 0);
-        while si < send_n || ri < recv_n {
-            self.reclaim(false)?;
-            let may_send = si < send_n && (!forward || si < ri);
-            if may_send && !self.free.is_empty() {
-                let r = seg(send.as_ref().expect("sending"), si);
-                self.hand(step, r.start, &buf[r.clone()])?;
-                si += 1;
-            } else if ri < recv_n {
-                let (range, combine) = recv.as_ref().expect("receiving");
-                let r = seg(range, ri);
-                self.receive(prev, step, r.start, &mut buf[r], *combine)?;
-                ri += 1;
-            } else {
-                self.reclaim(true)?;
-            }
-        }
-        Ok(())
     }
 }
 
@@ -752,13 +469,13 @@ impl Collective {
                 return Ok(ring);
             }
             // Same ids, new addresses: a member restarted elsewhere.
-            ring.poison();
+            ring.retire();
         }
         while self.rings.len() >= self.opts.cache_max {
             let lru = (0..self.rings.len())
                 .min_by_key(|&i| self.rings[i].last_used)
                 .expect("non-empty");
-            self.rings.swap_remove(lru).poison();
+            self.rings.swap_remove(lru).retire();
             self.stats.evictions += 1;
         }
         self.build(members.to_vec(), ids)
@@ -856,7 +573,7 @@ impl Collective {
     ) -> CollectiveError {
         let (job, group, member, addr) = (self.job(), Group(ids.to_vec()), m.id, m.addr);
         match e {
-            EdgeError::Closed(detail) => CollectiveError::MemberLost {
+            EdgeError::Closed { detail, .. } => CollectiveError::MemberLost {
                 job,
                 group,
                 member,
@@ -891,8 +608,10 @@ impl Collective {
     }
 
     /// The start/ack exchange on both edges. A cached edge that the
-    /// neighbour closed (it evicted the group and dialled again) is replaced
-    /// within `setup_timeout`; everything else is an error.
+    /// neighbour retired (it evicted the group: a bye, or a reset where its
+    /// close met a start we had written) is replaced by the connection it
+    /// dials again, within `setup_timeout`; a cached edge that simply ended
+    /// is a lost member, at once.
     fn open_op(&mut self, ring: &mut Ring, start: &Start) -> Result<(), CollectiveError> {
         let deadline = Instant::now() + self.opts.setup_timeout;
         let start_frame = |seq| FrameHeader {
@@ -913,30 +632,30 @@ impl Collective {
         };
         let ids = ring.ids.clone();
         let (next_m, prev_m) = (ring.next.member, ring.prev.member);
+        // A redialled edge has seq 0: it is not cached, so it is never
+        // redialled again in this operation.
+        let redial = |this: &mut Self, ring: &mut Ring| -> Result<(), CollectiveError> {
+            ring.next = this.dial(&ids, next_m)?;
+            this.stats.edges_replaced += 1;
+            (&ring.next.stream)
+                .write_all(&start_frame(0).encode())
+                .map_err(|e| this.edge_error(&ids, next_m, "sending the start", e.into()))
+        };
 
-        // Start to next. A write into a connection the peer closed may still
-        // succeed; the ack below catches that.
-        let mut redialled = false;
+        // Start to next. A retired edge may still take the write; the ack
+        // below finds out.
         if let Err(e) = (&ring.next.stream).write_all(&start_frame(ring.next.seq).encode()) {
             match EdgeError::from(e) {
-                EdgeError::Closed(_) if ring.next.seq > 0 => {
-                    ring.next = self.dial(&ids, next_m)?;
-                    self.stats.edges_replaced += 1;
-                    redialled = true;
-                    (&ring.next.stream)
-                        .write_all(&start_frame(0).encode())
-                        .map_err(|e| {
-                            self.edge_error(&ids, next_m, "sending the start", e.into())
-                        })?;
-                }
+                EdgeError::Closed { .. } if ring.next.seq > 0 => redial(self, ring)?,
                 e => return Err(self.edge_error(&ids, next_m, "sending the start", e)),
             }
         }
 
-        // Start from prev: a closed edge means prev dialled a new one (or is
-        // gone, and then nothing arrives before the deadline).
+        // Start from prev.
         loop {
-            match read_header(&mut ring.prev.stream) {
+            let cached = ring.prev.seq > 0;
+            let why = match read_header(&mut ring.prev.stream) {
+                Ok(h) if h.tag == BYE_TAG => "it retired the ring".to_owned(),
                 Ok(h) => {
                     h.expect(&start_frame(ring.prev.seq)).map_err(|detail| {
                         CollectiveError::Mismatch {
@@ -949,51 +668,49 @@ impl Collective {
                     })?;
                     break;
                 }
-                Err(EdgeError::Closed(detail)) => {
-                    let lost = self.edge_error(
-                        &ids,
-                        prev_m,
-                        "waiting for the start",
-                        EdgeError::Closed(detail),
-                    );
-                    let key = PendingKey::Ring {
-                        group: ids.clone(),
-                        from: prev_m.id,
-                    };
-                    let Some(p) = self.listener.take(&key, deadline) else {
-                        return Err(lost);
-                    };
-                    ring.prev = self.adopt(p.stream, prev_m, Some(p.slot)).map_err(|e| {
-                        self.edge_error(&ids, prev_m, "taking its connection", e.into())
-                    })?;
-                    self.stats.connections_taken += 1;
-                    self.stats.edges_replaced += 1;
-                }
+                // A fresh edge that ended may be one a failed attempt left
+                // in the listener; the member's new one replaces it.
+                Err(EdgeError::Closed { reset, detail }) if reset || !cached => detail,
                 Err(e) => return Err(self.edge_error(&ids, prev_m, "waiting for the start", e)),
-            }
+            };
+            let key = PendingKey::Ring {
+                group: ids.clone(),
+                from: prev_m.id,
+            };
+            let Some(p) = self.listener.take(&key, deadline) else {
+                return Err(CollectiveError::MemberLost {
+                    job: self.job(),
+                    group: Group(ids.clone()),
+                    member: prev_m.id,
+                    addr: prev_m.addr,
+                    what: "waiting for the start",
+                    detail: format!(
+                        "its edge closed ({why}) and no new one came within {:?}",
+                        self.opts.setup_timeout
+                    ),
+                });
+            };
+            ring.prev = self
+                .adopt(p.stream, prev_m, Some(p.slot))
+                .map_err(|e| self.edge_error(&ids, prev_m, "taking its connection", e.into()))?;
+            self.stats.connections_taken += 1;
+            self.stats.edges_replaced += 1;
         }
         (&ring.prev.stream)
             .write_all(&ack_frame(ring.prev.seq).encode())
             .map_err(|e| self.edge_error(&ids, prev_m, "sending the ack", e.into()))?;
 
-        // Ack from next; a cached edge found closed here is dialled again once.
+        // Ack from next.
         loop {
+            let cached = ring.next.seq > 0;
             match read_header(&mut ring.next.stream) {
+                Ok(h) if h.tag == BYE_TAG && cached => redial(self, ring)?,
                 Ok(h) => {
                     return h.expect(&ack_frame(ring.next.seq)).map_err(|d| {
                         self.edge_error(&ids, next_m, "waiting for the ack", EdgeError::Protocol(d))
                     })
                 }
-                Err(EdgeError::Closed(_)) if !redialled && ring.next.seq > 0 => {
-                    ring.next = self.dial(&ids, next_m)?;
-                    self.stats.edges_replaced += 1;
-                    redialled = true;
-                    (&ring.next.stream)
-                        .write_all(&start_frame(0).encode())
-                        .map_err(|e| {
-                            self.edge_error(&ids, next_m, "sending the start", e.into())
-                        })?;
-                }
+                Err(EdgeError::Closed { reset: true, .. }) if cached => redial(self, ring)?,
                 Err(e) => return Err(self.edge_error(&ids, next_m, "waiting for the ack", e)),
             }
         }
@@ -1008,9 +725,9 @@ impl Collective {
         let (n, r) = (ring.members.len(), ring.rank);
         let len = buf.len();
         let mut pool = std::mem::take(&mut self.pool);
-        while pool.len() < RING_SEGMENTS_IN_FLIGHT {
-            pool.push(Vec::with_capacity(SEGMENT_BYTES_MAX));
-        }
+        // Each frame grows to at most RING_FRAME_HEADER_BYTES +
+        // 4 * RING_SEGMENT_ELEMENTS, and is kept for the next operation.
+        pool.resize_with(RING_SEGMENTS_IN_FLIGHT, Vec::new);
         let (to_writer, writer_rx) =
             crossbeam::channel::bounded::<Vec<u8>>(RING_SEGMENTS_IN_FLIGHT);
         let (writer_tx, from_writer) = crossbeam::channel::bounded(RING_SEGMENTS_IN_FLIGHT);
@@ -1096,64 +813,6 @@ impl Collective {
     }
 }
 
-fn all_reduce_steps(
-    pipe: &mut Pipe,
-    prev: &mut TcpStream,
-    buf: &mut [f32],
-    n: usize,
-    r: usize,
-    len: usize,
-) -> Result<(), PhaseError> {
-    let chunk = |c| chunk_range(len, n, c);
-    for s in 0..n - 1 {
-        let (send, recv) = reduce_scatter_chunks(r, s, n);
-        pipe.step(
-            prev,
-            buf,
-            s as u64,
-            Some(chunk(send)),
-            Some((chunk(recv), Combine::Add)),
-            false,
-        )?;
-    }
-    let n_f32 = n as f32;
-    for v in &mut buf[chunk(owned_chunk(r, n))] {
-        *v /= n_f32;
-    }
-    for s in 0..n - 1 {
-        let (send, recv) = all_gather_chunks(r, s, n);
-        let step = (n - 1 + s) as u64;
-        pipe.step(
-            prev,
-            buf,
-            step,
-            Some(chunk(send)),
-            Some((chunk(recv), Combine::Copy)),
-            false,
-        )?;
-    }
-    Ok(())
-}
-
-fn broadcast_steps(
-    pipe: &mut Pipe,
-    prev: &mut TcpStream,
-    buf: &mut [f32],
-    n: usize,
-    r: usize,
-    root: usize,
-) -> Result<(), PhaseError> {
-    let all = 0..buf.len();
-    let d = (r + n - root) % n;
-    let (send, recv) = match d {
-        0 => (Some(all), None),
-        _ if d == n - 1 => (None, Some((all, Combine::Copy))),
-        _ => (Some(all.clone()), Some((all, Combine::Copy))),
-    };
-    let forward = d != 0 && d != n - 1;
-    pipe.step(prev, buf, 0, send, recv, forward)
-}
-
 fn ids(members: &[RingMember]) -> Vec<u32> {
     members.iter().map(|m| m.id).collect()
 }
@@ -1161,124 +820,6 @@ fn ids(members: &[RingMember]) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The schedule, run on vectors instead of sockets: every member ends
-    /// with the same bits, equal to the chunk sums in ring order / n.
-    fn simulate(inputs: &[Vec<f32>]) -> Vec<Vec<f32>> {
-        let n = inputs.len();
-        let len = inputs[0].len();
-        let mut bufs = inputs.to_vec();
-        for s in 0..n - 1 {
-            let sent: Vec<(usize, Vec<f32>)> = (0..n)
-                .map(|r| {
-                    let c = reduce_scatter_chunks(r, s, n).0;
-                    (c, bufs[r][chunk_range(len, n, c)].to_vec())
-                })
-                .collect();
-            for r in 0..n {
-                let (c, data) = &sent[(r + n - 1) % n];
-                assert_eq!(*c, reduce_scatter_chunks(r, s, n).1);
-                for (d, v) in bufs[r][chunk_range(len, n, *c)].iter_mut().zip(data) {
-                    *d += v;
-                }
-            }
-        }
-        for (r, b) in bufs.iter_mut().enumerate() {
-            for v in &mut b[chunk_range(len, n, owned_chunk(r, n))] {
-                *v /= n as f32;
-            }
-        }
-        for s in 0..n - 1 {
-            let sent: Vec<(usize, Vec<f32>)> = (0..n)
-                .map(|r| {
-                    let c = all_gather_chunks(r, s, n).0;
-                    (c, bufs[r][chunk_range(len, n, c)].to_vec())
-                })
-                .collect();
-            for r in 0..n {
-                let (c, data) = &sent[(r + n - 1) % n];
-                assert_eq!(*c, all_gather_chunks(r, s, n).1);
-                bufs[r][chunk_range(len, n, *c)].copy_from_slice(data);
-            }
-        }
-        bufs
-    }
-
-    #[test]
-    fn the_schedule_sums_each_chunk_once_in_ring_order() {
-        for n in 2..=6 {
-            for len in [0, 1, 5, 7, 13] {
-                let inputs: Vec<Vec<f32>> = (0..n)
-                    .map(|m| (0..len).map(|j| 0.1 * (m * 31 + j) as f32 + 1e-3).collect())
-                    .collect();
-                let out = simulate(&inputs);
-                for c in 0..n {
-                    for j in chunk_range(len, n, c) {
-                        let mut sum = inputs[c][j];
-                        for k in 1..n {
-                            sum += inputs[(c + k) % n][j];
-                        }
-                        let mean = sum / n as f32;
-                        for o in &out {
-                            assert_eq!(o[j].to_bits(), mean.to_bits(), "n={n} len={len} j={j}");
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn chunks_cover_the_buffer_for_any_length() {
-        for n in 1..=7 {
-            for len in [0, 1, 2, 6, 7, 8, 1000, 1_000_003] {
-                let mut at = 0;
-                for c in 0..n {
-                    let r = chunk_range(len, n, c);
-                    assert_eq!(r.start, at);
-                    assert!(r.len() == len / n || r.len() == len / n + 1);
-                    at = r.end;
-                }
-                assert_eq!(at, len);
-            }
-        }
-    }
-
-    #[test]
-    fn ring_frames_round_trip_and_name_the_wrong_field() {
-        let h = FrameHeader {
-            tag: DATA_TAG,
-            op: Op::AllReduceMean as u16,
-            seq: 3,
-            a: 1,
-            b: 1000,
-            c: 77,
-        };
-        assert_eq!(FrameHeader::decode(&h.encode()).unwrap(), h);
-        h.expect(&h).unwrap();
-        let e = h.expect(&FrameHeader { c: 78, ..h }).unwrap_err();
-        assert!(e.contains("`elements`"), "{e}");
-        let e = h.expect(&FrameHeader { seq: 4, ..h }).unwrap_err();
-        assert!(e.contains("`seq`"), "{e}");
-        let e = h
-            .expect(&FrameHeader {
-                tag: START_TAG,
-                ..h
-            })
-            .unwrap_err();
-        assert!(e.contains("DMRS"), "{e}");
-        let s = FrameHeader {
-            tag: START_TAG,
-            ..h
-        };
-        let e = s.expect(&FrameHeader { a: 5, ..s }).unwrap_err();
-        assert!(e.contains("`elements`"), "{e}");
-        let mut b = h.encode();
-        b[7] = 1;
-        assert!(FrameHeader::decode(&b).is_err());
-        assert_ne!(fingerprint(&[1, 2, 3]), fingerprint(&[1, 2, 4]));
-        assert_ne!(fingerprint(&[1, 2]), fingerprint(&[1, 2, 0]));
-    }
 
     #[test]
     fn options_are_validated() {

@@ -626,12 +626,19 @@ mod tests {
         for _ in 0..40 {
             let m = random_message(&mut rng, &limits);
             let full = m.encode(&limits).unwrap();
+            // The stated length is checked before anything else is read.
             for cut in 0..full.len() {
-                assert!(StageMessage::decode(&full[..cut], &limits).is_err());
+                assert!(matches!(
+                    StageMessage::decode(&full[..cut], &limits),
+                    Err(MessageError::LengthMismatch { .. })
+                ));
             }
             let mut longer = full.clone();
             longer.push(0);
-            assert!(StageMessage::decode(&longer, &limits).is_err());
+            assert!(matches!(
+                StageMessage::decode(&longer, &limits),
+                Err(MessageError::LengthMismatch { .. })
+            ));
         }
     }
 
