@@ -7,6 +7,7 @@
 pub mod cache;
 pub mod client;
 pub mod device;
+pub mod dist;
 pub mod exec;
 pub mod fetch;
 pub mod infer;
