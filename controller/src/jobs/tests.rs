@@ -2,7 +2,7 @@
 //! failures, bounds and the stage requests.
 
 use super::*;
-use distmind_common::proto::DeviceUse;
+use distmind_common::proto::{DeviceUse, RuntimeRequest, StagePeer};
 
 const MS: Duration = Duration::from_millis(1);
 
