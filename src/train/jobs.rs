@@ -293,7 +293,7 @@ mod tests {
                 usage: DeviceUse::Idle,
             }),
             iteration: reported.then_some(5),
-            loss: (reported && s == 1).then_some(2.302585),
+            loss: (reported && s == 1).then_some(2.25),
             samples_per_s: reported.then_some(12.25),
             fwd_bwd_s: reported.then_some(0.0304),
             last_report_ms_ago: reported.then_some(1500),
@@ -321,7 +321,7 @@ mod tests {
 r-1  running  model resnet152-tiny-00000000 (55 layers)  1 x 2 (pipelines x stages)  sync allreduce  iteration 5/20  partition [28, 27] (generation 0)  250 ms in this state
   pipeline  stage  layers  runtime            device  use   iter  loss    samples/s  fwd+bwd s  last report
   0         0      0..28   0 127.0.0.1:40001  0       idle  5     -       12.2       0.030      1.5 s ago
-  0         1      28..55  0 127.0.0.1:40001  1       idle  5     2.3026  12.2       0.030      1.5 s ago
+  0         1      28..55  0 127.0.0.1:40001  1       idle  5     2.2500  12.2       0.030      1.5 s ago
 ";
         assert_eq!(text, want, "\n{text}");
         let failed = TrainJobState::Failed {

@@ -161,7 +161,7 @@ impl JobSpec {
                 format!("must be 1..={MICROBATCHES_MAX}"),
             ));
         }
-        if self.batch % m != 0 {
+        if !self.batch.is_multiple_of(m) {
             return Err(invalid(
                 "microbatches",
                 m,
