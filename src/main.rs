@@ -61,8 +61,11 @@ enum Command {
     Bench(BenchCommand),
     /// Run one package on one .npy input in this process (a numerical check, no cluster).
     Infer(InferCmd),
-    /// SGD steps on a CNN package (the original's resnet152_train job); --writeback redeploys the trained weights.
-    Train(distmind::train::TrainArgs),
+    /// Training. With --model: SGD steps on a CNN package in this process (the original's
+    /// resnet152_train job; --writeback redeploys the trained weights). With a subcommand
+    /// (submit, status, stop): distributed jobs, P pipelines x S stages, that the controller
+    /// places on the GPUs inference leaves idle.
+    Train(distmind::train::TrainCmd),
     /// Run a GPU server: pulls models from the memory servers on demand and serves inference requests.
     Runtime(RuntimeCmd),
     /// Draw PNG figures (grouped bars, lines, stacked areas) from experiment CSVs (`up --csv`).
@@ -597,7 +600,7 @@ fn run(command: Command) -> anyhow::Result<()> {
                 emulate: emulated,
             })
         }
-        Command::Train(t) => distmind::train::run(&t),
+        Command::Train(t) => distmind::train::run_cmd(&t),
         Command::Plot(p) => distmind::plot::run(&p),
         Command::Profile(p) => distmind::profile::run(&p),
         Command::Infer(i) => {

@@ -3,6 +3,12 @@
 //! synthetic batch, and, on request, the trained weights written back to the
 //! memory servers: a new version deployed and swapped into the catalog, the
 //! old extents freed (the original only copied them into the host cache).
+//!
+//! `distmind train submit|status|stop`: distributed training jobs (P
+//! pipelines x S stages, a JSON spec: `common::train_spec`) run by the
+//! controller on the GPUs inference leaves idle ([`jobs`]).
+
+mod jobs;
 
 use std::path::PathBuf;
 
@@ -15,11 +21,24 @@ use rand::{Rng, SeedableRng};
 
 use crate::{deploy, services};
 
+pub use jobs::{render_jobs, JobCommand};
+
+/// `distmind train`: one-process SGD steps on a package (`--model`), or a
+/// distributed job on the cluster (a subcommand).
+#[derive(Args, Debug)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+pub struct TrainCmd {
+    #[command(subcommand)]
+    pub job: Option<JobCommand>,
+    #[command(flatten)]
+    pub step: TrainArgs,
+}
+
 #[derive(Args, Debug)]
 pub struct TrainArgs {
     /// The package directory (DIR/<name>) of a CNN family.
-    #[arg(long)]
-    pub model: PathBuf,
+    #[arg(long, required = true)]
+    pub model: Option<PathBuf>,
     /// SGD steps (one per training request in the original).
     #[arg(long, default_value_t = 1)]
     pub steps: usize,
@@ -46,13 +65,24 @@ pub struct TrainArgs {
     pub controller: Option<String>,
 }
 
+/// Runs `distmind train`: a job subcommand, or the steps of `--model`.
+pub fn run_cmd(cmd: &TrainCmd) -> anyhow::Result<()> {
+    match &cmd.job {
+        Some(job) => jobs::run(job),
+        None => run(&cmd.step),
+    }
+}
+
 pub fn run(args: &TrainArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         args.steps >= 1 && args.batch >= 2,
         "--steps must be >= 1 and --batch >= 2 (BatchNorm needs two samples)"
     );
-    let pkg = Package::open(&args.model)
-        .with_context(|| format!("cannot open package {}", args.model.display()))?;
+    let model = args.model.as_ref().context(
+        "distmind train needs --model DIR (SGD steps on a package) or a subcommand: submit, status, stop",
+    )?;
+    let pkg =
+        Package::open(model).with_context(|| format!("cannot open package {}", model.display()))?;
     let m = &pkg.manifest;
     let groups = pkg.packed()?;
     let before: Vec<u8> = groups.concat();

@@ -1,6 +1,7 @@
 //! Types and code that more than one distmind service needs: the wire
 //! protocol and its framing, the cluster-key handshake, control messages,
-//! limits, checksums and the parsing of the `settings/` directory.
+//! limits, checksums, the parsing of the `settings/` directory and the
+//! training job spec.
 #![forbid(unsafe_code)]
 
 pub mod checksum;
@@ -11,4 +12,5 @@ pub mod limits;
 pub mod metrics;
 pub mod proto;
 pub mod settings;
+pub mod train_spec;
 pub mod wire;

@@ -6,6 +6,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::train_spec::JobSpec;
+
 /// Why a request failed, for callers that branch on it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -292,6 +294,49 @@ pub enum ControllerRequest {
     /// Replies `Assignments`; `epoch` grows on every change, so a
     /// subscriber polls and acts only when it moved.
     Assignments,
+    /// Submits a distributed training job ([`crate::train_spec`]). The
+    /// controller checks it against the catalog (the model's layer count),
+    /// registers it and places its P x S stage workers on GPUs the
+    /// inference policy leaves idle, or keeps it `pending` (saying why)
+    /// until enough devices are free. Replies `TrainSubmitted`.
+    TrainSubmit {
+        spec: Box<JobSpec>,
+    },
+    /// One job (`job`: its id), or every job the controller keeps.
+    /// Replies `TrainJobs`.
+    TrainStatus {
+        #[serde(default)]
+        job: Option<String>,
+    },
+    /// Stops a job: a pending one at once; a placed one once each of its
+    /// workers that ever reported has been told so (by the reply to its
+    /// next report, or its runtime's loss). Replies `TrainStopped`.
+    TrainStop {
+        job: String,
+    },
+    /// A stage worker's report after each iteration: `iteration` is the
+    /// number of iterations it completed, `fwd_bwd_s` that iteration's
+    /// forward and backward time, `loss` the mean loss (the last stage
+    /// only), `samples` the samples it processed. Replies `TrainReported`;
+    /// its `stop` tells the worker to stop.
+    TrainReport {
+        job: String,
+        pipeline: u32,
+        stage: u32,
+        iteration: u64,
+        fwd_bwd_s: f64,
+        #[serde(default)]
+        loss: Option<f64>,
+        samples: u64,
+    },
+    /// A stage worker cannot go on: the job fails naming this stage and the
+    /// reason. Replies `TrainReported` (with `stop`).
+    TrainFailed {
+        job: String,
+        pipeline: u32,
+        stage: u32,
+        reason: String,
+    },
 }
 
 /// A runtime's state as it reports it in heartbeats.
@@ -375,7 +420,226 @@ pub enum ControllerReply {
         policy: String,
         gpus: Vec<GpuAssignment>,
     },
+    /// The job as registered: its id, state and, once placed, where each
+    /// stage runs.
+    TrainSubmitted {
+        job: Box<TrainJobStatus>,
+    },
+    /// Jobs, oldest first.
+    TrainJobs {
+        jobs: Vec<TrainJobStatus>,
+    },
+    /// The job after a stop: `stopped`, or `stopping` while workers finish
+    /// their iteration.
+    TrainStopped {
+        job: Box<TrainJobStatus>,
+    },
+    /// A report was taken. `stop`: the worker stops now (the job is
+    /// stopping, stopped, failed or finished).
+    TrainReported {
+        job: String,
+        state: TrainJobState,
+        stop: bool,
+    },
     Error(ErrorReply),
+}
+
+/// Where a training job is in its life.
+///
+/// ```text
+/// pending -> placing -> running <-> repartitioning
+///    |          |          |  \-> finished
+///    |          +----------+--> stopping -> stopped
+///    +--> stopped    (any placed state) --> failed
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TrainJobState {
+    /// Registered, waiting for devices.
+    Pending,
+    /// Devices chosen and stage workers asked to start; not every stage has
+    /// reported yet.
+    Placing,
+    /// Every stage has reported.
+    Running,
+    /// Moving layers between stages (DynPipe); workers restart on the new
+    /// partition.
+    Repartitioning,
+    /// Stop asked; waiting for workers to hear it.
+    Stopping,
+    Stopped,
+    /// A stage worker failed or its GPU server was lost.
+    Failed {
+        pipeline: u32,
+        stage: u32,
+        reason: String,
+    },
+    /// Every stage completed the spec's iterations.
+    Finished,
+}
+
+impl TrainJobState {
+    /// The state's name (`failed` for every failure).
+    pub fn name(&self) -> &'static str {
+        match self {
+            TrainJobState::Pending => "pending",
+            TrainJobState::Placing => "placing",
+            TrainJobState::Running => "running",
+            TrainJobState::Repartitioning => "repartitioning",
+            TrainJobState::Stopping => "stopping",
+            TrainJobState::Stopped => "stopped",
+            TrainJobState::Failed { .. } => "failed",
+            TrainJobState::Finished => "finished",
+        }
+    }
+
+    /// Stopped, failed or finished: nothing runs and nothing changes.
+    pub fn is_terminal(&self) -> bool {
+        matches!(
+            self,
+            TrainJobState::Stopped | TrainJobState::Failed { .. } | TrainJobState::Finished
+        )
+    }
+}
+
+/// A training job as `train status` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainJobStatus {
+    /// `<name>-<n>`.
+    pub id: String,
+    pub state: TrainJobState,
+    /// Why a pending job waits (its last placement attempt).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<String>,
+    pub spec: Box<JobSpec>,
+    /// The model's layer count and catalog version when it was submitted.
+    pub layers: u32,
+    pub catalog_version: u64,
+    /// Layers per stage now (re-partitioning changes it).
+    pub partition: Vec<u32>,
+    /// Grows with every re-partitioning; stage assignments carry it.
+    pub generation: u64,
+    pub submitted_ms_ago: u64,
+    /// Time in the current state.
+    pub state_ms_ago: u64,
+    /// Every stage worker, pipeline-major (`pipeline * stages + stage`).
+    pub stages: Vec<StageStatus>,
+}
+
+/// One stage worker of a job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StageStatus {
+    pub pipeline: u32,
+    pub stage: u32,
+    pub layers: LayerRange,
+    /// Where it runs; `None` while the job is pending.
+    #[serde(default)]
+    pub placement: Option<StagePlacement>,
+    /// Iterations completed, as last reported.
+    #[serde(default)]
+    pub iteration: Option<u64>,
+    #[serde(default)]
+    pub loss: Option<f64>,
+    /// Samples per second over the reports kept (wall time between them).
+    #[serde(default)]
+    pub samples_per_s: Option<f64>,
+    /// Mean forward + backward time per iteration over the reports kept.
+    #[serde(default)]
+    pub fwd_bwd_s: Option<f64>,
+    #[serde(default)]
+    pub last_report_ms_ago: Option<u64>,
+    /// Reports received in all.
+    #[serde(default)]
+    pub reports: u64,
+}
+
+/// Layers `first..end` of the manifest's `layers` list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerRange {
+    pub first: u32,
+    pub end: u32,
+}
+
+/// The GPU a stage worker runs on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StagePlacement {
+    pub runtime: u32,
+    /// The runtime's request address.
+    pub addr: String,
+    pub device: u32,
+    /// What the device was doing when it was chosen.
+    pub usage: DeviceUse,
+}
+
+/// A device's use as the job placement sees it, best for training first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeviceUse {
+    /// The inference policy gave it to training.
+    Training,
+    /// An inference GPU with nothing resident or queued.
+    Idle,
+    /// An inference GPU serving models; training there yields to them.
+    Serving,
+}
+
+impl DeviceUse {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeviceUse::Training => "training",
+            DeviceUse::Idle => "idle",
+            DeviceUse::Serving => "serving",
+        }
+    }
+}
+
+/// Another stage worker a worker exchanges with.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StagePeer {
+    pub pipeline: u32,
+    pub stage: u32,
+    pub runtime: u32,
+    /// The runtime's request address.
+    pub addr: String,
+    pub device: u32,
+}
+
+/// The workers a stage worker talks to.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StagePeers {
+    /// The previous stage of its pipeline (activations in, gradients out);
+    /// `None` for stage 0.
+    pub prev: Option<StagePeer>,
+    /// The next stage (activations out, gradients in); `None` for the last.
+    pub next: Option<StagePeer>,
+    /// The same stage in every other pipeline, by pipeline (gradient sync).
+    pub same_stage: Vec<StagePeer>,
+}
+
+/// Everything a stage worker needs to run its part of a job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StageAssignment {
+    pub job: String,
+    /// The partition's generation: a worker drops messages of an older one.
+    pub generation: u64,
+    pub pipeline: u32,
+    pub stage: u32,
+    /// The device of the runtime this is sent to.
+    pub device: u32,
+    /// The model's catalog name and the version every worker loads.
+    pub model: String,
+    pub catalog_version: u64,
+    /// This stage's layers.
+    pub layers: LayerRange,
+    /// Layers per stage of the whole pipeline (this generation).
+    pub partition: Vec<u32>,
+    /// The first iteration to run (0, or where a re-partitioning resumes).
+    pub start_iteration: u64,
+    pub peers: StagePeers,
+    /// The job as submitted: optimizer, batch and microbatches, sync mode,
+    /// data, iterations, interference (a worker applies the slowdowns and
+    /// `hetero_s` that name its stage and pipeline), checkpoints.
+    pub spec: Box<JobSpec>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -409,7 +673,7 @@ pub const TRACE_ENTRIES_MAX: usize = 16384;
 /// Most outputs one model may return in a reply.
 pub const RUNTIME_OUTPUTS_MAX: usize = 64;
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum RuntimeRequest {
     /// Runs `model` on the input frame that follows. `deadline_ms`: give up
@@ -473,6 +737,25 @@ pub enum RuntimeRequest {
         model: String,
         #[serde(default)]
         host_only: bool,
+    },
+    /// Starts a training job's stage worker on `assignment.device` (the
+    /// controller's job placement). The worker reports to the controller
+    /// (`ControllerRequest::TrainReport`) after every iteration and stops
+    /// when a reply says so. Replies `Training` (`model`: the job id) once
+    /// it started, or an error.
+    TrainStage {
+        id: u64,
+        assignment: Box<StageAssignment>,
+    },
+    /// Stops the job's stage worker at its next iteration boundary; a
+    /// worker of another `generation` is left alone. Replies `Training`
+    /// (`model`: `None`, `iterations`: the worker's).
+    TrainStageStop {
+        id: u64,
+        job: String,
+        pipeline: u32,
+        stage: u32,
+        generation: u64,
     },
 }
 
@@ -743,5 +1026,125 @@ mod tests {
         let s = serde_json::to_string(&e).unwrap();
         assert_eq!(serde_json::from_str::<RuntimeReply>(&s).unwrap(), e);
         assert_eq!(e.id(), 9);
+    }
+
+    fn spec() -> JobSpec {
+        JobSpec::from_json(
+            r#"{"name": "j", "model": "m", "optimizer": {"sgd": {"lr": 0.1}}, "batch": 4,
+                "microbatches": 2, "pipelines": 2, "stages": 2, "iterations": 5}"#,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn training_messages_round_trip_and_optional_fields_may_be_left_out() {
+        let reqs = [
+            ControllerRequest::TrainSubmit {
+                spec: Box::new(spec()),
+            },
+            ControllerRequest::TrainStatus { job: None },
+            ControllerRequest::TrainStop { job: "j-1".into() },
+            ControllerRequest::TrainReport {
+                job: "j-1".into(),
+                pipeline: 1,
+                stage: 0,
+                iteration: 3,
+                fwd_bwd_s: 0.25,
+                loss: Some(2.5),
+                samples: 4,
+            },
+            ControllerRequest::TrainFailed {
+                job: "j-1".into(),
+                pipeline: 0,
+                stage: 1,
+                reason: "out of memory".into(),
+            },
+        ];
+        for r in reqs {
+            let s = serde_json::to_string(&r).unwrap();
+            assert_eq!(
+                serde_json::from_str::<ControllerRequest>(&s).unwrap(),
+                r,
+                "{s}"
+            );
+        }
+        assert_eq!(
+            serde_json::from_str::<ControllerRequest>(r#"{"op":"train_status"}"#).unwrap(),
+            ControllerRequest::TrainStatus { job: None }
+        );
+        let report = r#"{"op":"train_report","job":"j-1","pipeline":0,"stage":0,"iteration":1,
+                         "fwd_bwd_s":0.5,"samples":4}"#;
+        match serde_json::from_str::<ControllerRequest>(report).unwrap() {
+            ControllerRequest::TrainReport { loss, .. } => assert_eq!(loss, None),
+            r => panic!("{r:?}"),
+        }
+        // Messages from before training jobs decode as they did.
+        assert_eq!(
+            serde_json::from_str::<ControllerRequest>(r#"{"op":"assignments"}"#).unwrap(),
+            ControllerRequest::Assignments
+        );
+
+        let failed = TrainJobState::Failed {
+            pipeline: 0,
+            stage: 2,
+            reason: "runtime 1 lost".into(),
+        };
+        assert_eq!(
+            serde_json::to_string(&failed).unwrap(),
+            r#"{"failed":{"pipeline":0,"stage":2,"reason":"runtime 1 lost"}}"#
+        );
+        assert_eq!(
+            serde_json::to_string(&TrainJobState::Running).unwrap(),
+            r#""running""#
+        );
+        assert!(failed.is_terminal() && !TrainJobState::Stopping.is_terminal());
+        let reply = ControllerReply::TrainReported {
+            job: "j-1".into(),
+            state: failed,
+            stop: true,
+        };
+        let s = serde_json::to_string(&reply).unwrap();
+        assert_eq!(serde_json::from_str::<ControllerReply>(&s).unwrap(), reply);
+
+        let peer = |pipeline, stage| StagePeer {
+            pipeline,
+            stage,
+            runtime: 3,
+            addr: "10.0.0.3:10009".into(),
+            device: stage,
+        };
+        let stage = RuntimeRequest::TrainStage {
+            id: 7,
+            assignment: Box::new(StageAssignment {
+                job: "j-1".into(),
+                generation: 0,
+                pipeline: 0,
+                stage: 1,
+                device: 1,
+                model: "m".into(),
+                catalog_version: 4,
+                layers: LayerRange { first: 3, end: 6 },
+                partition: vec![3, 3],
+                start_iteration: 0,
+                peers: StagePeers {
+                    prev: Some(peer(0, 0)),
+                    next: None,
+                    same_stage: vec![peer(1, 1)],
+                },
+                spec: Box::new(spec()),
+            }),
+        };
+        let s = serde_json::to_string(&stage).unwrap();
+        assert!(s.starts_with(r#"{"op":"train_stage","id":7,"#), "{s}");
+        assert_eq!(serde_json::from_str::<RuntimeRequest>(&s).unwrap(), stage);
+        let stop = RuntimeRequest::TrainStageStop {
+            id: 8,
+            job: "j-1".into(),
+            pipeline: 0,
+            stage: 1,
+            generation: 0,
+        };
+        let s = serde_json::to_string(&stop).unwrap();
+        assert_eq!(serde_json::from_str::<RuntimeRequest>(&s).unwrap(), stop);
     }
 }

@@ -13,20 +13,23 @@
 //! * [`dispatch`]: the dispatcher: decisions ([`dispatch::core`]), the client
 //!   port and runtime links ([`dispatch::net`]), metrics.
 //! * [`oip`]: the Open Inference Protocol (KServe v2 / Triton) front end on the dispatcher.
-//! * [`state`]: catalog + registry, one request applied at a time (no IO).
+//! * [`jobs`]: distributed training jobs: registry, state machine, stage
+//!   reports, and where their stage workers run ([`jobs::placement`], pure).
+//! * [`state`]: catalog + registries + jobs, one request applied at a time (no IO).
 //! * [`placement`]: how a model's groups are sharded over memory servers (pure).
 //! * [`server`]: the tokio listener, connection handling and expiry task.
 //! * [`client`]: the blocking client used by the deploy tool, benches and tests.
 //!
 //! **Architecture invariant:** the controller knows nothing about CUDA, RDMA or
 //! parameter bytes; it holds locations and checksums only.
-//! **Architecture invariant:** [`state`], [`catalog`], [`registry`] and
+//! **Architecture invariant:** [`state`], [`catalog`], [`registry`], [`jobs`] and
 //! [`placement`] do no IO and never read the clock: the server passes `now` in.
 #![forbid(unsafe_code)]
 
 pub mod catalog;
 pub mod client;
 pub mod dispatch;
+pub mod jobs;
 pub mod oip;
 pub mod placement;
 pub mod policy;

@@ -12,9 +12,17 @@ use distmind_common::proto::{
     ControllerReply, ControllerRequest, ErrorReply, GpuAssignment, ModelEntry,
 };
 
+mod train;
+
 use crate::catalog::Catalog;
+use crate::jobs::{JobRegistry, StageReport};
 use crate::registry::{Registration, Registry};
 use crate::runtimes::{RuntimeRegistry, RuntimeShape};
+
+/// The first request id of the stage-worker requests the controller sends
+/// to runtimes: a range of their own, above any id the dispatcher's links
+/// reach (they count up from 0).
+pub const STAGE_REQUEST_ID_BASE: u64 = 1 << 62;
 
 /// A reply whose model entries are still shared with the catalog.
 #[derive(Debug)]
@@ -53,6 +61,10 @@ pub struct ControllerState {
     runtimes: RuntimeRegistry,
     /// What the policy decided last, published by the dispatcher.
     assignments: Published,
+    /// Distributed training jobs.
+    jobs: JobRegistry,
+    /// The next stage-worker request id (from [`STAGE_REQUEST_ID_BASE`]).
+    next_stage_request_id: u64,
 }
 
 /// The assignment the dispatcher published for subscribers.
@@ -70,6 +82,8 @@ impl ControllerState {
             registry: Registry::new(heartbeat_interval),
             runtimes: RuntimeRegistry::new(heartbeat_interval),
             assignments: Published::default(),
+            jobs: JobRegistry::new(),
+            next_stage_request_id: STAGE_REQUEST_ID_BASE,
         }
     }
 
@@ -95,6 +109,11 @@ impl ControllerState {
     /// The GPU servers (runtimes).
     pub fn runtimes(&self) -> &RuntimeRegistry {
         &self.runtimes
+    }
+
+    /// The distributed training jobs.
+    pub fn jobs(&self) -> &JobRegistry {
+        &self.jobs
     }
 
     /// Serves one request at time `now`.
@@ -199,11 +218,19 @@ impl ControllerState {
                         Registration::Again { .. } => {
                             log::info!("runtime {id} ({addr}) registered again")
                         }
-                        Registration::Restarted { old_boot_id, .. } => log::warn!(
-                            "runtime {id} ({addr}) restarted (boot id {old_boot_id:#x} -> {boot_id:#x}): \
-                             its caches are empty"
-                        ),
+                        Registration::Restarted { old_boot_id, .. } => {
+                            log::warn!(
+                                "runtime {id} ({addr}) restarted (boot id {old_boot_id:#x} -> {boot_id:#x}): \
+                                 its caches are empty"
+                            );
+                            let why =
+                                format!("restarted (boot id {old_boot_id:#x} -> {boot_id:#x})");
+                            for job in self.jobs.runtime_lost(id, &why, now) {
+                                self.stop_stage_workers(&job);
+                            }
+                        }
                     }
+                    self.place_pending(now);
                     Outcome::Reply(ControllerReply::RuntimeRegistered {
                         runtime: id,
                         heartbeat_interval_ms: self.runtimes.heartbeat_interval().as_millis()
@@ -240,6 +267,71 @@ impl ControllerState {
                 policy: self.assignments.policy.clone(),
                 gpus: self.assignments.gpus.clone(),
             }),
+            ControllerRequest::TrainSubmit { spec } => match self.train_submit(*spec, now) {
+                Ok(job) => Outcome::Reply(ControllerReply::TrainSubmitted { job: Box::new(job) }),
+                Err(e) => {
+                    log::warn!("refused a training job: {}", e.message);
+                    e.into()
+                }
+            },
+            ControllerRequest::TrainStatus { job } => match self.jobs.status(job.as_deref(), now) {
+                Ok(jobs) => Outcome::Reply(ControllerReply::TrainJobs { jobs }),
+                Err(e) => ErrorReply::from(e).into(),
+            },
+            ControllerRequest::TrainStop { job } => match self.train_stop(&job, now) {
+                Ok(job) => Outcome::Reply(ControllerReply::TrainStopped { job: Box::new(job) }),
+                Err(e) => ErrorReply::from(e).into(),
+            },
+            ControllerRequest::TrainReport {
+                job,
+                pipeline,
+                stage,
+                iteration,
+                fwd_bwd_s,
+                loss,
+                samples,
+            } => {
+                let r = StageReport {
+                    pipeline,
+                    stage,
+                    iteration,
+                    fwd_bwd_s,
+                    loss,
+                    samples,
+                };
+                match self.jobs.report(&job, r, now) {
+                    Ok(o) => {
+                        if o.state.is_terminal() {
+                            self.place_pending(now);
+                        }
+                        Outcome::Reply(ControllerReply::TrainReported {
+                            job,
+                            state: o.state,
+                            stop: o.stop,
+                        })
+                    }
+                    Err(e) => ErrorReply::from(e).into(),
+                }
+            }
+            ControllerRequest::TrainFailed {
+                job,
+                pipeline,
+                stage,
+                reason,
+            } => match self.jobs.fail(&job, pipeline, stage, &reason, now) {
+                Ok(state) => {
+                    if state.is_terminal() {
+                        self.stop_stage_workers(&job);
+                        self.place_pending(now);
+                    }
+                    Outcome::Reply(ControllerReply::TrainReported {
+                        job,
+                        state,
+                        stop: true,
+                    })
+                }
+                Err(e) => ErrorReply::from(e).into(),
+            },
         }
     }
 
@@ -289,11 +381,17 @@ impl ControllerState {
             );
         }
         for (id, addr) in self.runtimes.expire(now) {
-            log::warn!(
-                "runtime {id} ({addr}) is dead: no heartbeat for more than {:?}",
+            let why = format!(
+                "no heartbeat for more than {:?}",
                 self.runtimes.dead_after()
             );
+            log::warn!("runtime {id} ({addr}) is dead: {why}");
+            for job in self.jobs.runtime_lost(id, &why, now) {
+                self.stop_stage_workers(&job);
+            }
         }
+        self.jobs.expire(now);
+        self.place_pending(now);
         died.into_iter().map(|(id, _)| id).collect()
     }
 }
@@ -304,11 +402,15 @@ mod tests {
     use crate::catalog::tests::entry;
     use distmind_common::proto::ErrorCode;
 
-    fn reply(s: &mut ControllerState, req: ControllerRequest, now: Instant) -> ControllerReply {
+    pub(super) fn reply(
+        s: &mut ControllerState,
+        req: ControllerRequest,
+        now: Instant,
+    ) -> ControllerReply {
         s.apply(req, now).into_reply()
     }
 
-    fn register(s: &mut ControllerState, port: u32, boot_id: u64, now: Instant) -> u32 {
+    pub(super) fn register(s: &mut ControllerState, port: u32, boot_id: u64, now: Instant) -> u32 {
         let req = ControllerRequest::RegisterMemserver {
             addr: format!("127.0.0.1:{}", 7000 + port),
             capacity_bytes: 1 << 20,

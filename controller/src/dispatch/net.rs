@@ -1258,7 +1258,9 @@ fn req_id(r: &RuntimeRequest) -> u64 {
         | RuntimeRequest::Prefetch { id, .. }
         | RuntimeRequest::Train { id, .. }
         | RuntimeRequest::Stats { id }
-        | RuntimeRequest::Evict { id, .. } => *id,
+        | RuntimeRequest::Evict { id, .. }
+        | RuntimeRequest::TrainStage { id, .. }
+        | RuntimeRequest::TrainStageStop { id, .. } => *id,
     }
 }
 

@@ -300,6 +300,24 @@ async fn read_loop(
                             None => continue,
                         }
                     }
+                    // Training stage workers (the controller's job placement)
+                    // are not run by this GPU server yet: an explicit refusal.
+                    Ok(RuntimeRequest::TrainStage { id, assignment }) => error_reply(
+                        id,
+                        ErrorCode::Unsupported,
+                        format!(
+                            "this GPU server does not run training stage workers yet \
+                             (job {} pipeline {} stage {})",
+                            assignment.job, assignment.pipeline, assignment.stage
+                        ),
+                        permit,
+                    ),
+                    Ok(RuntimeRequest::TrainStageStop { id, job, .. }) => error_reply(
+                        id,
+                        ErrorCode::Unsupported,
+                        format!("this GPU server runs no training stage workers (job {job})"),
+                        permit,
+                    ),
                     Ok(RuntimeRequest::Train { id, device, model }) => {
                         match train(shared, &tx, id, device, model, permit) {
                             Some(out) => out,

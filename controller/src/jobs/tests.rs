@@ -1,0 +1,490 @@
+//! The job registry on a virtual clock: the state machine, reports, stops,
+//! failures, bounds and the stage requests.
+
+use super::*;
+use distmind_common::proto::{DeviceUse, RuntimeRequest, StagePeer};
+
+const MS: Duration = Duration::from_millis(1);
+
+fn spec(name: &str, pipelines: u32, stages: u32) -> JobSpec {
+    JobSpec::from_json(&format!(
+        r#"{{"name": "{name}", "model": "m", "optimizer": {{"sgd": {{"lr": 0.1}}}},
+            "batch": 8, "microbatches": 4, "pipelines": {pipelines}, "stages": {stages},
+            "iterations": 3}}"#
+    ))
+    .unwrap()
+}
+
+/// Stage `i` (pipeline-major) on runtime `i / 2`, device `i % 2`.
+fn placement(n: u32) -> Vec<StagePlacement> {
+    (0..n)
+        .map(|i| StagePlacement {
+            runtime: i / 2,
+            addr: format!("10.0.0.{}:10009", i / 2),
+            device: i % 2,
+            usage: DeviceUse::Idle,
+        })
+        .collect()
+}
+
+fn report(pipeline: u32, stage: u32, iteration: u64) -> StageReport {
+    StageReport {
+        pipeline,
+        stage,
+        iteration,
+        fwd_bwd_s: 0.5,
+        loss: (stage == 1).then_some(2.0 / iteration as f64),
+        samples: 8,
+    }
+}
+
+/// A registry with one 2 x 2 job of a 10-layer model, placed.
+fn placed(t0: Instant) -> (JobRegistry, String) {
+    let mut r = JobRegistry::new();
+    let id = r.submit(spec("j", 2, 2), 10, 7, t0).unwrap();
+    r.place(&id, placement(4), t0).unwrap();
+    (r, id)
+}
+
+fn state(r: &JobRegistry, id: &str) -> TrainJobState {
+    r.get(id).unwrap().state().clone()
+}
+
+#[test]
+fn the_transition_table() {
+    use TrainJobState as S;
+    let failed = S::Failed {
+        pipeline: 0,
+        stage: 0,
+        reason: "x".into(),
+    };
+    let states = [
+        S::Pending,
+        S::Placing,
+        S::Running,
+        S::Repartitioning,
+        S::Stopping,
+        S::Stopped,
+        failed,
+        S::Finished,
+    ];
+    let events = [
+        Event::Place,
+        Event::AllReported,
+        Event::Repartition,
+        Event::Repartitioned,
+        Event::Stop,
+        Event::AllStopped,
+        Event::Fail,
+        Event::Finish,
+    ];
+    // Rows: states in the order above; columns: events in the order above.
+    let table = [
+        "P...S...", // pending: place, stop
+        ".A..S.F.", // placing: all reported, stop, fail
+        "..R.S.FF", // running: repartition, stop, fail, finish
+        "...RS.F.", // repartitioning: done, stop, fail
+        ".....A..", // stopping: all stopped
+        "........", // stopped
+        "........", // failed
+        "........", // finished
+    ];
+    for (s, row) in states.iter().zip(table) {
+        for (e, cell) in events.iter().zip(row.chars()) {
+            assert_eq!(allowed(s, *e), cell != '.', "{} / {e:?}", s.name());
+        }
+    }
+    for s in &states[5..] {
+        assert!(s.is_terminal());
+    }
+}
+
+#[test]
+fn a_job_runs_from_pending_to_finished() {
+    let t0 = Instant::now();
+    let mut r = JobRegistry::new();
+    let id = r.submit(spec("j", 2, 2), 10, 7, t0).unwrap();
+    assert_eq!(id, "j-1");
+    assert_eq!(state(&r, &id), TrainJobState::Pending);
+    assert_eq!(r.pending(), vec![id.clone()]);
+    assert!(r.held_devices().is_empty());
+    let e = r.report(&id, report(0, 0, 1), t0).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            JobError::IllegalTransition {
+                state: "pending",
+                ..
+            }
+        ),
+        "{e}"
+    );
+
+    r.set_waiting(&id, "needs 4 GPUs".into()).unwrap();
+    assert_eq!(
+        r.status(Some(&id), t0).unwrap()[0].waiting.as_deref(),
+        Some("needs 4 GPUs")
+    );
+    r.place(&id, placement(4), t0).unwrap();
+    assert_eq!(state(&r, &id), TrainJobState::Placing);
+    assert_eq!(r.held_devices().len(), 4);
+    assert!(r.pending().is_empty());
+    let e = r.place(&id, placement(4), t0).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "job j-1 is placing: cannot be placed",
+        "a named, refused transition"
+    );
+
+    // Every stage reports once: running.
+    for (i, (p, s)) in [(0, 0), (0, 1), (1, 0)].into_iter().enumerate() {
+        let o = r.report(&id, report(p, s, 1), t0 + i as u32 * MS).unwrap();
+        assert_eq!((o.state, o.stop), (TrainJobState::Placing, false));
+    }
+    let o = r.report(&id, report(1, 1, 1), t0 + 10 * MS).unwrap();
+    assert_eq!((o.state, o.stop), (TrainJobState::Running, false));
+    for it in 2..=3 {
+        for (p, s) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+            r.report(&id, report(p, s, it), t0 + (it as u32 * 1000) * MS)
+                .unwrap();
+        }
+    }
+    assert_eq!(state(&r, &id), TrainJobState::Finished);
+    assert!(r.held_devices().is_empty(), "an ended job holds no GPU");
+    let o = r.report(&id, report(0, 0, 3), t0).unwrap();
+    assert!(o.stop, "a late report hears the job ended");
+
+    let st = &r.status(Some(&id), t0 + 3500 * MS).unwrap()[0];
+    assert_eq!(st.partition, vec![5, 5]);
+    let last = &st.stages[3];
+    assert_eq!((last.pipeline, last.stage), (1, 1));
+    assert_eq!((last.layers.first, last.layers.end), (5, 10));
+    assert_eq!(last.iteration, Some(3));
+    assert_eq!(last.loss, Some(2.0 / 3.0));
+    assert_eq!(last.reports, 3);
+    assert_eq!(last.fwd_bwd_s, Some(0.5));
+    assert_eq!(last.last_report_ms_ago, Some(500));
+    // 16 samples between the first report (10 ms) and the last (3000 ms).
+    let rate = last.samples_per_s.unwrap();
+    assert!((rate - 16.0 / 2.99).abs() < 1e-9, "{rate}");
+    assert_eq!(
+        last.placement.as_ref().map(|p| (p.runtime, p.device)),
+        Some((1, 1))
+    );
+}
+
+#[test]
+fn reports_are_checked_and_their_history_is_bounded() {
+    let t0 = Instant::now();
+    let (mut r, id) = placed(t0);
+    let e = r.report(&id, report(2, 0, 1), t0).unwrap_err();
+    assert!(e.to_string().contains("no pipeline 2 stage 0"), "{e}");
+    let e = r.report("nope-9", report(0, 0, 1), t0).unwrap_err();
+    assert!(matches!(e, JobError::UnknownJob { .. }), "{e}");
+    for (bad, says) in [
+        (
+            StageReport {
+                fwd_bwd_s: -1.0,
+                ..report(0, 0, 1)
+            },
+            "fwd_bwd_s = -1",
+        ),
+        (
+            StageReport {
+                fwd_bwd_s: f64::NAN,
+                ..report(0, 0, 1)
+            },
+            "fwd_bwd_s = NaN",
+        ),
+        (
+            StageReport {
+                loss: Some(f64::INFINITY),
+                ..report(0, 0, 1)
+            },
+            "loss is not a finite",
+        ),
+        (
+            StageReport {
+                iteration: 4,
+                ..report(0, 0, 1)
+            },
+            "past the job's 3 iterations",
+        ),
+        (
+            StageReport {
+                samples: 9,
+                ..report(0, 0, 1)
+            },
+            "batch of 8",
+        ),
+    ] {
+        let e = r.report(&id, bad, t0).unwrap_err();
+        assert!(e.to_string().contains(says), "{e}");
+    }
+    for k in 0..(REPORTS_PER_STAGE_MAX as u32 + 10) {
+        r.report(&id, report(0, 0, 1), t0 + k * MS).unwrap();
+    }
+    let job = r.get(&id).unwrap();
+    assert_eq!(job.reports(0, 0).count(), REPORTS_PER_STAGE_MAX);
+    assert_eq!(
+        r.status(Some(&id), t0).unwrap()[0].stages[0].reports,
+        REPORTS_PER_STAGE_MAX as u64 + 10
+    );
+}
+
+#[test]
+fn stopping_waits_for_the_workers_that_reported() {
+    let t0 = Instant::now();
+    // Pending: stopped at once.
+    let mut r = JobRegistry::new();
+    let id = r.submit(spec("p", 1, 2), 10, 1, t0).unwrap();
+    assert_eq!(r.stop(&id, t0).unwrap(), TrainJobState::Stopped);
+    let e = r.stop(&id, t0).unwrap_err();
+    assert_eq!(e.to_string(), format!("job {id} is stopped: cannot stop"));
+
+    // Placed, nobody reported: stopped at once.
+    let (mut r, id) = placed(t0);
+    assert_eq!(r.stop(&id, t0).unwrap(), TrainJobState::Stopped);
+    assert!(r.held_devices().is_empty());
+
+    // Two workers reported: stopping until both heard it.
+    let (mut r, id) = placed(t0);
+    r.report(&id, report(0, 0, 1), t0).unwrap();
+    r.report(&id, report(1, 1, 1), t0).unwrap();
+    assert_eq!(r.stop(&id, t0).unwrap(), TrainJobState::Stopping);
+    assert!(matches!(
+        r.stop(&id, t0).unwrap_err(),
+        JobError::IllegalTransition {
+            state: "stopping",
+            ..
+        }
+    ));
+    assert_eq!(r.held_devices().len(), 4, "workers may still run");
+    let o = r.report(&id, report(0, 0, 2), t0).unwrap();
+    assert_eq!((o.state, o.stop), (TrainJobState::Stopping, true));
+    let o = r.report(&id, report(1, 1, 2), t0).unwrap();
+    assert_eq!((o.state, o.stop), (TrainJobState::Stopped, true));
+    assert!(r.held_devices().is_empty());
+
+    // A silent worker: stopped after the grace.
+    let (mut r, id) = placed(t0);
+    r.report(&id, report(0, 0, 1), t0).unwrap();
+    r.stop(&id, t0).unwrap();
+    assert!(r.expire(t0 + STOP_GRACE - MS).is_empty());
+    assert_eq!(r.expire(t0 + STOP_GRACE), vec![id.clone()]);
+    assert_eq!(state(&r, &id), TrainJobState::Stopped);
+}
+
+#[test]
+fn failures_name_the_stage_and_the_reason() {
+    let t0 = Instant::now();
+    let (mut r, id) = placed(t0);
+    let s = r.fail(&id, 1, 0, "CUDA out of memory", t0).unwrap();
+    assert_eq!(
+        s,
+        TrainJobState::Failed {
+            pipeline: 1,
+            stage: 0,
+            reason: "CUDA out of memory".into()
+        }
+    );
+    assert!(r.held_devices().is_empty());
+    assert!(r.report(&id, report(0, 0, 1), t0).unwrap().stop);
+    let e = r.fail(&id, 5, 0, "x", t0).unwrap_err();
+    assert!(matches!(e, JobError::NoSuchStage { .. }), "{e}");
+    // A pending job has no worker to fail.
+    let id2 = r.submit(spec("q", 1, 1), 10, 1, t0).unwrap();
+    assert!(matches!(
+        r.fail(&id2, 0, 0, "x", t0).unwrap_err(),
+        JobError::IllegalTransition {
+            state: "pending",
+            ..
+        }
+    ));
+    // Reasons are bounded.
+    let (mut r, id) = placed(t0);
+    match r
+        .fail(&id, 0, 0, &"é".repeat(REASON_BYTES_MAX), t0)
+        .unwrap()
+    {
+        TrainJobState::Failed { reason, .. } => assert_eq!(reason.len(), REASON_BYTES_MAX),
+        s => panic!("{s:?}"),
+    }
+}
+
+#[test]
+fn a_lost_gpu_server_fails_the_jobs_on_it() {
+    let t0 = Instant::now();
+    let (mut r, id) = placed(t0);
+    // Stages 2 and 3 (pipeline 1) are on runtime 1.
+    assert!(r.runtime_lost(7, "no heartbeat", t0).is_empty());
+    assert_eq!(
+        r.runtime_lost(1, "no heartbeat for 3 s", t0),
+        vec![id.clone()]
+    );
+    match state(&r, &id) {
+        TrainJobState::Failed {
+            pipeline,
+            stage,
+            reason,
+        } => {
+            assert_eq!((pipeline, stage), (1, 0));
+            assert_eq!(
+                reason,
+                "its GPU server, runtime 1 (10.0.0.1:10009), device 0: no heartbeat for 3 s"
+            );
+        }
+        s => panic!("{s:?}"),
+    }
+    // While stopping, the lost workers count as stopped.
+    let (mut r, id) = placed(t0);
+    r.report(&id, report(1, 0, 1), t0).unwrap();
+    r.report(&id, report(1, 1, 1), t0).unwrap();
+    r.stop(&id, t0).unwrap();
+    r.runtime_lost(1, "restarted", t0);
+    assert_eq!(state(&r, &id), TrainJobState::Stopped);
+}
+
+#[test]
+fn repartitioning_moves_layers_and_bumps_the_generation() {
+    let t0 = Instant::now();
+    let (mut r, id) = placed(t0);
+    assert!(matches!(
+        r.begin_repartition(&id, vec![4, 6], t0).unwrap_err(),
+        JobError::IllegalTransition {
+            state: "placing",
+            ..
+        }
+    ));
+    for (p, s) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+        r.report(&id, report(p, s, 1), t0).unwrap();
+    }
+    let e = r.begin_repartition(&id, vec![4, 7], t0).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "training spec: partition = [4, 7] (sum 11): must sum to the model's 10 layers"
+    );
+    let e = r.begin_repartition(&id, vec![10, 0], t0).unwrap_err();
+    assert!(
+        e.to_string().starts_with("training spec: partition[1] = 0"),
+        "{e}"
+    );
+    r.begin_repartition(&id, vec![3, 7], t0).unwrap();
+    assert_eq!(state(&r, &id), TrainJobState::Repartitioning);
+    r.report(&id, report(0, 0, 2), t0).unwrap();
+    r.finish_repartition(&id, t0).unwrap();
+    let job = r.get(&id).unwrap();
+    assert_eq!((job.partition(), job.generation()), (&[3, 7][..], 1));
+    assert_eq!(state(&r, &id), TrainJobState::Running);
+    let reqs = start_requests(job, 100);
+    match &reqs[1].request {
+        RuntimeRequest::TrainStage { assignment: a, .. } => {
+            assert_eq!((a.generation, a.layers.first, a.layers.end), (1, 3, 10));
+            assert_eq!(a.start_iteration, 1, "the slowest stage's last iteration");
+        }
+        r => panic!("{r:?}"),
+    }
+    assert!(r.finish_repartition(&id, t0).is_err());
+}
+
+#[test]
+fn names_and_job_counts_are_bounded() {
+    let t0 = Instant::now();
+    let mut r = JobRegistry::new();
+    let id = r.submit(spec("same", 1, 1), 10, 1, t0).unwrap();
+    let e = r.submit(spec("same", 1, 1), 10, 1, t0).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!("a job named \"same\" is already pending as {id}; stop it or choose another name")
+    );
+    r.stop(&id, t0).unwrap();
+    r.submit(spec("same", 1, 1), 10, 1, t0).unwrap();
+    // A spec the model cannot take.
+    let e = r.submit(spec("big", 1, 4), 3, 1, t0).unwrap_err();
+    assert!(
+        e.to_string().contains("has 3 layers: at most 3 stages"),
+        "{e}"
+    );
+    // Active jobs are bounded; ended ones are dropped oldest first.
+    let mut r = JobRegistry::new();
+    let ids: Vec<String> = (0..JOBS_ACTIVE_MAX)
+        .map(|i| r.submit(spec(&format!("a{i}"), 1, 1), 10, 1, t0).unwrap())
+        .collect();
+    let e = r.submit(spec("one-more", 1, 1), 10, 1, t0).unwrap_err();
+    assert_eq!(e.code(), ErrorCode::Full);
+    assert!(e.to_string().contains("16 training jobs are active"), "{e}");
+    for id in &ids {
+        r.stop(id, t0).unwrap();
+    }
+    for i in 0..JOBS_KEPT_MAX {
+        let id = r.submit(spec(&format!("b{i}"), 1, 1), 10, 1, t0).unwrap();
+        r.stop(&id, t0).unwrap();
+    }
+    assert_eq!(r.len(), JOBS_KEPT_MAX);
+    assert!(r.get(&ids[0]).is_none(), "the oldest ended job was dropped");
+    assert!(r.status(Some(&ids[0]), t0).is_err());
+    assert_eq!(r.status(None, t0).unwrap().len(), JOBS_KEPT_MAX);
+}
+
+#[test]
+fn stage_requests_carry_everything_a_worker_needs() {
+    let t0 = Instant::now();
+    let (r, id) = placed(t0);
+    let job = r.get(&id).unwrap();
+    let reqs = start_requests(job, 1 << 40);
+    assert_eq!(reqs.len(), 4);
+    for (i, q) in reqs.iter().enumerate() {
+        let (p, s) = (i as u32 / 2, i as u32 % 2);
+        assert_eq!(
+            (q.runtime, q.addr.as_str()),
+            (i as u32 / 2, format!("10.0.0.{}:10009", i / 2).as_str())
+        );
+        let RuntimeRequest::TrainStage {
+            id: rid,
+            assignment: a,
+        } = &q.request
+        else {
+            panic!("{q:?}");
+        };
+        assert_eq!(*rid, (1 << 40) + i as u64);
+        assert_eq!(
+            (a.job.as_str(), a.pipeline, a.stage, a.device),
+            ("j-1", p, s, i as u32 % 2)
+        );
+        assert_eq!(
+            (a.model.as_str(), a.catalog_version, a.generation),
+            ("m", 7, 0)
+        );
+        assert_eq!(
+            (a.layers.first, a.layers.end),
+            if s == 0 { (0, 5) } else { (5, 10) }
+        );
+        assert_eq!(a.partition, vec![5, 5]);
+        assert_eq!(a.start_iteration, 0);
+        assert_eq!(*a.spec, *job.spec());
+        let peer = |pp: u32, ss: u32| (pp, ss, (pp * 2 + ss) / 2, (pp * 2 + ss) % 2);
+        let key = |x: &StagePeer| (x.pipeline, x.stage, x.runtime, x.device);
+        assert_eq!(a.peers.prev.as_ref().map(key), (s == 1).then(|| peer(p, 0)));
+        assert_eq!(a.peers.next.as_ref().map(key), (s == 0).then(|| peer(p, 1)));
+        assert_eq!(
+            a.peers.same_stage.iter().map(key).collect::<Vec<_>>(),
+            vec![peer(1 - p, s)]
+        );
+    }
+    let stops = stop_requests(job, 9);
+    assert_eq!(stops.len(), 4);
+    assert_eq!(
+        stops[3].request,
+        RuntimeRequest::TrainStageStop {
+            id: 12,
+            job: "j-1".into(),
+            pipeline: 1,
+            stage: 1,
+            generation: 0,
+        }
+    );
+    // A pending job has nothing to start.
+    let mut r = JobRegistry::new();
+    let id = r.submit(spec("p", 1, 1), 10, 1, t0).unwrap();
+    assert!(start_requests(r.get(&id).unwrap(), 0).is_empty());
+}
