@@ -337,6 +337,20 @@ pub enum ControllerRequest {
         stage: u32,
         reason: String,
     },
+    /// A stage worker finished `iteration`'s backward passes (and its local
+    /// optimizer step where the sync mode steps first) and asks with whom
+    /// to average this stage's weights. The controller's group scheduler
+    /// for (job, stage) answers once the group closes (all pipelines for
+    /// `allreduce`; SD-Pipe's partial reduce for `preduce`; a seeded
+    /// partner for `adpsgd`), so the reply may take as long as the group's
+    /// deadline. Replies `TrainGroup`. One outstanding per worker.
+    TrainGroupReady {
+        job: String,
+        generation: u64,
+        pipeline: u32,
+        stage: u32,
+        iteration: u64,
+    },
 }
 
 /// A runtime's state as it reports it in heartbeats.
@@ -439,6 +453,16 @@ pub enum ControllerReply {
     TrainReported {
         job: String,
         state: TrainJobState,
+        stop: bool,
+    },
+    /// The group a `TrainGroupReady` joined: the pipelines whose stage
+    /// replicas average their weights now, sorted, the asker included (a
+    /// group of one: go on alone). `stop`: the job ends; do not average.
+    TrainGroup {
+        job: String,
+        stage: u32,
+        iteration: u64,
+        members: Vec<u32>,
         stop: bool,
     },
     Error(ErrorReply),
@@ -757,6 +781,43 @@ pub enum RuntimeRequest {
         stage: u32,
         generation: u64,
     },
+    /// The second step of starting a job: every worker answered its
+    /// `TrainStage` with `TrainStageReady` (its data address), so each now
+    /// learns its neighbours' and replicas' data addresses, connects its
+    /// stage links (it dials `next`; `prev` dials it) and starts iterating
+    /// from the assignment's `start_iteration`. Replies `TrainStageStarted`.
+    TrainStageStart {
+        id: u64,
+        job: String,
+        generation: u64,
+        pipeline: u32,
+        stage: u32,
+        #[serde(default)]
+        prev: Option<DataPeer>,
+        #[serde(default)]
+        next: Option<DataPeer>,
+        /// This stage in every pipeline, this worker included, by pipeline.
+        replicas: Vec<DataPeer>,
+    },
+}
+
+/// A stage worker's training data endpoint (`runtime::dist`'s listener):
+/// stage links and the replicas' all-reduce rings connect there.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataPeer {
+    pub pipeline: u32,
+    pub stage: u32,
+    /// `pipeline * stages + stage`: the worker id the listener checks.
+    pub worker: u32,
+    /// `host:port` of its data listener.
+    pub data_addr: String,
+}
+
+/// The `u64` job key of the training data plane's wire headers and
+/// handshakes (`runtime::dist`): a stable hash of the job id, so a message
+/// of another job (or an earlier one of the same name) is refused.
+pub fn train_job_key(job: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(job.as_bytes())
 }
 
 /// Most requests one batched `Infer` carries besides its own.
@@ -919,6 +980,25 @@ pub enum RuntimeReply {
         /// Iterations the previous job ran.
         iterations: u64,
     },
+    /// A `TrainStage` worker is set up: its data listener is bound at
+    /// `data_addr` and its layers are loaded; it waits for
+    /// `TrainStageStart`.
+    TrainStageReady {
+        id: u64,
+        job: String,
+        generation: u64,
+        pipeline: u32,
+        stage: u32,
+        data_addr: String,
+    },
+    /// A `TrainStageStart` took: links connected, iterations running.
+    TrainStageStarted {
+        id: u64,
+        job: String,
+        generation: u64,
+        pipeline: u32,
+        stage: u32,
+    },
     Stats {
         id: u64,
         stats: RuntimeStats,
@@ -959,6 +1039,8 @@ impl RuntimeReply {
             RuntimeReply::Output { id, .. }
             | RuntimeReply::Prefetched { id, .. }
             | RuntimeReply::Training { id, .. }
+            | RuntimeReply::TrainStageReady { id, .. }
+            | RuntimeReply::TrainStageStarted { id, .. }
             | RuntimeReply::Stats { id, .. }
             | RuntimeReply::Evicted { id, .. }
             | RuntimeReply::Error { id, .. } => *id,

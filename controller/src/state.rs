@@ -332,6 +332,14 @@ impl ControllerState {
                 }
                 Err(e) => ErrorReply::from(e).into(),
             },
+            ControllerRequest::TrainGroupReady { job, stage, .. } => ErrorReply::new(
+                distmind_common::proto::ErrorCode::Unsupported,
+                format!(
+                    "job {job} stage {stage}: this controller does not schedule \
+                     training sync groups yet"
+                ),
+            )
+            .into(),
         }
     }
 

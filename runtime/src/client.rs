@@ -123,6 +123,8 @@ pub struct Inference {
 #[derive(Debug, Clone)]
 pub enum Response {
     Output(Inference),
+    /// A training stage worker's `TrainStageReady` or `TrainStageStarted`.
+    TrainStage(RuntimeReply),
     Stats {
         id: u64,
         stats: RuntimeStats,
@@ -155,6 +157,7 @@ impl Response {
     pub fn id(&self) -> u64 {
         match self {
             Response::Output(i) => i.id,
+            Response::TrainStage(r) => r.id(),
             Response::Stats { id, .. }
             | Response::Evicted { id, .. }
             | Response::Prefetched { id, .. }
@@ -602,6 +605,9 @@ impl RuntimeReceiver {
                 host_cache,
                 devices,
             },
+            r @ (RuntimeReply::TrainStageReady { .. } | RuntimeReply::TrainStageStarted { .. }) => {
+                Response::TrainStage(r)
+            }
             RuntimeReply::Error { id, error } => Response::Error { id, error },
         })
     }

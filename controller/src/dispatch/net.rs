@@ -1260,6 +1260,7 @@ fn req_id(r: &RuntimeRequest) -> u64 {
         | RuntimeRequest::Stats { id }
         | RuntimeRequest::Evict { id, .. }
         | RuntimeRequest::TrainStage { id, .. }
+        | RuntimeRequest::TrainStageStart { id, .. }
         | RuntimeRequest::TrainStageStop { id, .. } => *id,
     }
 }

@@ -312,6 +312,12 @@ async fn read_loop(
                         ),
                         permit,
                     ),
+                    Ok(RuntimeRequest::TrainStageStart { id, job, .. }) => error_reply(
+                        id,
+                        ErrorCode::Unsupported,
+                        format!("this GPU server runs no training stage workers (job {job})"),
+                        permit,
+                    ),
                     Ok(RuntimeRequest::TrainStageStop { id, job, .. }) => error_reply(
                         id,
                         ErrorCode::Unsupported,
