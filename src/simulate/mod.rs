@@ -12,6 +12,7 @@
 pub mod engine;
 pub mod lru;
 pub mod net;
+pub mod train;
 
 use std::collections::HashMap;
 use std::path::PathBuf;

@@ -31,6 +31,10 @@ pub enum JobCommand {
     /// Stop a training job: a pending one at once; a running one as its workers finish their
     /// iteration.
     Stop(StopArgs),
+    /// Simulate a job on a virtual clock at any scale (no cluster): the controller's own sync-group
+    /// schedulers, 1F1B simulator, straggler monitor and re-partitioner, layer times from a GPU
+    /// profile, links at one rate. Prints samples/s, the groups and any re-partitioning.
+    Simulate(crate::simulate::train::TrainSimArgs),
 }
 
 /// Where the controller is.
@@ -88,6 +92,7 @@ pub struct StopArgs {
 
 pub fn run(cmd: &JobCommand) -> anyhow::Result<()> {
     match cmd {
+        JobCommand::Simulate(a) => crate::simulate::train::run(a),
         JobCommand::Submit(a) => {
             let spec = load_spec(&a.spec, a.hetero, &a.slowdown)?;
             let reply = request(

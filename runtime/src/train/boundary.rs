@@ -45,10 +45,18 @@ pub fn boundary(manifest: &Manifest, cut: usize) -> Result<Vec<i64>, TrainError>
         ));
     }
     check_graph(manifest)?;
-    let mut live: Vec<i64> = if cut == n {
-        manifest.outputs.iter().map(|o| o.layer as i64).collect()
+    let outputs: Vec<usize> = manifest.outputs.iter().map(|o| o.layer).collect();
+    Ok(live_tensors(&manifest.layers, &outputs, cut))
+}
+
+/// [`boundary`] over a bare layer list and its output layers, unchecked
+/// (`cut <= layers.len()`, every input an earlier layer or a model input):
+/// what a planner that has an architecture but no package uses.
+pub fn live_tensors(layers: &[distmind_models::Layer], outputs: &[usize], cut: usize) -> Vec<i64> {
+    let mut live: Vec<i64> = if cut >= layers.len() {
+        outputs.iter().map(|&o| o as i64).collect()
     } else {
-        manifest.layers[cut..]
+        layers[cut..]
             .iter()
             .flat_map(|l| l.inputs.iter().copied())
             .filter(|&r| r < cut as i64)
@@ -56,7 +64,7 @@ pub fn boundary(manifest: &Manifest, cut: usize) -> Result<Vec<i64>, TrainError>
     };
     live.sort_unstable();
     live.dedup();
-    Ok(live)
+    live
 }
 
 /// The inputs and outputs of the stage `layers` (`first < end <= layers`).

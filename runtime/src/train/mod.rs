@@ -68,7 +68,7 @@ mod tests;
 
 use candle_core::DType;
 
-pub use boundary::{boundary, stage_io, StageIo};
+pub use boundary::{boundary, live_tensors, stage_io, StageIo};
 pub use error::TrainError;
 pub use loss::{LossKind, Target};
 pub use packed::PackedLayers;
