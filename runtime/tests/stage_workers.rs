@@ -33,8 +33,9 @@ use distmind_common::train_spec::JobSpec;
 use distmind_controller::{Controller, ControllerClient, ControllerConfig};
 use distmind_memserver::{Memserver, MemserverConfig};
 use distmind_models::{generate, Family, GenOptions, Package, Scale};
-use distmind_runtime::client::{Response, RuntimeClient, RuntimeClientError};
+use distmind_runtime::client::{InferOptions, Response, RuntimeClient, RuntimeClientError};
 use distmind_runtime::exec::cpu::CpuExecutor;
+use distmind_runtime::exec::HostTensor;
 use distmind_runtime::server::{
     RuntimeConfig, RuntimeMonitor, RuntimeServer, StageEnd, StagePhase, StageWorkerStatus,
 };
@@ -80,6 +81,8 @@ struct Cluster {
     runtimes: Vec<Runtime>,
     model: String,
     layers: usize,
+    /// The model's input shape (batch 1).
+    input: Vec<usize>,
     _dir: tempfile::TempDir,
     /// Last: dropped after every server finished.
     rt: tokio::runtime::Runtime,
@@ -162,6 +165,7 @@ impl Cluster {
             runtimes,
             model: pkg.manifest.name.clone(),
             layers: pkg.manifest.layers.len(),
+            input: pkg.manifest.inputs[0].shape.clone(),
             _dir: dir,
             rt,
         }
@@ -478,9 +482,7 @@ fn bad_assignments_are_refused_by_name_and_a_stop_ends_an_unstarted_worker() {
 
     // An optimizer the workers do not run.
     let mut a = good.clone();
-    let mut s = (*a.spec).clone();
-    s.optimizer = serde_json::from_str(r#"{"adam": {"lr": 0.001}}"#).unwrap();
-    a.spec = Box::new(s);
+    a.spec.optimizer = serde_json::from_str(r#"{"adam": {"lr": 0.001}}"#).unwrap();
     let (code, msg) = refused(client.train_stage(&a));
     assert_eq!(code, ErrorCode::Unsupported);
     assert!(msg.contains("adam"), "{msg}");
@@ -555,6 +557,37 @@ fn a_stop_ends_every_worker_at_an_iteration_boundary() {
         let w = c.workers();
         w.len() == 6 && w.values().all(|s| s.iterations >= 2)
     });
+    // Inference shares a device with a stage worker: served ahead of the
+    // worker's next op; the heartbeat names the job as the device's
+    // training, its longest op as the iteration a request may wait for.
+    let r0 = &c.runtimes[0];
+    let w = r0.monitor.stage_workers()[0].clone();
+    let snapshot = r0.monitor.snapshot();
+    let d = snapshot
+        .devices
+        .iter()
+        .find(|d| d.device == w.device)
+        .unwrap();
+    assert_eq!(d.training.as_deref(), Some(job.id.as_str()));
+    assert!(d.train_iteration_ms > 0.0);
+    let n: usize = c.input.iter().product();
+    let x = HostTensor::f32(c.input.clone(), vec![0.25; n]);
+    let served = c
+        .client(&r0.addr)
+        .infer_with(
+            &c.model,
+            &x,
+            InferOptions {
+                device: Some(w.device),
+                ..InferOptions::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(served.timing.device, w.device);
+    assert!(
+        r0.monitor.stage_workers()[0].phase == StagePhase::Running,
+        "the worker trains on"
+    );
     // The controller's stop (its workers' next reports are told so), then
     // every worker's TrainStageStop, as the controller sends them: each
     // worker ends at its next boundary (one that a neighbour's stop cut

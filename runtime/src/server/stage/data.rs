@@ -224,7 +224,7 @@ impl Synthetic {
                 let hidden = *target.last().expect("checked: rank >= 2");
                 let per_position = target.len() >= 3;
                 let positions: usize = target[1..target.len() - 1].iter().product();
-                let table_key = mix(self.seed, 0x7461_626c_65);
+                let table_key = mix(self.seed, 0x0074_6162_6c65);
                 let mut values = Vec::with_capacity(target.iter().product());
                 for row in 0..self.rows {
                     let ids = self.tokens_of(self.sample_key(iteration, microbatch, row), *vocab);

@@ -1,7 +1,8 @@
 //! Why a running stage worker stopped: every variant names the job,
 //! pipeline, stage and iteration ([`At`]), and the microbatch or peer where
 //! one is to blame. The text is what `TrainFailed` carries to the
-//! controller.
+//! controller. Sources are boxed: the error travels up every call of the
+//! iteration loop.
 
 use std::fmt;
 use std::time::Duration;
@@ -40,7 +41,7 @@ pub(crate) enum StageError {
         at: At,
         peer_stage: u32,
         #[source]
-        source: LinkError,
+        source: Box<LinkError>,
     },
     /// The neighbour's message is not the one 1F1B expects next.
     #[error("{at}: stage {peer_stage} sent {got} where {want} was due (the two workers run different schedules or generations; restart the job)")]
@@ -60,7 +61,7 @@ pub(crate) enum StageError {
         at: At,
         members: Vec<u32>,
         #[source]
-        source: CollectiveError,
+        source: Box<CollectiveError>,
     },
     /// A forward, backward or step failed, or a neighbour's tensors do not
     /// fit the stage.
@@ -68,7 +69,7 @@ pub(crate) enum StageError {
     Compute {
         at: At,
         #[source]
-        source: ComputeError,
+        source: Box<ComputeError>,
     },
     /// The controller could not be reached or refused a report.
     #[error("{at}: {what} to the controller at {controller}: {source}")]
@@ -77,7 +78,7 @@ pub(crate) enum StageError {
         what: &'static str,
         controller: String,
         #[source]
-        source: ClientError,
+        source: Box<ClientError>,
     },
     /// The controller's sync group does not name this worker's pipeline
     /// or names a pipeline the job does not have.

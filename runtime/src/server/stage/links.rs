@@ -109,7 +109,7 @@ impl DataPlane {
             move |source: LinkError| StageError::Link {
                 at: at.clone(),
                 peer_stage,
-                source,
+                source: Box::new(source),
             }
         };
         let next = match next {
@@ -166,7 +166,7 @@ impl DataPlane {
                 StageError::Collective {
                     at: at.clone(),
                     members: Vec::new(),
-                    source,
+                    source: Box::new(source),
                 }
             })?;
         Ok(DataPlane {
@@ -241,7 +241,7 @@ impl DataPlane {
         link.send(&msg).map_err(|source| StageError::Link {
             at: at.clone(),
             peer_stage,
-            source,
+            source: Box::new(source),
         })
     }
 
@@ -301,11 +301,11 @@ impl DataPlane {
                         return Err(StageError::Link {
                             at: at.clone(),
                             peer_stage,
-                            source: LinkError::RecvTimeout {
+                            source: Box::new(LinkError::RecvTimeout {
                                 peer,
                                 link: id,
                                 waited: LINK_RECV_TIMEOUT,
-                            },
+                            }),
                         });
                     }
                 }
@@ -313,7 +313,7 @@ impl DataPlane {
                     return Err(StageError::Link {
                         at: at.clone(),
                         peer_stage,
-                        source,
+                        source: Box::new(source),
                     })
                 }
             }
@@ -370,7 +370,7 @@ impl DataPlane {
             .map_err(|source| StageError::Collective {
                 at: at.clone(),
                 members: pipelines.to_vec(),
-                source,
+                source: Box::new(source),
             })
     }
 }

@@ -29,8 +29,8 @@
 //!    was already told to stop, when an error from a neighbour that stopped
 //!    first is part of stopping); its neighbours fail on their own links.
 //!
-//! Sync modes (after every iteration, the step first in all of them, so the
-//! comparison isolates the grouping):
+//! Sync modes ([`sync`]; after every iteration, the local step first in all
+//! of them, so the comparison isolates the grouping):
 //!
 //! * `allreduce`: every pipeline's replica of the stage averages its
 //!   weights (`params_flat`: learnable params and BatchNorm running
@@ -41,6 +41,7 @@
 //!   controller's group scheduler, then the same averaging with the members
 //!   of the returned group (a group of one goes on alone; `stop` ends the
 //!   worker). `iteration` there counts iterations completed, as in reports.
+//! * `hetpipe` and the `adam` optimizer are refused (`Unsupported`).
 //!
 //! The data is the spec's synthetic source ([`data`]), drawn on every stage
 //! that needs it; interference is injected by the workers it names
@@ -68,6 +69,7 @@ mod report;
 mod routing;
 mod run;
 mod schedule;
+mod sync;
 
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -81,7 +81,7 @@ impl Reporter {
             at: at.clone(),
             what,
             controller: self.controller.clone(),
-            source,
+            source: Box::new(source),
         }
     }
 

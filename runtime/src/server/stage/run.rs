@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 use crossbeam::channel::{Receiver, RecvTimeoutError};
 use distmind_common::checksum::Checksummer;
 use distmind_common::proto::{ErrorCode, StageAssignment, TrainJobState};
-use distmind_common::train_spec::SyncMode;
 
 use super::assignment::sgd_of;
 use super::error::{At, StageError};
@@ -19,6 +18,7 @@ use super::load::{load, Loaded};
 use super::report::Reporter;
 use super::routing::{ComputeError, StageCompute};
 use super::schedule::{one_f_one_b, Op};
+use super::sync::{check_group, fixed_group};
 use super::{
     ready_reply, started_reply, Command, Control, Peers, Reply, StageConfig, StageEnd, StageKey,
     StagePhase, ABORT_POLL, LOSS_HISTORY_MAX, START_TIMEOUT,
@@ -342,7 +342,7 @@ impl Worker<'_> {
         device.add_busy(started);
         let value = result.map_err(|source| StageError::Compute {
             at: self.at.clone(),
-            source,
+            source: Box::new(source),
         })?;
         let extra = self.injected.extra(self.at.iteration, took);
         if !extra.is_zero() && !sleep_unless(abort, extra) {
@@ -461,34 +461,22 @@ impl Worker<'_> {
     /// group said stop.
     fn sync(&mut self, iteration: u64, mut flat: Vec<f32>) -> Result<Option<u64>, StageError> {
         let p = self.a.spec.pipelines;
-        let members: Vec<u32> = match &self.a.spec.sync {
-            SyncMode::Allreduce(_) => (0..p).collect(),
-            SyncMode::Preduce(_) | SyncMode::Adpsgd(_) => {
+        let members = match fixed_group(&self.a.spec.sync, p) {
+            Some(all) => all,
+            None => {
                 let group = self.reporter.group(&self.at, iteration + 1)?;
                 if group.stop {
                     return Ok(None);
                 }
-                let bad = |why: String| StageError::BadGroup {
-                    at: self.at.clone(),
-                    members: group.members.clone(),
-                    why,
-                };
-                if !group.members.contains(&self.a.pipeline) {
-                    return Err(bad(format!(
-                        "leaves out this worker's pipeline {}",
-                        self.a.pipeline
-                    )));
-                }
-                if group.members.iter().any(|&m| m >= p)
-                    || group.members.windows(2).any(|w| w[0] >= w[1])
-                {
-                    return Err(bad(format!(
-                        "is not a sorted set of pipelines of a job of {p}"
-                    )));
+                if let Err(why) = check_group(&group.members, p, self.a.pipeline) {
+                    return Err(StageError::BadGroup {
+                        at: self.at.clone(),
+                        members: group.members,
+                        why,
+                    });
                 }
                 group.members
             }
-            SyncMode::Hetpipe(_) => unreachable!("refused when assigned"),
         };
         if members.len() > 1 {
             self.plane.average(&self.at, &members, &mut flat)?;
