@@ -16,12 +16,13 @@ use super::interference::Injected;
 use super::links::{sleep_unless, DataPlane};
 use super::load::{load, Loaded};
 use super::report::Reporter;
+use super::requests::{ready_reply, started_reply};
 use super::routing::{ComputeError, StageCompute};
 use super::schedule::{one_f_one_b, Op};
 use super::sync::{check_group, fixed_group};
 use super::{
-    ready_reply, started_reply, Command, Control, Peers, Reply, StageConfig, StageEnd, StageKey,
-    StagePhase, ABORT_POLL, LOSS_HISTORY_MAX, START_TIMEOUT,
+    Command, Control, Peers, Reply, StageConfig, StageEnd, StageKey, StagePhase, ABORT_POLL,
+    LOSS_HISTORY_MAX, START_TIMEOUT,
 };
 use crate::exec::HostTensor;
 use crate::server::Core;
@@ -100,7 +101,11 @@ pub(super) fn main(
             &mut reporter,
             &mut at,
         ),
-        Err(o) => o,
+        Err(o) => {
+            // The stage's weights and listener go before the end is told.
+            drop(loaded);
+            o
+        }
     };
     let end = match outcome {
         Outcome::Finished => {
@@ -425,6 +430,7 @@ impl Worker<'_> {
         let loss =
             (last && !losses.is_empty()).then(|| losses.iter().sum::<f64>() / losses.len() as f64);
         let done = iteration + 1;
+        self.record(done, &times, loss, before, after);
         let (stop, state) = self.reporter.report(
             &self.at,
             done,
@@ -432,7 +438,6 @@ impl Worker<'_> {
             loss,
             u64::from(spec.batch),
         )?;
-        self.record(done, &times, loss, before, after);
         if let TrainJobState::Failed {
             pipeline,
             stage,
