@@ -29,6 +29,10 @@
 //!   (CNN families): the worker runs one SGD iteration whenever its queue is
 //!   empty and checks the queue again after each, so inference waits for at
 //!   most one iteration (`TimingMsg.train_yield_ms` says how long).
+//! * `TrainStage`, `TrainStageStart`, `TrainStageStop`: a distributed
+//!   training job's stage workers, at most one per device ([`stage`]), each
+//!   on its own thread; their forward and backward ops share the device
+//!   with inference through its lock ([`device_lock`]), inference first.
 //! * [`conn`]: one task per connection; requests are pipelined and replies
 //!   carry the request id, in completion order.
 //! * [`plan`]: one compiled `ModelPlan` per model (typed manifest, layout

@@ -14,6 +14,11 @@
 //! requests arrive on a separate bounded control channel that is checked at
 //! every boundary (before the queue), so they never wait behind the
 //! background loop or behind queued inference.
+//!
+//! Each task holds the device's lock ([`super::device_lock`]) with
+//! priority, and each background iteration holds it as a training op, so a
+//! training stage worker on the same device ([`super::stage`]) runs its
+//! ops between tasks and a task waits for at most one of them.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
