@@ -17,7 +17,7 @@ use distmind_common::handshake::{self, ClusterKey, HandshakeError};
 use distmind_common::limits::CONTROL_FRAME_BYTES_MAX;
 use distmind_common::proto::{
     BatchMember, DispatchInfo, ErrorCode, ErrorReply, RuntimeReply, RuntimeRequest, RuntimeStats,
-    ServePath, TimingMsg, TraceEntry, BATCH_MEMBERS_MAX, RUNTIME_OUTPUTS_MAX,
+    ServePath, StageAssignment, TimingMsg, TraceEntry, BATCH_MEMBERS_MAX, RUNTIME_OUTPUTS_MAX,
 };
 use distmind_common::wire::{self, FrameKind, Role, WireError};
 
@@ -365,6 +365,55 @@ impl RuntimeClient {
             Response::Training {
                 model, iterations, ..
             } => Ok((model, iterations)),
+            other => Err(self.unexpected(id, other)),
+        }
+    }
+
+    /// Sends any request, numbered by this client (`make` gets the id),
+    /// without waiting for its reply ([`recv`](Self::recv) returns it):
+    /// how a coordinator sends every stage worker's `TrainStageStart`
+    /// before reading the replies.
+    pub fn send_request(
+        &mut self,
+        make: &dyn Fn(u64) -> RuntimeRequest,
+    ) -> Result<u64, RuntimeClientError> {
+        self.tx.send(make)
+    }
+
+    /// Starts a training stage worker (`TrainStage`); its data address
+    /// once it is loaded (`TrainStageReady`).
+    pub fn train_stage(
+        &mut self,
+        assignment: &StageAssignment,
+    ) -> Result<String, RuntimeClientError> {
+        let id = self.tx.send(&|id| RuntimeRequest::TrainStage {
+            id,
+            assignment: Box::new(assignment.clone()),
+        })?;
+        match self.expect(id)? {
+            Response::TrainStage(RuntimeReply::TrainStageReady { data_addr, .. }) => Ok(data_addr),
+            other => Err(self.unexpected(id, other)),
+        }
+    }
+
+    /// Stops a training stage worker at its next iteration boundary
+    /// (`TrainStageStop`); the iterations it completed.
+    pub fn train_stage_stop(
+        &mut self,
+        job: &str,
+        pipeline: u32,
+        stage: u32,
+        generation: u64,
+    ) -> Result<u64, RuntimeClientError> {
+        let id = self.tx.send(&|id| RuntimeRequest::TrainStageStop {
+            id,
+            job: job.to_string(),
+            pipeline,
+            stage,
+            generation,
+        })?;
+        match self.expect(id)? {
+            Response::Training { iterations, .. } => Ok(iterations),
             other => Err(self.unexpected(id, other)),
         }
     }

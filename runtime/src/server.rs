@@ -29,6 +29,10 @@
 //!   (CNN families): the worker runs one SGD iteration whenever its queue is
 //!   empty and checks the queue again after each, so inference waits for at
 //!   most one iteration (`TimingMsg.train_yield_ms` says how long).
+//! * `TrainStage`, `TrainStageStart`, `TrainStageStop`: a distributed
+//!   training job's stage workers, at most one per device ([`stage`]), each
+//!   on its own thread; their forward and backward ops share the device
+//!   with inference through its lock ([`device_lock`]), inference first.
 //! * [`conn`]: one task per connection; requests are pipelined and replies
 //!   carry the request id, in completion order.
 //! * [`plan`]: one compiled `ModelPlan` per model (typed manifest, layout
@@ -51,10 +55,12 @@
 
 mod batch;
 mod conn;
+mod device_lock;
 mod metrics;
 mod plan;
 mod preload;
 mod register;
+pub(crate) mod stage;
 mod worker;
 
 use std::future::Future;
@@ -83,6 +89,7 @@ use crate::exec::Executor;
 use crate::pipeline::PipelineOptions;
 use crate::train::SgdConfig;
 
+pub use stage::{StageEnd, StagePhase, StageWorkerStatus, STAGE_WORKERS_PER_SERVER_MAX};
 pub use worker::Job;
 
 /// Default bound on open connections.
@@ -278,6 +285,22 @@ pub(crate) struct DeviceState {
     /// its copies: parsing, resolving, batching, encoding, replying.
     pub serial_overhead_ns: AtomicU64,
     pub training: Mutex<TrainingStatus>,
+    /// Who computes on the device now: its worker (inference, first) or a
+    /// training op.
+    pub lock: device_lock::DeviceLock,
+    /// What stage workers ran on this device, every job.
+    pub stage_counters: StageCounters,
+}
+
+/// Per-device counters of training stage workers (every job).
+#[derive(Debug, Default)]
+pub(crate) struct StageCounters {
+    pub iterations: AtomicU64,
+    /// Samples of the iterations (a pipeline's batch each).
+    pub samples: AtomicU64,
+    /// Forward ops' compute (and injected slowdowns).
+    pub forward_ns: AtomicU64,
+    pub backward_ns: AtomicU64,
 }
 
 impl DeviceState {
@@ -320,6 +343,8 @@ pub(crate) struct Core {
     /// One permit per host-cache prefetch in flight.
     pub prefetch_slots: Arc<Semaphore>,
     pub metrics: metrics::Metrics,
+    /// Training stage workers, at most one per device.
+    pub stages: stage::StageWorkers,
 }
 
 impl Core {
@@ -394,18 +419,23 @@ impl Core {
             devices: self
                 .devices
                 .iter()
-                .map(|d| {
+                .enumerate()
+                .map(|(i, d)| {
                     let t = d.training().clone();
+                    let (training, train_iteration_ms) = match (t.model, self.stages.running_on(i))
+                    {
+                        (Some(model), _) => (Some(model), t.iteration_ms_ewma),
+                        // A stage worker yields the device between ops: a
+                        // request waits for at most its longest op.
+                        (None, Some(w)) => (Some(w.job), w.op_ms_max),
+                        (None, None) => (None, 0.0),
+                    };
                     DeviceSnapshot {
                         device: d.id,
                         queued: d.queued.load(Ordering::Relaxed),
                         resident: d.residency.resident_mru(),
-                        train_iteration_ms: if t.model.is_some() {
-                            t.iteration_ms_ewma
-                        } else {
-                            0.0
-                        },
-                        training: t.model,
+                        train_iteration_ms,
+                        training,
                     }
                 })
                 .collect(),
@@ -413,6 +443,36 @@ impl Core {
             host_cached_truncated,
         }
     }
+}
+
+/// Where stage workers bind their data listeners (the runtime's listen IP)
+/// and the host peers dial (the advertised host, else the bound IP).
+fn stage_config(
+    config: &RuntimeConfig,
+    listener: &TcpListener,
+) -> Result<stage::StageConfig, RuntimeServerError> {
+    let bound = listener
+        .local_addr()
+        .map_err(|source| RuntimeServerError::Bind {
+            addr: config.listen,
+            source,
+        })?;
+    let data_host = match &config.advertise {
+        Some(a) => match a.rsplit_once(':') {
+            Some((host, _)) => host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string(),
+            None => a.clone(),
+        },
+        None => bound.ip().to_string(),
+    };
+    Ok(stage::StageConfig {
+        key: config.key.clone(),
+        controller: config.controller.clone(),
+        bind_ip: bound.ip(),
+        data_host,
+    })
 }
 
 /// One device's way in: its bounded task queue and its training controls.
@@ -553,6 +613,12 @@ impl RuntimeMonitor {
         ))
     }
 
+    /// Every training stage worker this runtime holds (running, or ended
+    /// and not yet replaced on its device), by device.
+    pub fn stage_workers(&self) -> Vec<StageWorkerStatus> {
+        self.core.stages.statuses()
+    }
+
     /// Times this runtime asked the controller for a model's catalog entry
     /// (each compiled one plan).
     pub fn catalog_refreshes(&self) -> u64 {
@@ -648,6 +714,7 @@ impl RuntimeServer {
             .expect("host cache allocation panicked")?;
         let executors = crate::exec::per_device(&config.executor, &config.devices)
             .map_err(|e| RuntimeServerError::Config(e.to_string()))?;
+        let stage_config = stage_config(&config, &listener)?;
         let core = Arc::new(Core {
             executor: config.executor.clone(),
             cache,
@@ -669,6 +736,8 @@ impl RuntimeServer {
                     serial_ns: AtomicU64::new(0),
                     serial_overhead_ns: AtomicU64::new(0),
                     training: Mutex::new(TrainingStatus::default()),
+                    lock: device_lock::DeviceLock::default(),
+                    stage_counters: StageCounters::default(),
                 })
                 .collect(),
             catalog: plan::Catalog::new(config.controller.clone(), config.key.clone()),
@@ -682,6 +751,7 @@ impl RuntimeServer {
             train_sgd: config.train_sgd,
             prefetch_slots: Arc::new(Semaphore::new(PREFETCHES_IN_FLIGHT_MAX)),
             metrics: metrics::Metrics::new(),
+            stages: stage::StageWorkers::new(stage_config, config.devices.len()),
         });
         let registry = Arc::new(metrics::registry(&core));
         let mut queues = Vec::with_capacity(config.devices.len());
@@ -844,6 +914,8 @@ impl RuntimeServer {
         info!("runtime {local} shutting down");
         // Stop taking requests, answer those already queued, then close.
         self.shared.close_queues();
+        // Stage workers stop mid-wait, so the replies they owe go out now.
+        self.shared.core.stages.abort_all();
         let _ = stop_tx.send(true);
         let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
             while tasks.join_next().await.is_some() {}
@@ -854,7 +926,10 @@ impl RuntimeServer {
             tasks.shutdown().await;
         }
         let workers = self.workers;
+        let core = self.shared.core.clone();
         let joined = tokio::task::spawn_blocking(move || {
+            // Stage workers first (aborted above): their threads joined.
+            core.stages.join_all();
             for w in workers {
                 let _ = w.join();
             }

@@ -29,6 +29,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 
 use super::plan::ModelPlan;
+use super::stage;
 use super::worker::{self, encode_frames, Job, Member, Outgoing, PrefetchJob, Task, TrainControl};
 use crate::npy::parse_npy;
 
@@ -300,30 +301,49 @@ async fn read_loop(
                             None => continue,
                         }
                     }
-                    // Training stage workers (the controller's job placement)
-                    // are not run by this GPU server yet: an explicit refusal.
-                    Ok(RuntimeRequest::TrainStage { id, assignment }) => error_reply(
+                    // Training stage workers (the controller's job placement).
+                    Ok(RuntimeRequest::TrainStage { id, assignment }) => {
+                        match stage::train_stage(shared, &tx, id, *assignment, permit) {
+                            Some(out) => out,
+                            None => continue,
+                        }
+                    }
+                    Ok(RuntimeRequest::TrainStageStart {
                         id,
-                        ErrorCode::Unsupported,
-                        format!(
-                            "this GPU server does not run training stage workers yet \
-                             (job {} pipeline {} stage {})",
-                            assignment.job, assignment.pipeline, assignment.stage
-                        ),
-                        permit,
-                    ),
-                    Ok(RuntimeRequest::TrainStageStart { id, job, .. }) => error_reply(
+                        job,
+                        generation,
+                        pipeline,
+                        stage: at,
+                        prev,
+                        next,
+                        replicas,
+                    }) => {
+                        let peers = stage::Peers {
+                            prev,
+                            next,
+                            replicas,
+                        };
+                        match stage::train_stage_start(
+                            shared, &tx, id, job, generation, pipeline, at, peers, permit,
+                        ) {
+                            Some(out) => out,
+                            None => continue,
+                        }
+                    }
+                    Ok(RuntimeRequest::TrainStageStop {
                         id,
-                        ErrorCode::Unsupported,
-                        format!("this GPU server runs no training stage workers (job {job})"),
-                        permit,
-                    ),
-                    Ok(RuntimeRequest::TrainStageStop { id, job, .. }) => error_reply(
-                        id,
-                        ErrorCode::Unsupported,
-                        format!("this GPU server runs no training stage workers (job {job})"),
-                        permit,
-                    ),
+                        job,
+                        pipeline,
+                        stage: at,
+                        generation,
+                    }) => {
+                        match stage::train_stage_stop(
+                            shared, &tx, id, job, pipeline, at, generation, permit,
+                        ) {
+                            Some(out) => out,
+                            None => continue,
+                        }
+                    }
                     Ok(RuntimeRequest::Train { id, device, model }) => {
                         match train(shared, &tx, id, device, model, permit) {
                             Some(out) => out,

@@ -15,7 +15,10 @@
 //!   worker's time on queued requests and prefetches, dequeue to replies
 //!   handed over), `device_serial_overhead_seconds_total` (the part of it
 //!   that was neither the executor's compute nor its copies),
-//!   `device_train_iterations_total`,
+//!   `device_train_iterations_total`, `device_stage_iterations_total`,
+//!   `device_stage_samples_total`, `device_stage_forward_seconds_total`,
+//!   `device_stage_backward_seconds_total` (training stage workers, every
+//!   job), `device_stage_worker` (1 while one holds the device),
 //!   `device_queue_depth` (queued or running), `device_training` (1 while a
 //!   job is set), `device_train_iteration_seconds` (the EWMA).
 //!
@@ -262,6 +265,60 @@ impl Collector for Sampled {
             devices
                 .iter()
                 .map(|d| (d.id, ConstCounter::new(d.training().total_iterations))),
+        )?;
+        encode_per_device(
+            e,
+            "device_stage_iterations",
+            "Iterations training stage workers completed on the device, every job",
+            MetricType::Counter,
+            devices.iter().map(|d| {
+                let n = d.stage_counters.iterations.load(Ordering::Relaxed);
+                (d.id, ConstCounter::new(n))
+            }),
+        )?;
+        encode_per_device(
+            e,
+            "device_stage_samples",
+            "Samples of the iterations training stage workers completed on the device",
+            MetricType::Counter,
+            devices.iter().map(|d| {
+                let n = d.stage_counters.samples.load(Ordering::Relaxed);
+                (d.id, ConstCounter::new(n))
+            }),
+        )?;
+        encode_per_device(
+            e,
+            "device_stage_forward_seconds",
+            "Time training stage workers' forward ops took on the device (injected slowdowns \
+             included)",
+            MetricType::Counter,
+            devices.iter().map(|d| {
+                let ns = d.stage_counters.forward_ns.load(Ordering::Relaxed);
+                (d.id, ConstCounter::new(ns as f64 / 1e9))
+            }),
+        )?;
+        encode_per_device(
+            e,
+            "device_stage_backward_seconds",
+            "Time training stage workers' backward ops took on the device (injected slowdowns \
+             included)",
+            MetricType::Counter,
+            devices.iter().map(|d| {
+                let ns = d.stage_counters.backward_ns.load(Ordering::Relaxed);
+                (d.id, ConstCounter::new(ns as f64 / 1e9))
+            }),
+        )?;
+        encode_per_device(
+            e,
+            "device_stage_worker",
+            "1 while a training stage worker holds the device",
+            MetricType::Gauge,
+            devices.iter().enumerate().map(|(i, d)| {
+                (
+                    d.id,
+                    ConstGauge::new(core.stages.running_on(i).is_some() as u64),
+                )
+            }),
         )?;
         encode_per_device(
             e,

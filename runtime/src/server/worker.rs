@@ -14,8 +14,13 @@
 //! requests arrive on a separate bounded control channel that is checked at
 //! every boundary (before the queue), so they never wait behind the
 //! background loop or behind queued inference.
+//!
+//! Each task holds the device's lock ([`super::device_lock`]) with
+//! priority, and each background iteration holds it as a training op, so a
+//! training stage worker on the same device ([`super::stage`]) runs its
+//! ops between tasks and a task waits for at most one of them.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -215,6 +220,9 @@ impl Trainer {
     }
 }
 
+/// The background job's device waits are never cut short.
+static NEVER_ABORTED: AtomicBool = AtomicBool::new(false);
+
 /// One iteration's span, for the yield time of the requests that waited.
 #[derive(Clone, Copy)]
 struct Iteration {
@@ -276,7 +284,10 @@ pub(crate) fn run(
             }
         };
         let taken = Instant::now();
+        // Ahead of any training op waiting for the device.
+        let held = device.lock.serve();
         let work = handle(core, index, task, last);
+        drop(held);
         device.add_serial(taken.elapsed(), work);
     }
     if let Some(t) = trainer.take() {
@@ -383,7 +394,12 @@ fn pipeline_error(core: &Core, id: u64, model: &str, e: &PipelineError) -> Outgo
     error(id, e.code, e.message)
 }
 
-fn pipeline_error_reply(core: &Core, id: u64, model: &str, e: &PipelineError) -> ErrorReply {
+pub(crate) fn pipeline_error_reply(
+    core: &Core,
+    id: u64,
+    model: &str,
+    e: &PipelineError,
+) -> ErrorReply {
     let code = error_code(e);
     if code == ErrorCode::Internal {
         // A stale entry (the model moved) is re-read next time.
@@ -943,6 +959,12 @@ fn iterate(core: &Core, index: usize, trainer: &mut Option<Trainer>) -> Iteratio
     let Some(t) = trainer.as_mut() else {
         return Iteration { start, end: start };
     };
+    // A training op: after inference (this thread's own, so never waiting
+    // on it) and among the device's stage worker's ops.
+    let held = device
+        .lock
+        .train(&NEVER_ABORTED)
+        .expect("a wait that is never aborted ends holding the device");
     let step = match &mut t.work {
         Work::Sgd(j) => sgd_step_with_state(
             &t.resolved.manifest,
@@ -959,6 +981,7 @@ fn iterate(core: &Core, index: usize, trainer: &mut Option<Trainer>) -> Iteratio
             Ok(f32::NAN)
         }
     };
+    drop(held);
     let end = Instant::now();
     device.add_busy(start);
     match step {
