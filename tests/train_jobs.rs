@@ -18,7 +18,7 @@ use distmind_common::proto::{
     RuntimeRequest, StageAssignment, TrainJobState, TrainJobStatus,
 };
 use distmind_common::train_spec::JobSpec;
-use distmind_common::wire;
+use distmind_common::wire::{self, Role};
 use distmind_controller::ControllerClient;
 use distmind_models::Package;
 use support::*;
@@ -515,6 +515,33 @@ fn stage_workers_start_in_two_steps_and_sync_in_groups() {
     for a in asks {
         assert_eq!(a.join().unwrap(), (vec![0, 1], false));
     }
+    // A worker whose connection drops while it waits asks again on a new
+    // one and takes its own place in the group.
+    let waiting = |c: &mut ControllerClient, n: u32| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while status(c, &id).group_asks_waiting != n {
+            assert!(Instant::now() < deadline, "{n} asks never waited");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let mut raw = std::net::TcpStream::connect(&controller.addr).unwrap();
+    handshake::client_sync(&mut raw, &cluster_key(), Role::Control).unwrap();
+    let ask = ControllerRequest::TrainGroupReady {
+        job: id.clone(),
+        generation: 0,
+        pipeline: 0,
+        stage: 1,
+        iteration: 1,
+    };
+    wire::send_message_sync(&mut raw, &ask).unwrap();
+    waiting(&mut c, 1);
+    drop(raw);
+    waiting(&mut c, 0);
+    let again = ask_group(&controller.addr, &id, 0, 1, 1);
+    waiting(&mut c, 1);
+    let other = ask_group(&controller.addr, &id, 1, 1, 1);
+    assert_eq!(again.join().unwrap(), (vec![0, 1], false));
+    assert_eq!(other.join().unwrap(), (vec![0, 1], false));
 
     // The workers report; `train status` shows them.
     for (p, st) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
@@ -546,19 +573,12 @@ fn stage_workers_start_in_two_steps_and_sync_in_groups() {
 
     // A stop releases an ask waiting for pipeline 1, and every worker is
     // told by its GPU server.
-    let waiting = ask_group(&controller.addr, &id, 0, 1, 2);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while status(&mut c, &id).group_asks_waiting == 0 {
-        assert!(
-            Instant::now() < deadline,
-            "the ask never got to the controller"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let parked = ask_group(&controller.addr, &id, 0, 1, 2);
+    waiting(&mut c, 1);
     let (ok, stdout, stderr) = train(&controller.addr, &["stop", "--job", &id]);
     assert!(ok, "{stderr}");
     assert!(stdout.starts_with("ar-1: stop"), "{stdout}");
-    assert_eq!(waiting.join().unwrap(), (vec![], true));
+    assert_eq!(parked.join().unwrap(), (vec![], true));
     let mut told = Vec::new();
     for _ in 0..4 {
         match fake.next() {

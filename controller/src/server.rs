@@ -33,7 +33,7 @@ use crate::dispatch::net::DispatchNet;
 use crate::dispatch::{DispatchConfig, Dispatcher};
 use crate::oip::{self, Frontend};
 use crate::registry::HEARTBEAT_INTERVAL_DEFAULT;
-use crate::state::{ControllerState, GROUP_REPLY_WAIT_MAX};
+use crate::state::{ControllerState, Outcome, GROUP_REPLY_WAIT_MAX};
 
 /// Default cap on simultaneous connections.
 pub const MAX_CONNECTIONS_DEFAULT: usize = 1024;
@@ -440,6 +440,28 @@ async fn expire_loop(shared: Arc<Shared>, interval: Duration, mut stop: watch::R
     }
 }
 
+/// The reply of `outcome`; a deferred one is awaited (bounded by
+/// [`GROUP_REPLY_WAIT_MAX`]) while watching the client: `None` when it went
+/// away meanwhile (its ask is dropped, so a worker that comes back on a new
+/// connection takes its own place in its group).
+async fn await_reply(outcome: Outcome, stream: &TcpStream) -> Option<ControllerReply> {
+    if !matches!(outcome, Outcome::Deferred(_)) {
+        return Some(outcome.into_reply());
+    }
+    let reply = outcome.resolve(GROUP_REPLY_WAIT_MAX);
+    tokio::pin!(reply);
+    let mut byte = [0u8; 1];
+    tokio::select! {
+        r = &mut reply => Some(r),
+        seen = stream.peek(&mut byte) => match seen {
+            // End of stream or a broken connection: nobody reads a reply.
+            Ok(0) | Err(_) => None,
+            // It sent its next request early: it is read after the reply.
+            Ok(_) => Some(reply.await),
+        },
+    }
+}
+
 /// Closes training sync groups at their deadlines: sleeps until the
 /// earliest, woken early when an ask may have set an earlier one.
 async fn group_timer(shared: Arc<Shared>, wake: Arc<Notify>, mut stop: watch::Receiver<bool>) {
@@ -509,7 +531,13 @@ async fn handle_connection(mut stream: TcpStream, peer: SocketAddr, shared: &Sha
                 let outcome = shared.lock().apply(req, Instant::now());
                 // A deferred reply (a training sync group) is awaited here,
                 // with the lock released.
-                outcome.resolve(GROUP_REPLY_WAIT_MAX).await
+                match await_reply(outcome, &stream).await {
+                    Some(r) => r,
+                    None => {
+                        log::debug!("{peer} went away while its request waited for its reply");
+                        return;
+                    }
+                }
             }
             Err(message) => {
                 log::warn!("bad request from {peer}: {message}");

@@ -635,8 +635,22 @@ fn group_asks_are_answered_when_their_group_closes() {
     }
     assert_eq!(s.next_group_deadline(), None);
 
+    // An asker that went away (the server dropped its reply) is replaced
+    // by the same worker asking again.
+    let gone = s.apply(group_ask(&id, 0, 0, 2), t0 + 3 * MS);
+    assert_eq!(s.group_asks_waiting(&id), 1);
+    drop(gone);
+    assert_eq!(s.group_asks_waiting(&id), 0, "nobody listens");
+    let mut again = s.apply(group_ask(&id, 0, 0, 2), t0 + 3 * MS);
+    assert_eq!(s.group_asks_waiting(&id), 1);
+    let p1 = s.apply(group_ask(&id, 1, 0, 2), t0 + 3 * MS);
+    let p2 = s.apply(group_ask(&id, 2, 0, 2), t0 + 3 * MS);
+    assert_eq!(group(again.try_reply().unwrap()), (vec![0, 1, 2], false));
+    assert_eq!(group(p1.into_reply()), (vec![0, 1, 2], false));
+    assert_eq!(group(p2.into_reply()), (vec![0, 1, 2], false));
+
     // A stop answers a waiting ask with stop, and later asks at once.
-    let mut waiting = s.apply(group_ask(&id, 1, 0, 2), t0 + 3 * MS);
+    let mut waiting = s.apply(group_ask(&id, 1, 0, 3), t0 + 3 * MS);
     assert!(waiting.try_reply().is_none());
     reply(
         &mut s,
@@ -645,7 +659,7 @@ fn group_asks_are_answered_when_their_group_closes() {
     );
     assert_eq!(group(waiting.try_reply().unwrap()), (vec![], true));
     assert_eq!(
-        group(reply(&mut s, group_ask(&id, 0, 0, 2), t0 + 5 * MS)),
+        group(reply(&mut s, group_ask(&id, 0, 0, 3), t0 + 5 * MS)),
         (vec![], true)
     );
     assert_eq!(s.group_asks_waiting(&id), 0);

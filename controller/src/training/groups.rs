@@ -235,9 +235,12 @@ impl<W: Waiter> GroupService<W> {
         self.jobs.get(job).map(|j| j.generation)
     }
 
-    /// Asks waiting in `job`.
+    /// Asks waiting in `job` whose asker still listens (one that went
+    /// away keeps its place in its group until it asks again, unseen here).
     pub fn waiting(&self, job: &str) -> usize {
-        self.jobs.get(job).map_or(0, |j| j.waiting.len())
+        self.jobs.get(job).map_or(0, |j| {
+            j.waiting.values().filter(|(_, w)| !w.is_gone()).count()
+        })
     }
 
     /// Opens `job`'s groups for `generation` (P pipelines x S stages). A job

@@ -281,6 +281,7 @@ fn one_ask_per_worker_unless_the_first_asker_went_away() {
         ..slot(0, 0)
     };
     s.ask1(ask("j-1", 0, 0, 1), gone, MS).unwrap();
+    assert_eq!(s.waiting("j-1"), 0, "nobody listens");
     assert!(s
         .ask1(ask("j-1", 0, 0, 1), slot(0, 0), MS)
         .unwrap()
