@@ -1,15 +1,24 @@
 //! Distributed training jobs through a real controller: `distmind train
 //! submit|status|stop` against a controller, a memory server and a GPU
-//! server on loopback, a tiny model deployed; stage workers played by the
-//! test over the real protocol (the runtime side of workers comes later).
+//! server on loopback, a tiny model deployed. Today's GPU servers refuse
+//! stage workers (they come later), so the job fails naming that; a GPU
+//! server played by the test over the real protocol starts them, and test
+//! clients play the workers' sync-group asks and reports.
 
 mod support;
 
 use std::path::Path;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
 
-use distmind_common::proto::{ControllerReply, ControllerRequest, ErrorCode, TrainJobState};
+use distmind_common::handshake;
+use distmind_common::proto::{
+    ControllerReply, ControllerRequest, DataPeer, ErrorCode, ErrorReply, RuntimeReply,
+    RuntimeRequest, StageAssignment, TrainJobState, TrainJobStatus,
+};
 use distmind_common::train_spec::JobSpec;
+use distmind_common::wire::{self, Role};
 use distmind_controller::ControllerClient;
 use distmind_models::Package;
 use support::*;
@@ -42,7 +51,7 @@ fn write(dir: &Path, name: &str, text: &str) -> String {
 }
 
 #[test]
-fn jobs_are_submitted_refused_reported_and_stopped() {
+fn jobs_are_sent_to_the_gpu_servers_and_fail_naming_their_refusal() {
     let tmp = tempfile::tempdir().unwrap();
     let pkgs = gen_tiny(tmp.path(), "resnet152", 1, 64 << 10);
     let pkg = Package::open(&pkgs[0]).unwrap();
@@ -58,7 +67,8 @@ fn jobs_are_submitted_refused_reported_and_stopped() {
     let key = cluster_key();
     let mut c = ControllerClient::connect(&controller.addr, &key, Duration::from_secs(5)).unwrap();
 
-    // A good spec: placed on the runtime's two devices at once.
+    // A good spec: placed on the runtime's two devices at once, and the
+    // controller sends their TrainStage.
     let good = write(tmp.path(), "good.json", &spec_json("tiny", &model, ""));
     let (ok, stdout, stderr) = train(&controller.addr, &["submit", "--spec", &good]);
     assert!(ok, "submit failed: {stderr}");
@@ -70,10 +80,12 @@ fn jobs_are_submitted_refused_reported_and_stopped() {
         .to_string();
     assert_eq!(id, "tiny-1");
     assert!(stdout.contains("tiny-1  placing"), "{stdout}");
+    // Placing, or failed already (see below).
     let (ok, stdout, stderr) = train(&controller.addr, &["status"]);
     assert!(ok, "{stderr}");
     assert!(
-        stdout.contains(&format!("tiny-1  placing  model {model} ({layers} layers)")),
+        stdout.starts_with("tiny-1  ")
+            && stdout.contains(&format!("  model {model} ({layers} layers)")),
         "{stdout}"
     );
     assert!(
@@ -140,45 +152,30 @@ fn jobs_are_submitted_refused_reported_and_stopped() {
         .unwrap_err();
     assert_eq!(e.code(), Some(ErrorCode::UnknownModel), "{e}");
 
-    // The test plays the two stage workers.
-    let report = |c: &mut ControllerClient, stage: u32, iteration: u64| match c
-        .request(&ControllerRequest::TrainReport {
-            job: id.clone(),
-            pipeline: 0,
-            stage,
-            iteration,
-            fwd_bwd_s: 0.02,
-            loss: (stage == 1).then_some(2.25),
-            samples: 4,
-        })
-        .unwrap()
-    {
-        ControllerReply::TrainReported { state, stop, .. } => (state, stop),
-        r => panic!("{r:?}"),
+    // Today's GPU servers answer TrainStage `unsupported` (their stage
+    // workers come later): the controller sent it, and the job fails
+    // naming the stage, the runtime and its reason.
+    let failed = wait_job(&mut c, &id, |s| s.is_terminal());
+    let TrainJobState::Failed { reason, .. } = &failed.state else {
+        panic!("{failed:?}");
     };
-    assert_eq!(report(&mut c, 0, 1), (TrainJobState::Placing, false));
-    assert_eq!(report(&mut c, 1, 1), (TrainJobState::Running, false));
+    assert!(
+        reason.starts_with(&format!("runtime {} ({}), device ", rt.id, runtime.addr))
+            && reason.contains(
+                "refused its TrainStage: unsupported: this GPU server does not run training \
+                 stage workers yet (job tiny-1 pipeline 0 stage "
+            ),
+        "{reason}"
+    );
     let (ok, stdout, stderr) = train(&controller.addr, &["status", "--job", &id]);
     assert!(ok, "{stderr}");
     assert!(
-        stdout.contains("tiny-1  running") && stdout.contains("iteration 1/3"),
+        stdout.contains("tiny-1  failed") && stdout.contains("refused its TrainStage: unsupported"),
         "{stdout}"
     );
-    assert!(stdout.contains("2.2500"), "the last stage's loss: {stdout}");
-
-    // Stop: stopping until both workers heard it in a reply.
-    let (ok, stdout, stderr) = train(&controller.addr, &["stop", "--job", &id]);
-    assert!(ok, "{stderr}");
-    assert!(stdout.starts_with("tiny-1: stopping"), "{stdout}");
-    assert_eq!(report(&mut c, 0, 2), (TrainJobState::Stopping, true));
-    assert_eq!(report(&mut c, 1, 2), (TrainJobState::Stopped, true));
-    let (ok, stdout, stderr) = train(&controller.addr, &["status", "--job", &id, "--json"]);
-    assert!(ok, "{stderr}");
-    let jobs: Vec<serde_json::Value> = serde_json::from_str(&stdout).unwrap();
-    assert_eq!(jobs[0]["state"], "stopped", "{stdout}");
     let (ok, _, stderr) = train(&controller.addr, &["stop", "--job", &id]);
     assert!(
-        !ok && stderr.contains("job tiny-1 is stopped: cannot stop"),
+        !ok && stderr.contains("job tiny-1 is failed: cannot stop"),
         "{stderr}"
     );
     let (ok, _, stderr) = train(&controller.addr, &["status", "--job", "nope-7"]);
@@ -186,6 +183,434 @@ fn jobs_are_submitted_refused_reported_and_stopped() {
         !ok && stderr.contains("no training job \"nope-7\""),
         "{stderr}"
     );
+}
+
+/// Polls the job's status until `done` says so (bounded, no fixed sleep).
+fn wait_job(
+    c: &mut ControllerClient,
+    id: &str,
+    done: impl Fn(&TrainJobState) -> bool,
+) -> TrainJobStatus {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let st = status(c, id);
+        if done(&st.state) {
+            return st;
+        }
+        assert!(Instant::now() < deadline, "job {id} stays {:?}", st);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn status(c: &mut ControllerClient, id: &str) -> TrainJobStatus {
+    match c
+        .request(&ControllerRequest::TrainStatus {
+            job: Some(id.to_string()),
+        })
+        .unwrap()
+    {
+        ControllerReply::TrainJobs { mut jobs } => jobs.pop().unwrap(),
+        r => panic!("{r:?}"),
+    }
+}
+
+/// What the fake GPU server was asked.
+#[derive(Debug)]
+enum Asked {
+    Stage(Box<StageAssignment>),
+    Start {
+        pipeline: u32,
+        stage: u32,
+        prev: Option<DataPeer>,
+        next: Option<DataPeer>,
+        replicas: Vec<DataPeer>,
+    },
+    Stop {
+        job: String,
+        pipeline: u32,
+        stage: u32,
+    },
+}
+
+/// The data address the fake GPU server gives worker `worker` of a job.
+fn data_addr(worker: u32) -> String {
+    format!("127.0.0.1:{}", 41000 + worker)
+}
+
+/// A GPU server played by the test over the real protocol: registered with
+/// the controller (4 devices) and heartbeating, it answers every stage
+/// worker's `TrainStage` ready, `TrainStageStart` started and
+/// `TrainStageStop` stopped, and tells the test what it was asked.
+struct FakeRuntime {
+    addr: String,
+    asked: mpsc::Receiver<Asked>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for FakeRuntime {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+impl FakeRuntime {
+    fn start(controller: &str) -> FakeRuntime {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (tx, asked) = mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+                loop {
+                    let Ok((s, _)) = listener.accept().await else {
+                        return;
+                    };
+                    tokio::spawn(serve_fake(s, tx.clone()));
+                }
+            });
+        });
+        let key = cluster_key();
+        let mut c = ControllerClient::connect(controller, &key, Duration::from_secs(5)).unwrap();
+        let boot_id = u64::from(std::process::id()) << 16 | 0xfa;
+        let (runtime, interval_ms) = match c
+            .request(&ControllerRequest::RegisterRuntime {
+                addr: addr.clone(),
+                devices: 4,
+                executor: "fake".into(),
+                boot_id,
+                device_ids: Vec::new(),
+                cache_bytes: 0,
+                device_bytes: 0,
+                resident_models_max: 0,
+            })
+            .unwrap()
+        {
+            ControllerReply::RuntimeRegistered {
+                runtime,
+                heartbeat_interval_ms,
+            } => (runtime, heartbeat_interval_ms),
+            r => panic!("{r:?}"),
+        };
+        let beating = stop.clone();
+        std::thread::spawn(move || {
+            while !beating.load(Ordering::Relaxed) {
+                let beat = ControllerRequest::RuntimeHeartbeat {
+                    runtime,
+                    boot_id,
+                    queued: 0,
+                    snapshot: None,
+                };
+                if c.request(&beat).is_err() {
+                    return;
+                }
+                // Periodic work, not a wait for readiness.
+                std::thread::sleep(Duration::from_millis(interval_ms / 3));
+            }
+        });
+        FakeRuntime { addr, asked, stop }
+    }
+
+    fn next(&self) -> Asked {
+        self.asked
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the controller asked the fake GPU server nothing for 30 s")
+    }
+}
+
+async fn serve_fake(mut s: tokio::net::TcpStream, asked: mpsc::Sender<Asked>) {
+    if handshake::server(&mut s, &cluster_key()).await.is_err() {
+        return;
+    }
+    while let Ok(req) = wire::recv_message::<_, RuntimeRequest>(&mut s, 16 << 20).await {
+        let reply = match req {
+            RuntimeRequest::TrainStage { id, assignment } => {
+                let a = &*assignment;
+                let reply = RuntimeReply::TrainStageReady {
+                    id,
+                    job: a.job.clone(),
+                    generation: a.generation,
+                    pipeline: a.pipeline,
+                    stage: a.stage,
+                    data_addr: data_addr(a.pipeline * a.spec.stages + a.stage),
+                };
+                let _ = asked.send(Asked::Stage(assignment));
+                reply
+            }
+            RuntimeRequest::TrainStageStart {
+                id,
+                job,
+                generation,
+                pipeline,
+                stage,
+                prev,
+                next,
+                replicas,
+            } => {
+                let _ = asked.send(Asked::Start {
+                    pipeline,
+                    stage,
+                    prev,
+                    next,
+                    replicas,
+                });
+                RuntimeReply::TrainStageStarted {
+                    id,
+                    job,
+                    generation,
+                    pipeline,
+                    stage,
+                }
+            }
+            RuntimeRequest::TrainStageStop {
+                id,
+                job,
+                pipeline,
+                stage,
+                ..
+            } => {
+                let _ = asked.send(Asked::Stop {
+                    job,
+                    pipeline,
+                    stage,
+                });
+                RuntimeReply::Training {
+                    id,
+                    device: 0,
+                    model: None,
+                    iterations: 0,
+                }
+            }
+            other => RuntimeReply::Error {
+                id: 0,
+                error: ErrorReply::new(ErrorCode::Unsupported, format!("fake: {other:?}")),
+            },
+        };
+        if wire::send_message(&mut s, &reply).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Submits `spec` and answers its start as the fake GPU server; returns
+/// the job id once it runs.
+fn start_job(c: &mut ControllerClient, fake: &FakeRuntime, spec: &str) -> String {
+    let spec = JobSpec::from_json(spec).unwrap();
+    let (p, s) = (spec.pipelines, spec.stages);
+    let id = match c
+        .request(&ControllerRequest::TrainSubmit {
+            spec: Box::new(spec),
+        })
+        .unwrap()
+    {
+        ControllerReply::TrainSubmitted { job } => job.id,
+        r => panic!("{r:?}"),
+    };
+    for _ in 0..p * s {
+        match fake.next() {
+            Asked::Stage(a) => assert_eq!(a.job, id),
+            a => panic!("{a:?}"),
+        }
+    }
+    let peer = |pipeline: u32, stage: u32| DataPeer {
+        pipeline,
+        stage,
+        worker: pipeline * s + stage,
+        data_addr: data_addr(pipeline * s + stage),
+    };
+    for _ in 0..p * s {
+        match fake.next() {
+            Asked::Start {
+                pipeline,
+                stage,
+                prev,
+                next,
+                replicas,
+            } => {
+                assert_eq!(prev, (stage > 0).then(|| peer(pipeline, stage - 1)));
+                assert_eq!(next, (stage + 1 < s).then(|| peer(pipeline, stage + 1)));
+                assert_eq!(replicas, (0..p).map(|q| peer(q, stage)).collect::<Vec<_>>());
+            }
+            a => panic!("{a:?}"),
+        }
+    }
+    wait_job(c, &id, |s| *s == TrainJobState::Running);
+    id
+}
+
+/// Asks for worker (`pipeline`, `stage`)'s group on a connection of its
+/// own, in a thread: the reply comes when the group closes.
+fn ask_group(
+    controller: &str,
+    job: &str,
+    pipeline: u32,
+    stage: u32,
+    iteration: u64,
+) -> std::thread::JoinHandle<(Vec<u32>, bool)> {
+    let mut c =
+        ControllerClient::connect(controller, &cluster_key(), Duration::from_secs(30)).unwrap();
+    let req = ControllerRequest::TrainGroupReady {
+        job: job.to_string(),
+        generation: 0,
+        pipeline,
+        stage,
+        iteration,
+    };
+    std::thread::spawn(move || match c.request(&req).unwrap() {
+        ControllerReply::TrainGroup {
+            members,
+            stop,
+            stage: st,
+            iteration: it,
+            ..
+        } => {
+            assert_eq!((st, it), (stage, iteration));
+            (members, stop)
+        }
+        r => panic!("{r:?}"),
+    })
+}
+
+#[test]
+fn stage_workers_start_in_two_steps_and_sync_in_groups() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pkgs = gen_tiny(tmp.path(), "resnet152", 1, 64 << 10);
+    let model = Package::open(&pkgs[0]).unwrap().manifest.name.clone();
+    // No dispatcher: training jobs do not need one.
+    let s = settings_dir();
+    let controller = spawn_service(&[
+        "controller",
+        "--settings",
+        s.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+        "--no-dispatcher",
+    ]);
+    let _ms = spawn_memserver(&controller.addr, "32MiB");
+    wait_alive(&controller.addr, 1);
+    let (ok, _, stderr) = deploy(&controller.addr, &[], &pkgs);
+    assert!(ok, "{stderr}");
+    let fake = FakeRuntime::start(&controller.addr);
+    wait_runtime_alive(&controller.addr, &fake.addr);
+    let mut c = ControllerClient::connect(&controller.addr, &cluster_key(), Duration::from_secs(5))
+        .unwrap();
+
+    // allreduce, 2 pipelines x 2 stages: started in two steps (the peers'
+    // data addresses checked in start_job), then every pipeline's replica
+    // of a stage averages together.
+    let spec = |name: &str, p: u32, st: u32, sync: &str| {
+        format!(
+            r#"{{"name": "{name}", "model": "{model}", "optimizer": {{"sgd": {{"lr": 0.05}}}},
+                "batch": 4, "microbatches": 2, "pipelines": {p}, "stages": {st},
+                "iterations": 3, "sync": {sync}}}"#
+        )
+    };
+    let id = start_job(&mut c, &fake, &spec("ar", 2, 2, r#"{"allreduce": {}}"#));
+    let asks = [0, 1].map(|p| ask_group(&controller.addr, &id, p, 0, 1));
+    for a in asks {
+        assert_eq!(a.join().unwrap(), (vec![0, 1], false));
+    }
+    // A worker whose connection drops while it waits asks again on a new
+    // one and takes its own place in the group.
+    let waiting = |c: &mut ControllerClient, n: u32| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while status(c, &id).group_asks_waiting != n {
+            assert!(Instant::now() < deadline, "{n} asks never waited");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let mut raw = std::net::TcpStream::connect(&controller.addr).unwrap();
+    handshake::client_sync(&mut raw, &cluster_key(), Role::Control).unwrap();
+    let ask = ControllerRequest::TrainGroupReady {
+        job: id.clone(),
+        generation: 0,
+        pipeline: 0,
+        stage: 1,
+        iteration: 1,
+    };
+    wire::send_message_sync(&mut raw, &ask).unwrap();
+    waiting(&mut c, 1);
+    drop(raw);
+    waiting(&mut c, 0);
+    let again = ask_group(&controller.addr, &id, 0, 1, 1);
+    waiting(&mut c, 1);
+    let other = ask_group(&controller.addr, &id, 1, 1, 1);
+    assert_eq!(again.join().unwrap(), (vec![0, 1], false));
+    assert_eq!(other.join().unwrap(), (vec![0, 1], false));
+
+    // The workers report; `train status` shows them.
+    for (p, st) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+        match c
+            .request(&ControllerRequest::TrainReport {
+                job: id.clone(),
+                pipeline: p,
+                stage: st,
+                iteration: 1,
+                fwd_bwd_s: 0.02,
+                loss: (st == 1).then_some(2.25),
+                samples: 4,
+            })
+            .unwrap()
+        {
+            ControllerReply::TrainReported { state, stop, .. } => {
+                assert_eq!((state, stop), (TrainJobState::Running, false))
+            }
+            r => panic!("{r:?}"),
+        }
+    }
+    let (ok, stdout, stderr) = train(&controller.addr, &["status", "--job", &id]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("ar-1  running") && stdout.contains("iteration 1/3"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("2.2500"), "the last stage's loss: {stdout}");
+
+    // A stop releases an ask waiting for pipeline 1, and every worker is
+    // told by its GPU server.
+    let parked = ask_group(&controller.addr, &id, 0, 1, 2);
+    waiting(&mut c, 1);
+    let (ok, stdout, stderr) = train(&controller.addr, &["stop", "--job", &id]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.starts_with("ar-1: stop"), "{stdout}");
+    assert_eq!(parked.join().unwrap(), (vec![], true));
+    let mut told = Vec::new();
+    for _ in 0..4 {
+        match fake.next() {
+            Asked::Stop {
+                job,
+                pipeline,
+                stage,
+            } => {
+                assert_eq!(job, id);
+                told.push((pipeline, stage));
+            }
+            a => panic!("{a:?}"),
+        }
+    }
+    told.sort();
+    assert_eq!(told, vec![(0, 0), (0, 1), (1, 0), (1, 1)]);
+    // Their GPU server's answers count as heard: stopped, devices free.
+    wait_job(&mut c, &id, |s| *s == TrainJobState::Stopped);
+
+    // preduce, 3 pipelines: pipeline 2 is withheld, so the group closes at
+    // its deadline without it.
+    let id = start_job(
+        &mut c,
+        &fake,
+        &spec("pr", 3, 1, r#"{"preduce": {"wait_ms_initial": 1500}}"#),
+    );
+    let asks = [0, 1].map(|p| ask_group(&controller.addr, &id, p, 0, 1));
+    for a in asks {
+        assert_eq!(a.join().unwrap(), (vec![0, 1], false));
+    }
+    let (ok, _, stderr) = train(&controller.addr, &["stop", "--job", &id]);
+    assert!(ok, "{stderr}");
 }
 
 #[test]

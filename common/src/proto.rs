@@ -310,7 +310,9 @@ pub enum ControllerRequest {
     },
     /// Stops a job: a pending one at once; a placed one once each of its
     /// workers that ever reported has been told so (by the reply to its
-    /// next report, or its runtime's loss). Replies `TrainStopped`.
+    /// next report, its GPU server's answer to its `TrainStageStop`, or its
+    /// runtime's loss). Waiting `TrainGroupReady` asks are answered with
+    /// `stop`. Replies `TrainStopped`.
     TrainStop {
         job: String,
     },
@@ -548,6 +550,43 @@ pub struct TrainJobStatus {
     pub state_ms_ago: u64,
     /// Every stage worker, pipeline-major (`pipeline * stages + stage`).
     pub stages: Vec<StageStatus>,
+    /// Its workers' `TrainGroupReady` asks waiting for their sync group now.
+    #[serde(default)]
+    pub group_asks_waiting: u32,
+    /// DynPipe's last re-partitioning decision (`dynamic.enabled`): where
+    /// the controller would move layers and what it predicts; `None` until
+    /// the straggler monitor triggers one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repartition: Option<RepartitionDecision>,
+}
+
+/// A re-partitioning DynPipe's monitor triggered and the re-partitioner
+/// chose (the controller's decision; applying it is the workers' drain,
+/// checkpoint and reload).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RepartitionDecision {
+    /// The partition generation it was decided in.
+    pub generation: u64,
+    /// Iterations completed when the monitor decided (a window boundary).
+    pub decided_at_iteration: u64,
+    /// The iteration before which the new partition would take over
+    /// (`decided_at_iteration + dynamic.delay`).
+    pub at_iteration: u64,
+    /// Each stage's last window time over its baseline (capped, finite).
+    pub ratios: Vec<f64>,
+    /// The stages past a threshold.
+    pub stragglers: Vec<u32>,
+    /// Layers per stage now, and chosen.
+    pub old_partition: Vec<u32>,
+    pub new_partition: Vec<u32>,
+    /// The predicted steady-state time per microbatch of the new partition
+    /// and of the old one, under the measured slowdowns (seconds).
+    pub predicted_s_per_microbatch: f64,
+    pub current_s_per_microbatch: f64,
+    /// How the stages' times were spread over their layers: `flops` (in
+    /// proportion to each layer's forward FLOPs from the manifest) or
+    /// `layers: <why>` (evenly, when the FLOPs could not be counted).
+    pub layer_costs: String,
 }
 
 /// One stage worker of a job.

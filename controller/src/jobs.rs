@@ -10,6 +10,7 @@
 //!
 //! ```text
 //! pending --place--> placing --all reported--> running --finish--> finished
+//!                            or all started
 //!    |                  |                      |     ^
 //!    |                  |           repartition|     |repartitioned
 //!    |                  |                      v     |
@@ -19,30 +20,37 @@
 //! ```
 //!
 //! A stop is done when every worker that ever reported has been told: the
-//! reply to its next report says `stop`, or its GPU server is lost, or
-//! [`STOP_GRACE`] passed. A worker that never reported is told by the
+//! reply to its next report says `stop`, or its GPU server answered its
+//! `TrainStageStop`, or its GPU server is lost, or [`STOP_GRACE`] passed. A worker that never reported is told by the
 //! `TrainStageStop` its runtime gets and counts as stopped at once.
 //!
-//! Starting and stopping stage workers on the GPU servers is the runtime
-//! side's (not built yet): [`start_requests`] and [`stop_requests`] are the
-//! exact `RuntimeRequest`s to send, and the state's hooks
-//! (`ControllerState::start_stage_workers`, `stop_stage_workers`) are where
-//! they go out.
+//! `placing -> running` also happens when every worker answered its
+//! two-step start ([`launch`]): the controller's driver sends the requests
+//! ([`start_requests`], [`start_link_requests`], [`stop_requests`]) and
+//! feeds the answers back here. With `dynamic.enabled`, reports feed
+//! DynPipe's monitor and a triggered re-partition is planned and recorded
+//! ([`dynpipe`]).
 
+pub mod dynpipe;
 mod job;
+pub mod launch;
 pub mod placement;
 mod requests;
 
+pub use dynpipe::{plan_repartition, repartition_actions, RepartitionAction, RepartitionInput};
 use job::StageProgress;
 pub use job::{Job, Received, ReportOutcome, StageReport};
-pub use requests::{start_requests, stop_requests, StageRequest};
+pub use launch::{Launch, LaunchStep};
+pub use requests::{
+    start_link_requests, start_requests, start_requests_with, stop_requests, StageRequest,
+};
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use distmind_common::limits::{CONTROL_FRAME_BYTES_MAX, NAME_BYTES_MAX};
 use distmind_common::proto::{
-    ErrorCode, ErrorReply, StagePlacement, TrainJobState, TrainJobStatus,
+    ErrorCode, ErrorReply, RepartitionDecision, StagePlacement, TrainJobState, TrainJobStatus,
 };
 use distmind_common::train_spec::{check_partition, JobSpec, SpecError, STAGE_WORKERS_MAX};
 
@@ -67,8 +75,14 @@ pub const FWD_BWD_S_MAX: f64 = 86_400.0;
 /// runtime's address) and on the rest of a job's (its spec: bounded
 /// names, at most 64 stages and slowdowns, and the fields).
 const STAGE_STATUS_BYTES_MAX: usize = 320 + NAME_BYTES_MAX;
-const JOB_STATUS_BYTES_MAX: usize =
-    STAGE_WORKERS_MAX as usize * STAGE_STATUS_BYTES_MAX + 16 * 1024 + REASON_BYTES_MAX;
+const JOB_STATUS_BYTES_MAX: usize = STAGE_WORKERS_MAX as usize * STAGE_STATUS_BYTES_MAX
+    + 16 * 1024
+    + REASON_BYTES_MAX
+    + DECISION_STATUS_BYTES_MAX;
+/// A re-partitioning decision in a status: per stage a ratio, two
+/// partition entries and a straggler (numbers of at most 24 bytes), the
+/// note and the fields.
+const DECISION_STATUS_BYTES_MAX: usize = 64 * 4 * 24 + dynpipe::LAYER_COSTS_NOTE_BYTES_MAX + 512;
 const _: () = assert!(JOBS_ACTIVE_MAX < JOBS_KEPT_MAX);
 // `train status` of every kept job fits one control frame.
 const _: () = assert!(JOBS_KEPT_MAX * JOB_STATUS_BYTES_MAX <= CONTROL_FRAME_BYTES_MAX as usize);
@@ -137,6 +151,7 @@ impl From<JobError> for ErrorReply {
 pub enum Event {
     Place,
     AllReported,
+    AllStarted,
     Repartition,
     Repartitioned,
     Stop,
@@ -151,6 +166,7 @@ impl Event {
         match self {
             Event::Place => "be placed",
             Event::AllReported => "start running",
+            Event::AllStarted => "start running (every worker started)",
             Event::Repartition => "re-partition",
             Event::Repartitioned => "finish re-partitioning",
             Event::Stop => "stop",
@@ -166,7 +182,7 @@ pub fn allowed(state: &TrainJobState, event: Event) -> bool {
     use TrainJobState as S;
     match event {
         Event::Place => matches!(state, S::Pending),
-        Event::AllReported => matches!(state, S::Placing),
+        Event::AllReported | Event::AllStarted => matches!(state, S::Placing),
         Event::Repartition | Event::Finish => matches!(state, S::Running),
         Event::Repartitioned => matches!(state, S::Repartitioning),
         Event::Stop => matches!(
@@ -262,6 +278,11 @@ impl JobRegistry {
                 .expect("fewer than JOBS_KEPT_MAX jobs are active");
             self.jobs.remove(&oldest_ended);
         }
+        let dynpipe = if spec.dynamic.enabled {
+            Some(dynpipe::DynPipeWatch::new(&spec, 0)?)
+        } else {
+            None
+        };
         let seq = self.next_seq;
         self.next_seq += 1;
         let id = format!("{}-{seq}", spec.name);
@@ -290,6 +311,8 @@ impl JobRegistry {
                 generation: 0,
                 placement: Vec::new(),
                 stages: (0..workers).map(|_| StageProgress::default()).collect(),
+                dynpipe,
+                repartition: None,
             },
         );
         Ok(id)
@@ -390,6 +413,7 @@ impl JobRegistry {
                 return Ok(ReportOutcome {
                     state: job.state.clone(),
                     stop: true,
+                    repartition: None,
                 })
             }
             _ => {}
@@ -406,8 +430,13 @@ impl JobRegistry {
             return Ok(ReportOutcome {
                 state: job.state.clone(),
                 stop: true,
+                repartition: None,
             });
         }
+        let repartition = job
+            .dynpipe
+            .as_mut()
+            .and_then(|w| w.observe(r.pipeline, r.stage, r.iteration, r.fwd_bwd_s));
         if job.state == TrainJobState::Placing && job.stages.iter().all(|s| s.total > 0) {
             job.go(Event::AllReported, TrainJobState::Running, now)?;
         }
@@ -422,7 +451,34 @@ impl JobRegistry {
         Ok(ReportOutcome {
             state: job.state.clone(),
             stop: job.state.is_terminal(),
+            repartition,
         })
+    }
+
+    /// Records DynPipe's decision for `id` (of the generation it was made
+    /// in; a decision for another one is dropped). Returns whether it was
+    /// kept.
+    pub fn record_repartition(&mut self, id: &str, decision: RepartitionDecision) -> bool {
+        let Ok(job) = self.get_mut(id) else {
+            return false;
+        };
+        if decision.generation != job.generation || job.state.is_terminal() {
+            return false;
+        }
+        log::info!(
+            "training job {id}: DynPipe would re-partition {:?} -> {:?} before iteration {} \
+             (decided at {}; stage ratios {:?}; predicted {:.6} s per microbatch, now {:.6} s; layer costs by {})",
+            decision.old_partition,
+            decision.new_partition,
+            decision.at_iteration,
+            decision.decided_at_iteration,
+            decision.ratios,
+            decision.predicted_s_per_microbatch,
+            decision.current_s_per_microbatch,
+            decision.layer_costs,
+        );
+        job.repartition = Some(decision);
+        true
     }
 
     /// A stage worker failed: the job fails naming it (while stopping, the
@@ -609,7 +665,7 @@ impl JobRegistry {
 }
 
 /// `s` cut to at most `max` bytes at a character boundary.
-fn cut(s: &str, max: usize) -> String {
+pub(crate) fn cut(s: &str, max: usize) -> String {
     if s.len() <= max {
         return s.to_string();
     }

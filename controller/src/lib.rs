@@ -14,8 +14,16 @@
 //!   port and runtime links ([`dispatch::net`]), metrics.
 //! * [`oip`]: the Open Inference Protocol (KServe v2 / Triton) front end on the dispatcher.
 //! * [`jobs`]: distributed training jobs: registry, state machine, stage
-//!   reports, and where their stage workers run ([`jobs::placement`], pure).
-//! * [`state`]: catalog + registries + jobs, one request applied at a time (no IO).
+//!   reports, where their stage workers run ([`jobs::placement`], pure),
+//!   their two-step start ([`jobs::launch`]) and DynPipe's decisions
+//!   ([`jobs::dynpipe`]).
+//! * [`training`]: the pure planners and schedulers (1F1B simulator,
+//!   re-partitioner, straggler monitor, group schedulers) and the sync-group
+//!   service ([`training::groups`]).
+//! * [`driver`]: the training jobs' IO: stage links to the GPU servers, the
+//!   requests the state decides, their answers brought back.
+//! * [`state`]: catalog + registries + jobs + sync groups, one request applied
+//!   at a time (no IO; deferred replies and driver actions as values).
 //! * [`placement`]: how a model's groups are sharded over memory servers (pure).
 //! * [`server`]: the tokio listener, connection handling and expiry task.
 //! * [`client`]: the blocking client used by the deploy tool, benches and tests.
@@ -29,6 +37,7 @@
 pub mod catalog;
 pub mod client;
 pub mod dispatch;
+pub mod driver;
 pub mod jobs;
 pub mod oip;
 pub mod placement;

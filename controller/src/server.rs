@@ -7,9 +7,13 @@
 //! connection is closed. Nothing a client sends affects other clients.
 //!
 //! State lives in one [`ControllerState`] behind a `std` mutex held for one
-//! synchronous `apply` (never across an `.await`). Connections are capped by
-//! a semaphore; shutdown stops accepting, tells every connection to stop and
-//! waits for them.
+//! synchronous `apply` (never across an `.await`). A deferred reply (a
+//! training sync group's) is awaited after the lock is released, bounded by
+//! [`GROUP_REPLY_WAIT_MAX`]. Connections are capped by a semaphore; shutdown
+//! stops accepting, tells every connection to stop and waits for them.
+//!
+//! Besides connections it runs the expiry sweep, the training driver
+//! ([`crate::driver`]) and the sync groups' deadline timer.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -21,7 +25,7 @@ use distmind_common::limits::CONTROL_FRAME_BYTES_MAX;
 use distmind_common::proto::{ControllerReply, ControllerRequest, ErrorCode, ErrorReply};
 use distmind_common::wire::{self, FrameKind, Role, WireError};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::{watch, Notify, Semaphore};
 use tokio::task::JoinSet;
 
 use crate::dispatch::metrics::DispatchMetrics;
@@ -29,7 +33,7 @@ use crate::dispatch::net::DispatchNet;
 use crate::dispatch::{DispatchConfig, Dispatcher};
 use crate::oip::{self, Frontend};
 use crate::registry::HEARTBEAT_INTERVAL_DEFAULT;
-use crate::state::ControllerState;
+use crate::state::{ControllerState, Outcome, GROUP_REPLY_WAIT_MAX};
 
 /// Default cap on simultaneous connections.
 pub const MAX_CONNECTIONS_DEFAULT: usize = 1024;
@@ -271,6 +275,20 @@ impl Controller {
             self.heartbeat_interval,
             stop_rx.clone(),
         ));
+        // Training jobs: the driver sends what the state decides to the GPU
+        // servers; the group timer closes sync groups at their deadlines.
+        crate::driver::spawn(
+            self.shared.state.clone(),
+            self.shared.key.clone(),
+            &mut tasks,
+            stop_rx.clone(),
+        );
+        let group_wake = self.shared.lock().group_wake();
+        tasks.spawn(group_timer(
+            self.shared.clone(),
+            group_wake,
+            stop_rx.clone(),
+        ));
         if let Some((listener, d)) = self.dispatch.take() {
             log::info!(
                 "dispatcher ({} policy) listening on {}",
@@ -422,6 +440,47 @@ async fn expire_loop(shared: Arc<Shared>, interval: Duration, mut stop: watch::R
     }
 }
 
+/// The reply of `outcome`; a deferred one is awaited (bounded by
+/// [`GROUP_REPLY_WAIT_MAX`]) while watching the client: `None` when it went
+/// away meanwhile (its ask is dropped, so a worker that comes back on a new
+/// connection takes its own place in its group).
+async fn await_reply(outcome: Outcome, stream: &TcpStream) -> Option<ControllerReply> {
+    if !matches!(outcome, Outcome::Deferred(_)) {
+        return Some(outcome.into_reply());
+    }
+    let reply = outcome.resolve(GROUP_REPLY_WAIT_MAX);
+    tokio::pin!(reply);
+    let mut byte = [0u8; 1];
+    tokio::select! {
+        r = &mut reply => Some(r),
+        seen = stream.peek(&mut byte) => match seen {
+            // End of stream or a broken connection: nobody reads a reply.
+            Ok(0) | Err(_) => None,
+            // It sent its next request early: it is read after the reply.
+            Ok(_) => Some(reply.await),
+        },
+    }
+}
+
+/// Closes training sync groups at their deadlines: sleeps until the
+/// earliest, woken early when an ask may have set an earlier one.
+async fn group_timer(shared: Arc<Shared>, wake: Arc<Notify>, mut stop: watch::Receiver<bool>) {
+    loop {
+        let next = shared.lock().next_group_deadline();
+        let due = async {
+            match next {
+                Some(t) => tokio::time::sleep_until(t.into()).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = due => shared.lock().poll_groups(Instant::now()),
+            _ = wake.notified() => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+    }
+}
+
 async fn handle_connection(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
     let _ = stream.set_nodelay(true);
     match handshake::server(&mut stream, &shared.key).await {
@@ -470,7 +529,15 @@ async fn handle_connection(mut stream: TcpStream, peer: SocketAddr, shared: &Sha
         let reply = match req {
             Ok(req) => {
                 let outcome = shared.lock().apply(req, Instant::now());
-                outcome.into_reply()
+                // A deferred reply (a training sync group) is awaited here,
+                // with the lock released.
+                match await_reply(outcome, &stream).await {
+                    Some(r) => r,
+                    None => {
+                        log::debug!("{peer} went away while its request waited for its reply");
+                        return;
+                    }
+                }
             }
             Err(message) => {
                 log::warn!("bad request from {peer}: {message}");

@@ -4,37 +4,56 @@
 //! an argument: the server calls it under a lock held for exactly one request,
 //! and tests call it directly. Replies that carry a model hold an `Arc` so the
 //! (possibly large) entry is cloned and serialised after the lock is released.
+//! A reply that waits for something (a training sync group) is
+//! [`Outcome::Deferred`]: the server awaits it after the lock is released.
+//! What must go to the GPU servers for training jobs is queued as values
+//! ([`TrainAction`]) for the driver task, which brings the answers back.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use distmind_common::proto::{
-    ControllerReply, ControllerRequest, ErrorReply, GpuAssignment, ModelEntry,
+    ControllerReply, ControllerRequest, ErrorCode, ErrorReply, GpuAssignment, ModelEntry,
 };
+use tokio::sync::{oneshot, Notify};
 
+mod groups;
 mod train;
+
+pub use groups::{GroupSlot, GROUP_REPLY_WAIT_MAX};
+pub use train::{StageAnswer, StagePhase, TrainAction, TRAIN_ACTIONS_MAX};
 
 use crate::catalog::Catalog;
 use crate::jobs::{JobRegistry, StageReport};
 use crate::registry::{Registration, Registry};
 use crate::runtimes::{RuntimeRegistry, RuntimeShape};
+use crate::training::GroupService;
 
 /// The first request id of the stage-worker requests the controller sends
 /// to runtimes: a range of their own, above any id the dispatcher's links
 /// reach (they count up from 0).
 pub const STAGE_REQUEST_ID_BASE: u64 = 1 << 62;
 
-/// A reply whose model entries are still shared with the catalog.
+/// A reply whose model entries are still shared with the catalog, or one
+/// that comes later.
 #[derive(Debug)]
 pub enum Outcome {
     Reply(ControllerReply),
-    Put { replaced: Option<Arc<ModelEntry>> },
+    Put {
+        replaced: Option<Arc<ModelEntry>>,
+    },
     Model(Arc<ModelEntry>),
     Removed(Arc<ModelEntry>),
+    /// The reply comes when something happens (a `TrainGroupReady`: when
+    /// its group closes); await it with [`Outcome::resolve`], outside the
+    /// lock.
+    Deferred(oneshot::Receiver<ControllerReply>),
 }
 
 impl Outcome {
-    /// The wire reply (clones shared entries; call it outside the lock).
+    /// The wire reply (clones shared entries; call it outside the lock). A
+    /// deferred reply that has not come yet is an `internal` error: await
+    /// it with [`resolve`](Self::resolve).
     pub fn into_reply(self) -> ControllerReply {
         let own = |e: Arc<ModelEntry>| Box::new(Arc::unwrap_or_clone(e));
         match self {
@@ -44,6 +63,44 @@ impl Outcome {
             },
             Outcome::Model(e) => ControllerReply::Model { entry: own(e) },
             Outcome::Removed(e) => ControllerReply::Removed { entry: own(e) },
+            Outcome::Deferred(mut rx) => rx.try_recv().unwrap_or_else(|_| {
+                ControllerReply::Error(ErrorReply::new(
+                    ErrorCode::Internal,
+                    "the reply was deferred and has not come yet; await it (Outcome::resolve)",
+                ))
+            }),
+        }
+    }
+
+    /// A deferred reply, once it came (`None` while it has not, and for
+    /// every other outcome: use [`into_reply`](Self::into_reply)).
+    pub fn try_reply(&mut self) -> Option<ControllerReply> {
+        match self {
+            Outcome::Deferred(rx) => rx.try_recv().ok(),
+            _ => None,
+        }
+    }
+
+    /// The wire reply, waiting at most `wait_max` for a deferred one (then
+    /// `deadline_exceeded`; `shutting_down` when the controller dropped it).
+    pub async fn resolve(self, wait_max: Duration) -> ControllerReply {
+        let Outcome::Deferred(rx) = self else {
+            return self.into_reply();
+        };
+        let err = |code, message: String| ControllerReply::Error(ErrorReply::new(code, message));
+        match tokio::time::timeout(wait_max, rx).await {
+            Ok(Ok(reply)) => reply,
+            Ok(Err(_)) => err(
+                ErrorCode::ShuttingDown,
+                "the controller dropped the request before answering it (shutting down?)".into(),
+            ),
+            Err(_) => err(
+                ErrorCode::DeadlineExceeded,
+                format!(
+                    "no answer within {wait_max:?} (GROUP_REPLY_WAIT_MAX): the group still waits \
+                     for other workers; ask again to keep waiting in it"
+                ),
+            ),
         }
     }
 }
@@ -65,6 +122,16 @@ pub struct ControllerState {
     jobs: JobRegistry,
     /// The next stage-worker request id (from [`STAGE_REQUEST_ID_BASE`]).
     next_stage_request_id: u64,
+    /// What the driver must send to the GPU servers, oldest first.
+    train_actions: train::TrainActions,
+    /// Wakes the driver when an action is queued.
+    train_wake: Arc<Notify>,
+    /// The training jobs' sync groups and the asks waiting in them.
+    groups: GroupService<GroupSlot>,
+    /// The group schedulers' clock origin (the first ask).
+    group_origin: Option<Instant>,
+    /// Wakes the group timer when an ask may have set a new deadline.
+    group_wake: Arc<Notify>,
 }
 
 /// The assignment the dispatcher published for subscribers.
@@ -84,6 +151,11 @@ impl ControllerState {
             assignments: Published::default(),
             jobs: JobRegistry::new(),
             next_stage_request_id: STAGE_REQUEST_ID_BASE,
+            train_actions: train::TrainActions::new(),
+            train_wake: Arc::new(Notify::new()),
+            groups: GroupService::new(),
+            group_origin: None,
+            group_wake: Arc::new(Notify::new()),
         }
     }
 
@@ -114,6 +186,11 @@ impl ControllerState {
     /// The distributed training jobs.
     pub fn jobs(&self) -> &JobRegistry {
         &self.jobs
+    }
+
+    /// Wakes the training driver when there are actions to take.
+    pub fn train_wake(&self) -> Arc<Notify> {
+        self.train_wake.clone()
     }
 
     /// Serves one request at time `now`.
@@ -225,9 +302,7 @@ impl ControllerState {
                             );
                             let why =
                                 format!("restarted (boot id {old_boot_id:#x} -> {boot_id:#x})");
-                            for job in self.jobs.runtime_lost(id, &why, now) {
-                                self.stop_stage_workers(&job);
-                            }
+                            self.runtime_gone(id, &why, now);
                         }
                     }
                     self.place_pending(now);
@@ -274,10 +349,12 @@ impl ControllerState {
                     e.into()
                 }
             },
-            ControllerRequest::TrainStatus { job } => match self.jobs.status(job.as_deref(), now) {
-                Ok(jobs) => Outcome::Reply(ControllerReply::TrainJobs { jobs }),
-                Err(e) => ErrorReply::from(e).into(),
-            },
+            ControllerRequest::TrainStatus { job } => {
+                match self.train_status(job.as_deref(), now) {
+                    Ok(jobs) => Outcome::Reply(ControllerReply::TrainJobs { jobs }),
+                    Err(e) => ErrorReply::from(e).into(),
+                }
+            }
             ControllerRequest::TrainStop { job } => match self.train_stop(&job, now) {
                 Ok(job) => Outcome::Reply(ControllerReply::TrainStopped { job: Box::new(job) }),
                 Err(e) => ErrorReply::from(e).into(),
@@ -301,8 +378,14 @@ impl ControllerState {
                 };
                 match self.jobs.report(&job, r, now) {
                     Ok(o) => {
+                        if o.stop {
+                            self.job_changed(&job);
+                        }
                         if o.state.is_terminal() {
                             self.place_pending(now);
+                        }
+                        if let Some(trigger) = o.repartition {
+                            self.plan_repartition(&job, trigger);
                         }
                         Outcome::Reply(ControllerReply::TrainReported {
                             job,
@@ -318,28 +401,21 @@ impl ControllerState {
                 pipeline,
                 stage,
                 reason,
-            } => match self.jobs.fail(&job, pipeline, stage, &reason, now) {
-                Ok(state) => {
-                    if state.is_terminal() {
-                        self.stop_stage_workers(&job);
-                        self.place_pending(now);
-                    }
-                    Outcome::Reply(ControllerReply::TrainReported {
-                        job,
-                        state,
-                        stop: true,
-                    })
-                }
+            } => match self.train_failed(&job, pipeline, stage, &reason, now) {
+                Ok(state) => Outcome::Reply(ControllerReply::TrainReported {
+                    job,
+                    state,
+                    stop: true,
+                }),
                 Err(e) => ErrorReply::from(e).into(),
             },
-            ControllerRequest::TrainGroupReady { job, stage, .. } => ErrorReply::new(
-                distmind_common::proto::ErrorCode::Unsupported,
-                format!(
-                    "job {job} stage {stage}: this controller does not schedule \
-                     training sync groups yet"
-                ),
-            )
-            .into(),
+            ControllerRequest::TrainGroupReady {
+                job,
+                generation,
+                pipeline,
+                stage,
+                iteration,
+            } => self.group_ready(&job, generation, pipeline, stage, iteration, now),
         }
     }
 
@@ -394,11 +470,11 @@ impl ControllerState {
                 self.runtimes.dead_after()
             );
             log::warn!("runtime {id} ({addr}) is dead: {why}");
-            for job in self.jobs.runtime_lost(id, &why, now) {
-                self.stop_stage_workers(&job);
-            }
+            self.runtime_gone(id, &why, now);
         }
-        self.jobs.expire(now);
+        for job in self.jobs.expire(now) {
+            self.job_changed(&job);
+        }
         self.place_pending(now);
         died.into_iter().map(|(id, _)| id).collect()
     }

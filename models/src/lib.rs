@@ -5,7 +5,8 @@
 //!
 //! - [`config`]: [`Family`], [`Scale`] and the hyper-parameters every
 //!   architecture is built from.
-//! - [`graph`]: layers and ops (semantics in `OPS.md`); [`shape`]: shape rules.
+//! - [`graph`]: layers and ops (semantics in `OPS.md`); [`shape`]: shape rules;
+//!   [`flops`]: forward FLOPs per layer.
 //! - [`layout`]: params in layer order, 512-byte aligned, grouped at layer boundaries.
 //! - [`dtype`]: the storage dtype of a package's params ([`ParamDtype`]: f32,
 //!   f16 or bf16), the stored-to-device layout mapping and the exact,
@@ -22,6 +23,7 @@ pub mod config;
 pub mod dtype;
 mod error;
 mod families;
+pub mod flops;
 pub mod generate;
 pub mod graph;
 pub mod import;

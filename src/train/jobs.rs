@@ -210,6 +210,13 @@ pub fn render_jobs(jobs: &[TrainJobStatus]) -> String {
         if let Some(w) = &j.waiting {
             let _ = writeln!(out, "  waiting: {w}");
         }
+        if j.group_asks_waiting > 0 {
+            let _ = writeln!(
+                out,
+                "  sync: {} workers wait for their group",
+                j.group_asks_waiting
+            );
+        }
         if let TrainJobState::Failed {
             pipeline,
             stage,
@@ -217,6 +224,25 @@ pub fn render_jobs(jobs: &[TrainJobStatus]) -> String {
         } = &j.state
         {
             let _ = writeln!(out, "  failed: pipeline {pipeline} stage {stage}: {reason}");
+        }
+        if let Some(d) = &j.repartition {
+            let ratios: Vec<String> = d.ratios.iter().map(|r| format!("{r:.2}")).collect();
+            let _ = writeln!(
+                out,
+                "  dynpipe: re-partition {:?} -> {:?} before iteration {} (decided at {}, generation {}; \
+                 stage ratios [{}], stragglers {:?}); predicted {:.6} s per microbatch, now {:.6} s; \
+                 layer costs by {}",
+                d.old_partition,
+                d.new_partition,
+                d.at_iteration,
+                d.decided_at_iteration,
+                d.generation,
+                ratios.join(", "),
+                d.stragglers,
+                d.predicted_s_per_microbatch,
+                d.current_s_per_microbatch,
+                d.layer_costs,
+            );
         }
         let mut rows = vec![[
             "pipeline",
@@ -276,7 +302,9 @@ fn ago(ms: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use distmind_common::proto::{DeviceUse, LayerRange, StagePlacement, StageStatus};
+    use distmind_common::proto::{
+        DeviceUse, LayerRange, RepartitionDecision, StagePlacement, StageStatus,
+    };
 
     fn job(state: TrainJobState, waiting: Option<&str>) -> TrainJobStatus {
         let spec = JobSpec::from_json(
@@ -316,6 +344,8 @@ mod tests {
             submitted_ms_ago: 4000,
             state_ms_ago: 250,
             stages: vec![stage(0, true), stage(1, true)],
+            group_asks_waiting: 0,
+            repartition: None,
         }
     }
 
@@ -344,6 +374,28 @@ r-1  running  model resnet152-tiny-00000000 (55 layers)  1 x 2 (pipelines x stag
         );
         assert!(text.contains("r-1  pending"), "{text}");
         assert!(text.contains("\n  waiting: needs 2 GPUs\n"), "{text}");
+        let mut decided = job(TrainJobState::Running, None);
+        decided.repartition = Some(RepartitionDecision {
+            generation: 0,
+            decided_at_iteration: 150,
+            at_iteration: 210,
+            ratios: vec![1.0, 3.0],
+            stragglers: vec![1],
+            old_partition: vec![28, 27],
+            new_partition: vec![36, 19],
+            predicted_s_per_microbatch: 0.0123,
+            current_s_per_microbatch: 0.03,
+            layer_costs: "flops".into(),
+        });
+        let text = render_jobs(&[decided]);
+        assert!(
+            text.contains(
+                "\n  dynpipe: re-partition [28, 27] -> [36, 19] before iteration 210 (decided at 150, \
+                 generation 0; stage ratios [1.00, 3.00], stragglers [1]); predicted 0.012300 s per \
+                 microbatch, now 0.030000 s; layer costs by flops\n"
+            ),
+            "{text}"
+        );
     }
 
     #[test]

@@ -1056,7 +1056,7 @@ impl Drop for AbortOnDrop {
 }
 
 /// One reply: the message, as decoded and as it came, and its frames.
-async fn read_reply<R: AsyncRead + Unpin>(
+pub(crate) async fn read_reply<R: AsyncRead + Unpin>(
     r: &mut R,
 ) -> Result<(RuntimeReply, Vec<u8>, Vec<Vec<u8>>), String> {
     let (reply, raw): (RuntimeReply, _) = match wire::read_frame(r, CONTROL_FRAME_BYTES_MAX).await {
@@ -1252,7 +1252,7 @@ async fn client_conn(
     .await;
 }
 
-fn req_id(r: &RuntimeRequest) -> u64 {
+pub(crate) fn req_id(r: &RuntimeRequest) -> u64 {
     match r {
         RuntimeRequest::Infer { id, .. }
         | RuntimeRequest::Prefetch { id, .. }

@@ -5,10 +5,12 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use distmind_common::proto::{
-    LayerRange, StagePlacement, StageStatus, TrainJobState, TrainJobStatus,
+    LayerRange, RepartitionDecision, StagePlacement, StageStatus, TrainJobState, TrainJobStatus,
 };
 use distmind_common::train_spec::{layer_ranges, JobSpec};
 
+use super::dynpipe::{DynPipeWatch, Trigger};
+use super::launch::Launch;
 use super::{allowed, Event, JobError};
 
 /// One report of a stage worker.
@@ -36,6 +38,9 @@ pub struct ReportOutcome {
     pub state: TrainJobState,
     /// The worker stops now.
     pub stop: bool,
+    /// DynPipe's monitor scheduled a re-partition with this report: plan it
+    /// ([`super::plan_repartition`]) and record the decision.
+    pub repartition: Option<Trigger>,
 }
 
 #[derive(Debug, Default)]
@@ -45,6 +50,10 @@ pub(super) struct StageProgress {
     pub(super) total: u64,
     /// Told to stop (or never started) during a stop.
     pub(super) stopped: bool,
+    /// Where its start on its GPU server is.
+    pub(super) launch: Launch,
+    /// Its `TrainStageStop` went out.
+    pub(super) stop_sent: bool,
 }
 
 /// One job as the registry keeps it.
@@ -64,6 +73,10 @@ pub struct Job {
     /// Pipeline-major; empty until placed.
     pub(super) placement: Vec<StagePlacement>,
     pub(super) stages: Vec<StageProgress>,
+    /// DynPipe's monitor (`dynamic.enabled`).
+    pub(super) dynpipe: Option<DynPipeWatch>,
+    /// DynPipe's last decision.
+    pub(super) repartition: Option<RepartitionDecision>,
 }
 
 impl Job {
@@ -96,6 +109,18 @@ impl Job {
     /// Where each stage runs, pipeline-major; empty while pending.
     pub fn placement(&self) -> &[StagePlacement] {
         &self.placement
+    }
+
+    /// Where worker (`pipeline`, `stage`) is in its start.
+    pub fn launch(&self, pipeline: u32, stage: u32) -> Option<&Launch> {
+        self.stages
+            .get(self.index(pipeline, stage))
+            .map(|s| &s.launch)
+    }
+
+    /// DynPipe's last re-partitioning decision.
+    pub fn repartition(&self) -> Option<&RepartitionDecision> {
+        self.repartition.as_ref()
     }
 
     /// The reports kept for one stage worker, oldest first.
@@ -224,6 +249,8 @@ impl Job {
             submitted_ms_ago: ms(self.submitted),
             state_ms_ago: ms(self.state_since),
             stages,
+            group_asks_waiting: 0,
+            repartition: self.repartition.clone(),
         }
     }
 }

@@ -71,6 +71,7 @@ fn the_transition_table() {
     let events = [
         Event::Place,
         Event::AllReported,
+        Event::AllStarted,
         Event::Repartition,
         Event::Repartitioned,
         Event::Stop,
@@ -80,14 +81,14 @@ fn the_transition_table() {
     ];
     // Rows: states in the order above; columns: events in the order above.
     let table = [
-        "P...S...", // pending: place, stop
-        ".A..S.F.", // placing: all reported, stop, fail
-        "..R.S.FF", // running: repartition, stop, fail, finish
-        "...RS.F.", // repartitioning: done, stop, fail
-        ".....A..", // stopping: all stopped
-        "........", // stopped
-        "........", // failed
-        "........", // finished
+        "P....S...", // pending: place, stop
+        ".AA..S.F.", // placing: all reported, all started, stop, fail
+        "...R.S.FF", // running: repartition, stop, fail, finish
+        "....RS.F.", // repartitioning: done, stop, fail
+        "......A..", // stopping: all stopped
+        ".........", // stopped
+        ".........", // failed
+        ".........", // finished
     ];
     for (s, row) in states.iter().zip(table) {
         for (e, cell) in events.iter().zip(row.chars()) {

@@ -1,14 +1,101 @@
 //! Training jobs in the controller's state: submit (checked against the
 //! catalog), stop, placement of pending jobs on the live GPU servers, and
-//! the hooks where stage-worker requests go to the runtimes.
+//! what the controller's driver (`crate::driver`) must send to the GPU
+//! servers, as values ([`TrainAction`]), with the answers it brings back.
+//!
+//! A job's life as the driver sees it:
+//!
+//! ```text
+//! placed      -> Send Setup (TrainStage to every worker)
+//! all ready   -> Send Start (TrainStageStart with the data peers)
+//! all started -> running
+//! a refusal, a wrong answer, no answer in time, a lost GPU server
+//!             -> failed (naming the stage and why) + Send Stop to the others
+//! stop        -> Send Stop (TrainStageStop to every worker sent a TrainStage)
+//! DynPipe trigger (a report) -> Plan (off the lock) -> the decision recorded
+//! ```
+//!
+//! Every change that stops or ends a job also answers its workers' waiting
+//! group asks with `stop` (`state::groups`).
 
+use std::collections::{BTreeSet, VecDeque};
 use std::time::Instant;
 
-use distmind_common::proto::{ErrorCode, ErrorReply, TrainJobStatus};
+use distmind_common::proto::{
+    ErrorCode, ErrorReply, RepartitionDecision, RuntimeReply, TrainJobState, TrainJobStatus,
+};
 use distmind_common::train_spec::JobSpec;
 
 use super::ControllerState;
-use crate::jobs::{self, placement, JobError, StageRequest};
+use crate::jobs::{
+    self, placement, JobError, LaunchStep, RepartitionInput, StageRequest, JOBS_KEPT_MAX,
+};
+
+/// Most actions waiting for the driver: per kept job at most a setup, a
+/// start, a stop and a plan are ever outstanding at once.
+pub const TRAIN_ACTIONS_MAX: usize = 4 * JOBS_KEPT_MAX;
+
+/// Which request of a stage worker's life a [`TrainAction::Send`] carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StagePhase {
+    /// `TrainStage`; answered `TrainStageReady`.
+    Setup,
+    /// `TrainStageStart`; answered `TrainStageStarted`.
+    Start,
+    /// `TrainStageStop`; answered `Training`.
+    Stop,
+}
+
+impl StagePhase {
+    /// The request's name, for errors.
+    pub fn request(self) -> &'static str {
+        match self {
+            StagePhase::Setup => "TrainStage",
+            StagePhase::Start => "TrainStageStart",
+            StagePhase::Stop => "TrainStageStop",
+        }
+    }
+
+    /// The answer it waits for.
+    pub fn answer(self) -> &'static str {
+        match self {
+            StagePhase::Setup => "TrainStageReady",
+            StagePhase::Start => "TrainStageStarted",
+            StagePhase::Stop => "Training",
+        }
+    }
+}
+
+/// What the driver does for training jobs.
+#[derive(Debug)]
+pub enum TrainAction {
+    /// Send each request to its GPU server and bring back every answer, or
+    /// why there is none, with [`ControllerState::stage_answered`].
+    Send {
+        job: String,
+        generation: u64,
+        phase: StagePhase,
+        requests: Vec<StageRequest>,
+    },
+    /// Run DynPipe's planner ([`jobs::plan_repartition`]; it may simulate
+    /// many candidates, so off the lock) and bring the decision back with
+    /// [`ControllerState::repartition_planned`].
+    Plan(Box<RepartitionInput>),
+}
+
+/// A GPU server's answer to one stage request, or why there is none.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StageAnswer {
+    pub job: String,
+    pub generation: u64,
+    pub phase: StagePhase,
+    pub pipeline: u32,
+    pub stage: u32,
+    pub runtime: u32,
+    /// The answer, or why none came (no link, the link failed, no answer
+    /// in time).
+    pub reply: Result<RuntimeReply, String>,
+}
 
 impl ControllerState {
     /// Registers a job after checking its spec and, against the catalog,
@@ -55,23 +142,51 @@ impl ControllerState {
         id: &str,
         now: Instant,
     ) -> Result<TrainJobStatus, JobError> {
-        let placed = self.jobs.get(id).is_some_and(|j| !j.placement().is_empty());
         let state = self.jobs.stop(id, now)?;
-        if placed {
-            self.stop_stage_workers(id);
-        }
+        self.stop_stage_workers(id, None);
+        self.job_changed(id);
         if state.is_terminal() {
             self.place_pending(now);
         }
         Ok(self.job_status(id, now))
     }
 
-    fn job_status(&self, id: &str, now: Instant) -> TrainJobStatus {
-        self.jobs
-            .status(Some(id), now)
+    /// A worker said it cannot go on: the job fails naming it.
+    pub(super) fn train_failed(
+        &mut self,
+        id: &str,
+        pipeline: u32,
+        stage: u32,
+        reason: &str,
+        now: Instant,
+    ) -> Result<TrainJobState, JobError> {
+        let state = self.jobs.fail(id, pipeline, stage, reason, now)?;
+        if state.is_terminal() {
+            self.stop_stage_workers(id, None);
+            self.place_pending(now);
+        }
+        self.job_changed(id);
+        Ok(state)
+    }
+
+    pub(super) fn job_status(&self, id: &str, now: Instant) -> TrainJobStatus {
+        self.train_status(Some(id), now)
             .ok()
             .and_then(|mut v| v.pop())
             .expect("the job was just registered or changed")
+    }
+
+    /// `train status`: the registry's view and the asks waiting for groups.
+    pub(super) fn train_status(
+        &self,
+        id: Option<&str>,
+        now: Instant,
+    ) -> Result<Vec<TrainJobStatus>, JobError> {
+        let mut jobs = self.jobs.status(id, now)?;
+        for j in &mut jobs {
+            j.group_asks_waiting = u32::try_from(self.groups.waiting(&j.id)).unwrap_or(u32::MAX);
+        }
+        Ok(jobs)
     }
 
     /// Places pending jobs, oldest first, on the devices live GPU servers
@@ -112,42 +227,323 @@ impl ControllerState {
         first
     }
 
-    /// HOOK: where a placed job's `TrainStage` requests go to the GPU
-    /// servers. The runtime side of stage workers is not built yet, so they
-    /// are logged, not sent; returns exactly what would be sent (one per
-    /// stage worker, to the runtime that hosts it).
-    pub fn start_stage_workers(&mut self, id: &str) -> Vec<StageRequest> {
+    /// The actions for the driver, oldest first.
+    pub fn take_train_actions(&mut self) -> Vec<TrainAction> {
+        self.train_actions.drain(..).collect()
+    }
+
+    /// Queues an action and wakes the driver. The queue is bounded
+    /// ([`TRAIN_ACTIONS_MAX`]); past it (no driver takes them) the oldest
+    /// is dropped, logged.
+    fn push_action(&mut self, a: TrainAction) {
+        if self.train_actions.len() >= TRAIN_ACTIONS_MAX {
+            if let Some(old) = self.train_actions.pop_front() {
+                log::error!(
+                    "{TRAIN_ACTIONS_MAX} training actions wait for the driver (the bound); dropped the oldest: {}",
+                    describe(&old)
+                );
+            }
+        }
+        self.train_actions.push_back(a);
+        self.train_wake.notify_one();
+    }
+
+    /// Sends a placed job's `TrainStage` requests (the first step of its
+    /// start). Returns what goes out.
+    fn start_stage_workers(&mut self, id: &str) -> Vec<StageRequest> {
         let Some(n) = self.jobs.get(id).map(|j| j.placement().len()) else {
             return Vec::new();
         };
         let first = self.take_request_ids(n);
         let job = self.jobs.get(id).expect("looked up above");
-        let reqs = jobs::start_requests(job, first);
+        let (generation, reqs) = (job.generation(), jobs::start_requests(job, first));
+        if reqs.is_empty() {
+            return reqs;
+        }
         log_stage_requests(id, "TrainStage", &reqs);
+        let _ = self.jobs.launch_sent(id);
+        self.push_action(TrainAction::Send {
+            job: id.to_string(),
+            generation,
+            phase: StagePhase::Setup,
+            requests: reqs.clone(),
+        });
         reqs
     }
 
-    /// HOOK: where a job's `TrainStageStop` requests go to the GPU servers
-    /// (logged, not sent, as [`start_stage_workers`](Self::start_stage_workers)).
-    pub fn stop_stage_workers(&mut self, id: &str) -> Vec<StageRequest> {
+    /// Sends `TrainStageStop` to every worker of `id` that was sent its
+    /// `TrainStage` and not told yet, except those on `except_runtime`.
+    fn stop_stage_workers(&mut self, id: &str, except_runtime: Option<u32>) {
+        let Some((n, generation)) = self
+            .jobs
+            .get(id)
+            .map(|j| (j.placement().len(), j.generation()))
+        else {
+            return;
+        };
+        let first = self.take_request_ids(n);
+        let reqs = self.jobs.take_stop_requests(id, first, except_runtime);
+        if reqs.is_empty() {
+            return;
+        }
+        log_stage_requests(id, "TrainStageStop", &reqs);
+        self.push_action(TrainAction::Send {
+            job: id.to_string(),
+            generation,
+            phase: StagePhase::Stop,
+            requests: reqs,
+        });
+    }
+
+    /// The GPU servers hosting a started (or starting) worker of an unended
+    /// job: the driver keeps a stage link to each.
+    pub fn training_runtimes(&self) -> BTreeSet<u32> {
+        self.jobs.runtimes_in_use()
+    }
+
+    /// A GPU server's answer to a stage request (or why there is none):
+    /// the next step of the job's start, or its failure naming the stage.
+    pub fn stage_answered(&mut self, a: StageAnswer, now: Instant) {
+        let (id, generation, p, s) = (a.job.as_str(), a.generation, a.pipeline, a.stage);
+        let Some(job) = self.jobs.get(id) else {
+            return;
+        };
+        let before = job.state().clone();
+        let where_ = job
+            .placement()
+            .get((p * job.spec().stages + s) as usize)
+            .map_or_else(
+                || format!("runtime {}", a.runtime),
+                |at| format!("runtime {} ({}), device {}", at.runtime, at.addr, at.device),
+            );
+        let wrong = |r: &RuntimeReply| {
+            format!(
+                "{where_}: answered {} with {}; the GPU server runs another protocol version?",
+                a.phase.request(),
+                reply_name(r)
+            )
+        };
+        let step = match (a.phase, &a.reply) {
+            (StagePhase::Stop, Ok(RuntimeReply::Error { error, .. })) => {
+                log::warn!(
+                    "training job {id}: pipeline {p} stage {s}: {where_} refused its TrainStageStop: {error}"
+                );
+                return;
+            }
+            (StagePhase::Stop, Ok(_)) => {
+                self.jobs.stop_acknowledged(id, generation, p, s, now);
+                Ok(LaunchStep::Wait)
+            }
+            (StagePhase::Stop, Err(why)) => {
+                log::warn!(
+                    "training job {id}: pipeline {p} stage {s}: its TrainStageStop did not reach {where_}: {why}"
+                );
+                return;
+            }
+            (phase, Ok(RuntimeReply::Error { error, .. })) => {
+                let reason = format!(
+                    "{where_} refused its {}: {}: {}",
+                    phase.request(),
+                    error.code.as_str(),
+                    error.message
+                );
+                self.jobs.stage_refused(id, generation, p, s, &reason, now)
+            }
+            (phase, Err(why)) => {
+                let reason = format!("{where_}: no {}: {why}", phase.answer());
+                self.jobs.stage_refused(id, generation, p, s, &reason, now)
+            }
+            (StagePhase::Setup, Ok(r)) => match r {
+                RuntimeReply::TrainStageReady {
+                    job,
+                    generation: g,
+                    pipeline,
+                    stage,
+                    data_addr,
+                    ..
+                } if (job.as_str(), *g, *pipeline, *stage) == (id, generation, p, s) => {
+                    self.jobs.stage_ready(id, generation, p, s, data_addr, now)
+                }
+                r => {
+                    let reason = wrong(r);
+                    self.jobs.stage_refused(id, generation, p, s, &reason, now)
+                }
+            },
+            (StagePhase::Start, Ok(r)) => match r {
+                RuntimeReply::TrainStageStarted {
+                    job,
+                    generation: g,
+                    pipeline,
+                    stage,
+                    ..
+                } if (job.as_str(), *g, *pipeline, *stage) == (id, generation, p, s) => {
+                    self.jobs.stage_started(id, generation, p, s, now)
+                }
+                r => {
+                    let reason = wrong(r);
+                    self.jobs.stage_refused(id, generation, p, s, &reason, now)
+                }
+            },
+        };
+        match step {
+            Ok(LaunchStep::AllReady) => self.start_links(id),
+            Ok(LaunchStep::AllStarted) => {
+                log::info!("training job {id}: every stage worker started")
+            }
+            Ok(LaunchStep::Wait | LaunchStep::Stale) => {}
+            Err(e) => log::warn!("training job {id}: an answer from {where_}: {e}"),
+        }
+        let after = self.jobs.get(id).map(|j| j.state().clone());
+        let over = after
+            .as_ref()
+            .is_none_or(|s| s.is_terminal() || *s == TrainJobState::Stopping);
+        if after.as_ref() != Some(&before) && over {
+            // A failure (or the last stop heard) ends it: tell the others,
+            // answer its group asks, and give its devices to pending jobs.
+            self.stop_stage_workers(id, None);
+            self.job_changed(id);
+            if after.is_some_and(|s| s.is_terminal()) {
+                self.place_pending(now);
+            }
+        }
+    }
+
+    /// Every worker of `id` is ready: the second step of its start.
+    fn start_links(&mut self, id: &str) {
         let Some(n) = self.jobs.get(id).map(|j| j.placement().len()) else {
-            return Vec::new();
+            return;
         };
         let first = self.take_request_ids(n);
         let job = self.jobs.get(id).expect("looked up above");
-        let reqs = jobs::stop_requests(job, first);
-        log_stage_requests(id, "TrainStageStop", &reqs);
-        reqs
+        let (generation, reqs) = (job.generation(), jobs::start_link_requests(job, first));
+        if reqs.is_empty() {
+            return;
+        }
+        log_stage_requests(id, "TrainStageStart", &reqs);
+        let _ = self.jobs.start_sent(id);
+        self.push_action(TrainAction::Send {
+            job: id.to_string(),
+            generation,
+            phase: StagePhase::Start,
+            requests: reqs,
+        });
+    }
+
+    /// The driver's stage link to `runtime` closed (`why`): the GPU server
+    /// is taken as lost, as when it stops heartbeating.
+    pub fn stage_link_lost(&mut self, runtime: u32, why: &str, now: Instant) {
+        let why = format!("its stage link closed: {why}");
+        self.runtime_gone(runtime, &why, now);
+    }
+
+    /// GPU server `runtime` is lost (`why`: silent, restarted, its link
+    /// closed): its workers leave their sync groups, every unended job with
+    /// a worker there fails naming its first such stage (or, while
+    /// stopping, they count as stopped), the jobs' other workers are told
+    /// to stop, and their devices go to pending jobs.
+    pub(super) fn runtime_gone(&mut self, runtime: u32, why: &str, now: Instant) {
+        let at = self.group_clock(now);
+        let mut released = Vec::new();
+        for (job, pipelines) in self.jobs.pipelines_on(runtime) {
+            for p in pipelines {
+                released.extend(self.groups.remove(&job, p, at));
+            }
+        }
+        let changed = self.jobs.runtime_lost(runtime, why, now);
+        self.deliver(released);
+        for job in &changed {
+            self.stop_stage_workers(job, Some(runtime));
+            self.job_changed(job);
+        }
+        if !changed.is_empty() {
+            self.place_pending(now);
+        }
+    }
+
+    /// DynPipe's monitor triggered on a report of `id`: the planner's input,
+    /// for the driver.
+    pub(super) fn plan_repartition(&mut self, id: &str, trigger: jobs::dynpipe::Trigger) {
+        let Some(job) = self.jobs.get(id) else {
+            return;
+        };
+        let (_, version) = job.model();
+        let model = self
+            .catalog
+            .get(&job.spec().model)
+            .ok()
+            .filter(|e| e.version == version);
+        log::info!(
+            "training job {id}: DynPipe's monitor triggered at iteration {} (stage ratios {:?}, stragglers {:?}); planning",
+            trigger.decided_at_iteration,
+            trigger.ratios,
+            trigger.stragglers
+        );
+        let input = RepartitionInput {
+            job: id.to_string(),
+            generation: job.generation(),
+            trigger,
+            microbatches: job.spec().microbatches,
+            partition: job.partition().to_vec(),
+            model,
+        };
+        self.push_action(TrainAction::Plan(Box::new(input)));
+    }
+
+    /// The planner's answer for `job` (`generation`): recorded on the job,
+    /// which `train status` shows; a failure is logged.
+    pub fn repartition_planned(
+        &mut self,
+        job: &str,
+        generation: u64,
+        decision: Result<RepartitionDecision, String>,
+    ) {
+        match decision {
+            Ok(d) => {
+                if !self.jobs.record_repartition(job, d) {
+                    log::debug!("training job {job}: a re-partitioning decision of generation {generation} dropped: the job moved on");
+                }
+            }
+            Err(e) => log::warn!(
+                "training job {job}: DynPipe could not plan a re-partitioning (generation {generation}): {e}"
+            ),
+        }
+    }
+}
+
+/// An action in a few words, for logs.
+fn describe(a: &TrainAction) -> String {
+    match a {
+        TrainAction::Send {
+            job,
+            phase,
+            requests,
+            ..
+        } => format!(
+            "{} {} requests of job {job}",
+            requests.len(),
+            phase.request()
+        ),
+        TrainAction::Plan(i) => format!("the re-partitioning plan of job {}", i.job),
+    }
+}
+
+/// A runtime reply's kind, for errors.
+fn reply_name(r: &RuntimeReply) -> &'static str {
+    match r {
+        RuntimeReply::Output { .. } => "Output",
+        RuntimeReply::Prefetched { .. } => "Prefetched",
+        RuntimeReply::Training { .. } => "Training",
+        RuntimeReply::TrainStageReady { .. } => "TrainStageReady (of another worker)",
+        RuntimeReply::TrainStageStarted { .. } => "TrainStageStarted (of another worker)",
+        RuntimeReply::Stats { .. } => "Stats",
+        RuntimeReply::Evicted { .. } => "Evicted",
+        RuntimeReply::Error { .. } => "Error",
     }
 }
 
 fn log_stage_requests(job: &str, what: &str, reqs: &[StageRequest]) {
-    if reqs.is_empty() {
-        return;
-    }
     log::info!(
-        "training job {job}: {} {what} requests for {} GPU servers are ready; not sent: \
-         the GPU servers' stage workers are not built yet",
+        "training job {job}: {} {what} requests to {} GPU servers",
         reqs.len(),
         reqs.iter()
             .map(|r| r.runtime)
@@ -164,231 +560,9 @@ fn log_stage_requests(job: &str, what: &str, reqs: &[StageRequest]) {
     }
 }
 
+/// Where a deque of actions is kept (the state's field type).
+pub(super) type TrainActions = VecDeque<TrainAction>;
+
 #[cfg(test)]
-mod tests {
-    use std::time::Duration;
-
-    use distmind_common::proto::{ControllerReply, ControllerRequest, TrainJobState};
-
-    use super::super::tests::{register, reply};
-    use super::*;
-    use crate::catalog::tests::entry;
-    use crate::state::STAGE_REQUEST_ID_BASE;
-
-    /// A state with three memory servers, model `m` of `layers` layers and
-    /// a runtime of `devices` devices registered at `t0`; returns its id.
-    fn with_model_and_runtime(t0: Instant, layers: usize, devices: u32) -> (ControllerState, u32) {
-        let mut s = ControllerState::new(Duration::from_millis(100));
-        for i in 0..3 {
-            register(&mut s, i, 1, t0);
-        }
-        let mut e = entry("m", 1);
-        e.manifest = serde_json::json!({ "layers": vec![serde_json::json!({}); layers] });
-        let put = ControllerRequest::PutModel { entry: Box::new(e) };
-        assert!(matches!(
-            reply(&mut s, put, t0),
-            ControllerReply::Put { .. }
-        ));
-        let req = ControllerRequest::RegisterRuntime {
-            addr: "127.0.0.1:10009".into(),
-            devices,
-            executor: "sim".into(),
-            boot_id: 4,
-            device_ids: Vec::new(),
-            cache_bytes: 0,
-            device_bytes: 0,
-            resident_models_max: 0,
-        };
-        match reply(&mut s, req, t0) {
-            ControllerReply::RuntimeRegistered { runtime, .. } => (s, runtime),
-            r => panic!("{r:?}"),
-        }
-    }
-
-    fn job_spec(name: &str, pipelines: u32, stages: u32, extra: &str) -> Box<JobSpec> {
-        Box::new(
-            JobSpec::from_json(&format!(
-                r#"{{"name": "{name}", "model": "m", "optimizer": {{"sgd": {{"lr": 0.1}}}},
-                    "batch": 4, "microbatches": 2, "pipelines": {pipelines}, "stages": {stages},
-                    "iterations": 2 {extra}}}"#
-            ))
-            .unwrap(),
-        )
-    }
-
-    fn refusal(s: &mut ControllerState, spec: Box<JobSpec>, t: Instant) -> ErrorReply {
-        match reply(s, ControllerRequest::TrainSubmit { spec }, t) {
-            ControllerReply::Error(e) => e,
-            r => panic!("{r:?}"),
-        }
-    }
-
-    #[test]
-    fn training_jobs_are_checked_placed_reported_and_stopped() {
-        let t0 = Instant::now();
-        let (mut s, rt) = with_model_and_runtime(t0, 10, 2);
-        // Refused, naming the field: against the catalog and on their own.
-        let e = refusal(&mut s, job_spec("a", 1, 2, r#", "partition": [3, 3]"#), t0);
-        assert_eq!(e.code, ErrorCode::BadRequest);
-        assert!(
-            e.message
-                .contains("partition = [3, 3] (sum 6): must sum to the model's 10 layers"),
-            "{e}"
-        );
-        let mut unknown = job_spec("a", 1, 2, "");
-        unknown.model = "nope".into();
-        let e = refusal(&mut s, unknown, t0);
-        assert_eq!(e.code, ErrorCode::UnknownModel);
-        assert!(
-            e.message.contains("model = \"nope\": not in the catalog"),
-            "{e}"
-        );
-        let mut big = job_spec("a", 1, 2, "");
-        big.pipelines = 64;
-        big.stages = 16;
-        big.microbatches = 16;
-        big.batch = 16;
-        let e = refusal(&mut s, big, t0);
-        assert!(
-            e.message.contains("pipelines x stages = 64 x 16 = 1024"),
-            "{e}"
-        );
-
-        // Fits the runtime's two devices: placed at once.
-        let job = match reply(
-            &mut s,
-            ControllerRequest::TrainSubmit {
-                spec: job_spec("a", 1, 2, ""),
-            },
-            t0,
-        ) {
-            ControllerReply::TrainSubmitted { job } => job,
-            r => panic!("{r:?}"),
-        };
-        assert_eq!(
-            (job.id.as_str(), &job.state),
-            ("a-1", &TrainJobState::Placing)
-        );
-        assert_eq!(job.partition, vec![5, 5]);
-        let at: Vec<_> = job
-            .stages
-            .iter()
-            .map(|st| st.placement.as_ref().map(|p| (p.runtime, p.device)))
-            .collect();
-        assert_eq!(at, vec![Some((rt, 0)), Some((rt, 1))]);
-        // The hook returns the exact requests, ids in their own range.
-        let reqs = s.start_stage_workers("a-1");
-        assert_eq!(reqs.len(), 2);
-        assert!(reqs
-            .iter()
-            .all(|r| r.addr == "127.0.0.1:10009" && r.runtime == rt));
-        match &reqs[0].request {
-            distmind_common::proto::RuntimeRequest::TrainStage { id, assignment } => {
-                assert!(*id >= STAGE_REQUEST_ID_BASE);
-                assert_eq!((assignment.stage, assignment.layers.end), (0, 5));
-            }
-            r => panic!("{r:?}"),
-        }
-
-        // No device is left: the next job waits, saying why.
-        let job = match reply(
-            &mut s,
-            ControllerRequest::TrainSubmit {
-                spec: job_spec("b", 1, 1, ""),
-            },
-            t0,
-        ) {
-            ControllerReply::TrainSubmitted { job } => job,
-            r => panic!("{r:?}"),
-        };
-        assert_eq!(job.state, TrainJobState::Pending);
-        assert!(
-            job.waiting
-                .as_deref()
-                .unwrap()
-                .starts_with("needs 1 GPUs (1 pipelines x 1 stages) and 0 are free"),
-            "{job:?}"
-        );
-
-        // Reports, then a stop heard by the next report.
-        let report = |pipeline, stage, iteration| ControllerRequest::TrainReport {
-            job: "a-1".into(),
-            pipeline,
-            stage,
-            iteration,
-            fwd_bwd_s: 0.1,
-            loss: None,
-            samples: 4,
-        };
-        reply(&mut s, report(0, 0, 1), t0);
-        match reply(&mut s, report(0, 1, 1), t0) {
-            ControllerReply::TrainReported { state, stop, .. } => {
-                assert_eq!((state, stop), (TrainJobState::Running, false))
-            }
-            r => panic!("{r:?}"),
-        }
-        match reply(
-            &mut s,
-            ControllerRequest::TrainStop { job: "a-1".into() },
-            t0,
-        ) {
-            ControllerReply::TrainStopped { job } => assert_eq!(job.state, TrainJobState::Stopping),
-            r => panic!("{r:?}"),
-        }
-        reply(&mut s, report(0, 0, 2), t0);
-        match reply(&mut s, report(0, 1, 2), t0) {
-            ControllerReply::TrainReported { state, stop, .. } => {
-                assert_eq!((state, stop), (TrainJobState::Stopped, true))
-            }
-            r => panic!("{r:?}"),
-        }
-        // Its devices went to the waiting job.
-        match reply(&mut s, ControllerRequest::TrainStatus { job: None }, t0) {
-            ControllerReply::TrainJobs { jobs } => {
-                let states: Vec<_> = jobs
-                    .iter()
-                    .map(|j| (j.id.as_str(), j.state.name()))
-                    .collect();
-                assert_eq!(states, vec![("a-1", "stopped"), ("b-2", "placing")]);
-            }
-            r => panic!("{r:?}"),
-        }
-        match reply(
-            &mut s,
-            ControllerRequest::TrainStatus {
-                job: Some("zz-9".into()),
-            },
-            t0,
-        ) {
-            ControllerReply::Error(e) => {
-                assert!(e.message.contains("no training job \"zz-9\""), "{e}")
-            }
-            r => panic!("{r:?}"),
-        }
-    }
-
-    #[test]
-    fn a_silent_gpu_server_fails_its_training_jobs() {
-        let t0 = Instant::now();
-        let (mut s, rt) = with_model_and_runtime(t0, 10, 1);
-        let spec = job_spec("a", 1, 1, "");
-        assert!(matches!(
-            reply(&mut s, ControllerRequest::TrainSubmit { spec }, t0),
-            ControllerReply::TrainSubmitted { .. }
-        ));
-        s.expire(t0 + Duration::from_millis(301));
-        match s.jobs().get("a-1").unwrap().state() {
-            TrainJobState::Failed {
-                pipeline: 0,
-                stage: 0,
-                reason,
-            } => assert!(
-                reason.starts_with(&format!(
-                    "its GPU server, runtime {rt} (127.0.0.1:10009), device 0: no heartbeat for more than"
-                )),
-                "{reason}"
-            ),
-            st => panic!("{st:?}"),
-        }
-    }
-}
+#[path = "train_tests.rs"]
+mod tests;

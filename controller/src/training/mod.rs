@@ -19,10 +19,14 @@
 //!   adaptive wait, a union-find and graph syncs, pairs above 8 workers.
 //! * [`allreduce`]: the AllReduce baseline: every group is every worker.
 //! * [`adpsgd`]: the AD-PSGD baseline: random pairwise gossip, seeded.
+//! * [`groups`]: the sync-group service: a scheduler per (job, generation,
+//!   stage) by the job's sync mode, the workers' asks parked until their
+//!   group closes, deadlines, stops and removed pipelines.
 
 pub mod adpsgd;
 pub mod allreduce;
 pub mod group;
+pub mod groups;
 pub mod monitor;
 pub mod partition;
 pub mod preduce;
@@ -34,6 +38,7 @@ pub(crate) mod testkit;
 pub use adpsgd::AdPsgd;
 pub use allreduce::AllReduce;
 pub use group::{CloseReason, Group, GroupError, GroupScheduler, WorkerId, WORKERS_MAX};
+pub use groups::{Ask, AskError, Delivery, GroupAnswer, GroupService, SyncScheme, Waiter};
 pub use monitor::{MonitorConfig, MonitorError, ScheduledRepartition, StragglerMonitor};
 pub use partition::{
     predict, repartition, LayerCost, MeasuredRatio, PartitionError, RepartitionOptions,
