@@ -190,8 +190,9 @@ pub struct Preduce {
     /// scheduler's own default. It adapts from there.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wait_ms_initial: Option<u64>,
-    /// Most iterations a replica may run ahead of the slowest (stale
-    /// synchronous parallel); absent: unbounded.
+    /// SD-Pipe's `ssp_bound`: after every `ssp_bound x P` updates of a
+    /// stage's replicas, the next grouping is a graph sync (it waits until
+    /// every replica has been averaged in, transitively); absent: 10.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ssp_bound: Option<u32>,
 }

@@ -34,15 +34,11 @@ use std::time::Duration;
 use distmind_common::train_spec::{SyncMode, PIPELINES_MAX, STAGE_WORKERS_MAX};
 
 use super::group::{GroupError, GroupScheduler, WorkerId};
-use super::preduce::{PReduceConfig, WAIT_MAX};
+use super::preduce::{PReduceConfig, SSP_BOUND_DEFAULT, WAIT_MAX};
 use super::{AdPsgd, AllReduce, Group, PartialReduce};
 
 /// Most asks waiting in one job: one per stage worker.
 pub const GROUP_ASKS_PER_JOB_MAX: usize = STAGE_WORKERS_MAX as usize;
-/// The partial reduce's graph-sync window when the spec sets no staleness
-/// bound (`sync.preduce.ssp_bound` absent: no bound): never reached.
-pub const SSP_UNBOUNDED: u64 = u64::MAX / super::WORKERS_MAX as u64;
-
 // A job's pipelines fit one scheduler.
 const _: () = assert!(PIPELINES_MAX as usize <= super::WORKERS_MAX);
 
@@ -75,10 +71,11 @@ impl SyncScheme {
                     cfg.wait_initial = Duration::from_millis(ms).max(cfg.wait_min);
                     cfg.wait_max = cfg.wait_max.max(cfg.wait_initial).max(WAIT_MAX);
                 }
-                // The spec's bound is "iterations a replica may run ahead";
-                // the scheduler's, updates per worker between graph syncs
-                // (SD-Pipe's ssp_bound), at least 1.
-                cfg.ssp_bound = p.ssp_bound.map_or(SSP_UNBOUNDED, |b| u64::from(b.max(1)));
+                // Updates per worker between graph syncs (SD-Pipe's
+                // ssp_bound), at least 1; absent: SD-Pipe's 10.
+                cfg.ssp_bound = p
+                    .ssp_bound
+                    .map_or(SSP_BOUND_DEFAULT, |b| u64::from(b.max(1)));
                 SyncScheme::PartialReduce(cfg)
             }
             SyncMode::Hetpipe(_) => {

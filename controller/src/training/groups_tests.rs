@@ -356,7 +356,7 @@ fn the_spec_maps_onto_the_schedulers() {
     assert_eq!(cfg.ssp_bound, 1, "a bound of 0 is a graph sync every round");
     let cfg = p(0, None);
     assert_eq!(cfg.wait_initial, cfg.wait_min, "0 ms is the shortest wait");
-    assert_eq!(cfg.ssp_bound, SSP_UNBOUNDED);
+    assert_eq!(cfg.ssp_bound, SSP_BOUND_DEFAULT, "SD-Pipe's default window");
     assert!(SyncScheme::from_spec(
         &SyncMode::Hetpipe(distmind_common::train_spec::Hetpipe::default()),
         4

@@ -1,0 +1,311 @@
+//! Distributed training end to end, real processes on loopback: a
+//! controller, a memory server and a GPU server (cpu executor, six
+//! devices), tiny packages deployed; jobs of 2 pipelines x 3 stages
+//! submitted with `distmind train submit` and watched through the
+//! controller's `TrainStatus` as they run (the last stage's loss per
+//! report, the wall time to the end).
+//!
+//! The stage workers do real math: candle autograd on the cpu executor,
+//! activations and gradients between stages over tcp, replicas averaged by
+//! ring all-reduce over tcp in the groups the controller's scheduler forms.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use distmind_common::proto::{ControllerReply, ControllerRequest, TrainJobState, TrainJobStatus};
+use distmind_controller::ControllerClient;
+use distmind_models::Package;
+use support::*;
+
+/// A controller, a memory server and a six-device GPU server, with one
+/// tiny package of each family asked for deployed.
+struct Cluster {
+    controller: Proc,
+    _memserver: Proc,
+    runtime: Proc,
+    client: ControllerClient,
+    dir: tempfile::TempDir,
+    /// Catalog names, in the order asked.
+    models: Vec<String>,
+}
+
+/// One cluster at a time in this binary: six stage workers already share
+/// this machine's cores, and the throughput comparison must not share
+/// them with another test's.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn cluster(families: &[&str]) -> (MutexGuard<'static, ()>, Cluster) {
+    let serial = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let controller = spawn_controller();
+    let memserver = spawn_memserver(&controller.addr, "64MiB");
+    wait_alive(&controller.addr, 1);
+    let mut models = Vec::new();
+    for family in families {
+        let out = dir.path().join(family);
+        let pkgs = gen_tiny(&out, family, 1, 64 << 10);
+        let (ok, _, stderr) = deploy(&controller.addr, &[], &pkgs);
+        assert!(ok, "deploy {family}: {stderr}");
+        models.push(Package::open(&pkgs[0]).unwrap().manifest.name.clone());
+    }
+    let runtime = spawn_runtime(
+        &controller.addr,
+        &["--devices", "0,1,2,3,4,5", "--cache", "64MiB"],
+    );
+    wait_runtime_alive(&controller.addr, &runtime.addr);
+    let client =
+        ControllerClient::connect(&controller.addr, &cluster_key(), Duration::from_secs(5))
+            .unwrap();
+    (
+        serial,
+        Cluster {
+            controller,
+            _memserver: memserver,
+            runtime,
+            client,
+            dir,
+            models,
+        },
+    )
+}
+
+/// A 2 x 3 job spec of `model` (SGD with momentum 0.9).
+fn spec(name: &str, model: &str, sync: &str, batch: u32, mb: u32, lr: f64, iters: u64) -> String {
+    format!(
+        r#"{{"name": "{name}", "model": "{model}",
+            "optimizer": {{"sgd": {{"lr": {lr}, "momentum": 0.9}}}},
+            "batch": {batch}, "microbatches": {mb}, "pipelines": 2, "stages": 3,
+            "sync": {{"{sync}": {{}}}}, "iterations": {iters}}}"#
+    )
+}
+
+/// What a job did, seen from the controller.
+struct Trace {
+    id: String,
+    status: TrainJobStatus,
+    /// The last stage's loss of each pipeline, by iteration.
+    losses: [BTreeMap<u64, f64>; 2],
+    /// From the submit to the job's end.
+    wall: Duration,
+}
+
+impl Trace {
+    /// Pipeline `p`'s mean loss over the first and the last fifth of the
+    /// iterations it reported.
+    fn first_last(&self, p: usize) -> (f64, f64) {
+        let l: Vec<f64> = self.losses[p].values().copied().collect();
+        assert!(
+            l.len() >= 10,
+            "{}: pipeline {p} reported {} losses",
+            self.id,
+            l.len()
+        );
+        let k = l.len() / 5;
+        let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len() as f64;
+        (mean(&l[..k]), mean(&l[l.len() - k..]))
+    }
+
+    /// Both pipelines' mean loss over their last fifth.
+    fn final_loss(&self) -> f64 {
+        (self.first_last(0).1 + self.first_last(1).1) / 2.0
+    }
+}
+
+fn status(c: &mut ControllerClient, id: &str) -> TrainJobStatus {
+    match c
+        .request(&ControllerRequest::TrainStatus {
+            job: Some(id.to_string()),
+        })
+        .unwrap()
+    {
+        ControllerReply::TrainJobs { mut jobs } => jobs.pop().unwrap(),
+        r => panic!("{r:?}"),
+    }
+}
+
+/// `distmind train <args>` against the cluster's controller.
+fn train(c: &Cluster, args: &[&str]) -> (bool, String, String) {
+    let s = settings_dir();
+    let mut all = vec!["train"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&[
+        "--settings",
+        s.to_str().unwrap(),
+        "--controller",
+        &c.controller.addr,
+    ]);
+    run(&all)
+}
+
+/// Submits `spec` (with `extra` flags) and returns its job id.
+fn submit(c: &Cluster, spec: &str, extra: &[&str]) -> String {
+    let path = c
+        .dir
+        .path()
+        .join(format!("spec-{}.json", std::process::id()));
+    std::fs::write(&path, spec).unwrap();
+    let mut args = vec!["submit", "--spec", path.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let (ok, stdout, stderr) = train(c, &args);
+    assert!(ok, "submit failed: {stderr}");
+    stdout
+        .lines()
+        .next()
+        .and_then(|l| l.strip_prefix("submitted "))
+        .unwrap_or_else(|| panic!("no job id in {stdout:?}"))
+        .to_string()
+}
+
+/// Polls `id` until it ends (bounded), recording the last stages' losses.
+fn watch(c: &mut Cluster, id: &str, started: Instant, limit: Duration) -> Trace {
+    let mut losses = [BTreeMap::new(), BTreeMap::new()];
+    loop {
+        let st = status(&mut c.client, id);
+        for s in &st.stages {
+            if let (Some(it), Some(loss)) = (s.iteration, s.loss) {
+                losses[s.pipeline as usize].insert(it, loss);
+            }
+        }
+        if st.state.is_terminal() {
+            return Trace {
+                id: id.to_string(),
+                status: st,
+                losses,
+                wall: started.elapsed(),
+            };
+        }
+        assert!(
+            started.elapsed() < limit,
+            "job {id} did not end within {limit:?}: {st:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn run_job(c: &mut Cluster, spec: &str, extra: &[&str]) -> Trace {
+    let started = Instant::now();
+    let id = submit(c, spec, extra);
+    let t = watch(c, &id, started, Duration::from_secs(300));
+    assert_eq!(t.status.state, TrainJobState::Finished, "{:?}", t.status);
+    t
+}
+
+#[test]
+fn two_pipelines_of_three_stages_train_a_cnn_and_a_transformer() {
+    let (_serial, mut c) = cluster(&["resnet152", "gpt2"]);
+    let (cnn, gpt) = (c.models[0].clone(), c.models[1].clone());
+
+    // A CNN (cross-entropy over 10 synthetic classes), replicas averaged
+    // every iteration; 8 samples per microbatch, so batch norm sees the
+    // brightness that encodes the class.
+    let t = run_job(
+        &mut c,
+        &spec("cnn", &cnn, "allreduce", 24, 3, 0.02, 80),
+        &[],
+    );
+    let chance = 10f64.ln();
+    for p in 0..2 {
+        let (first, last) = t.first_last(p);
+        eprintln!("cnn pipeline {p}: loss {first:.3} -> {last:.3} (chance {chance:.3})");
+        assert!(last < 0.8 * first, "pipeline {p}: {first} -> {last}");
+        assert!(last < chance, "pipeline {p} learnt nothing: {last}");
+    }
+
+    // A transformer (mean squared error to a per-token target), replicas
+    // averaged in SD-Pipe's partial groups.
+    let t = run_job(&mut c, &spec("gpt", &gpt, "preduce", 8, 4, 0.01, 100), &[]);
+    for p in 0..2 {
+        let (first, last) = t.first_last(p);
+        eprintln!("gpt2 pipeline {p}: loss {first:.3} -> {last:.3}");
+        assert!(last < 0.5 * first, "pipeline {p}: {first} -> {last}");
+    }
+    // Every worker reported its last iteration.
+    assert!(t.status.stages.iter().all(|s| s.iteration == Some(100)));
+}
+
+#[test]
+fn under_stragglers_the_partial_reduce_outruns_allreduce() {
+    // SD-Pipe's knob: every stage worker sleeps 0.3 s at the start of an
+    // iteration with probability 0.1 (the same iterations in both runs).
+    let (_serial, mut c) = cluster(&["gpt2"]);
+    let gpt = c.models[0].clone();
+    let iters = 150;
+    let mut runs = Vec::new();
+    for sync in ["preduce", "allreduce"] {
+        let t = run_job(
+            &mut c,
+            &spec(sync, &gpt, sync, 8, 4, 0.01, iters),
+            &["--hetero", "0.3"],
+        );
+        // Both pipelines ran every iteration: the same samples.
+        assert!(t.status.stages.iter().all(|s| s.iteration == Some(iters)));
+        runs.push((sync, t));
+    }
+    let samples = 2.0 * 8.0 * iters as f64;
+    let rate = |t: &Trace| samples / t.wall.as_secs_f64();
+    let (p, a) = (&runs[0].1, &runs[1].1);
+    let ratio = rate(p) / rate(a);
+    let (lp, la) = (p.final_loss(), a.final_loss());
+    eprintln!(
+        "hetero 0.3: preduce {:.1} samples/s, allreduce {:.1}: ratio {ratio:.2}; final loss {lp:.4} vs {la:.4}",
+        rate(p),
+        rate(a)
+    );
+    assert!(ratio >= 1.3, "preduce/allreduce throughput {ratio:.2}");
+    assert!(
+        (lp - la).abs() <= 0.05 * la,
+        "final loss preduce {lp} vs allreduce {la}"
+    );
+}
+
+#[test]
+fn a_killed_gpu_server_fails_its_jobs_naming_it_and_nothing_hangs() {
+    let (_serial, mut c) = cluster(&["gpt2"]);
+    let gpt = c.models[0].clone();
+    let started = Instant::now();
+    let id = submit(&c, &spec("long", &gpt, "preduce", 8, 4, 0.01, 100_000), &[]);
+    // Running, with reports coming in.
+    loop {
+        let st = status(&mut c.client, &id);
+        if st.stages.iter().all(|s| s.iteration.unwrap_or(0) >= 2) {
+            break;
+        }
+        assert!(!st.state.is_terminal(), "{st:?}");
+        assert!(started.elapsed() < Duration::from_secs(60), "{st:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (rt_addr, pid) = (c.runtime.addr.clone(), c.runtime.pid());
+    c.runtime.kill();
+    let t = watch(&mut c, &id, Instant::now(), Duration::from_secs(60));
+    let TrainJobState::Failed { reason, .. } = &t.status.state else {
+        panic!("runtime {pid} killed, yet {:?}", t.status);
+    };
+    assert!(reason.contains(&rt_addr), "{reason}");
+    let (ok, stdout, stderr) = train(&c, &["status", "--job", &id]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.starts_with(&format!("{id}  failed")) && stdout.contains(&rt_addr),
+        "{stdout}"
+    );
+    // The controller keeps serving: once the GPU server's heartbeats have
+    // stopped too, a new job waits for one.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while c
+        .client
+        .list_runtimes()
+        .unwrap()
+        .iter()
+        .any(|r| r.addr == rt_addr && r.alive)
+    {
+        assert!(Instant::now() < deadline, "runtime {rt_addr} stays alive");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let waiting = submit(&c, &spec("next", &gpt, "preduce", 8, 4, 0.01, 10), &[]);
+    let st = status(&mut c.client, &waiting);
+    assert_eq!(st.state, TrainJobState::Pending, "{st:?}");
+    let (ok, _, stderr) = train(&c, &["stop", "--job", &waiting]);
+    assert!(ok, "{stderr}");
+}
