@@ -21,7 +21,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::{deploy, services};
 
-pub use jobs::{render_jobs, JobCommand};
+pub use jobs::{load_spec, render_jobs, JobCommand};
 
 /// `distmind train`: one-process SGD steps on a package (`--model`), or a
 /// distributed job on the cluster (a subcommand).

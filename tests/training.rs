@@ -309,3 +309,76 @@ fn a_killed_gpu_server_fails_its_jobs_naming_it_and_nothing_hangs() {
     let (ok, _, stderr) = train(&c, &["stop", "--job", &waiting]);
     assert!(ok, "{stderr}");
 }
+
+#[test]
+fn up_runs_a_training_job_next_to_the_workload_and_stops_it() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let s = settings_dir();
+    // A 1 x 2 job that would outlast the workload: up stops it.
+    let spec = std::fs::read_to_string(s.join("train_tiny.json"))
+        .unwrap()
+        .replace(r#""iterations": 20"#, r#""iterations": 100000"#);
+    let spec_path = dir.path().join("job.json");
+    std::fs::write(&spec_path, spec).unwrap();
+    let (ok, stdout, stderr) = run(&[
+        "up",
+        "--settings",
+        s.to_str().unwrap(),
+        "--executor",
+        "sim",
+        "--scale",
+        "tiny",
+        "--system",
+        "distmind",
+        "--use-train",
+        "--train-spec",
+        spec_path.to_str().unwrap(),
+        "--devices",
+        "4",
+        "--inference-workload",
+        "2,2,2,2",
+        "--models",
+        "2",
+        "--duration",
+        "3s",
+        "--work-dir",
+        dir.path().to_str().unwrap(),
+    ]);
+    assert!(ok, "distmind up failed:\n{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("up: training job resnet152-tiny-1 submitted"),
+        "{stdout}"
+    );
+    // After the workload: its status (it ran), then its stop.
+    let after = stdout
+        .split("== training job ==")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no training status:\n{stdout}"));
+    assert!(
+        after.contains("model resnet152_train (55 layers)  1 x 2")
+            && after.contains("/100000")
+            && !after.contains("iteration -/"),
+        "it never reported an iteration: {after}"
+    );
+    assert!(
+        stdout.contains("up: training job resnet152-tiny-1: stopped"),
+        "{stdout}"
+    );
+    // Every request was answered or refused with a reason: nothing lost.
+    assert!(stdout.contains("All threads finished."), "{stdout}");
+
+    // Without --use-train the flag is refused, naming what it needs.
+    let (ok, _, stderr) = run(&[
+        "up",
+        "--settings",
+        s.to_str().unwrap(),
+        "--train-spec",
+        spec_path.to_str().unwrap(),
+    ]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("--train-spec needs --use-train"),
+        "{stderr}"
+    );
+}

@@ -210,6 +210,13 @@ pub struct UpArgs {
     /// executor, the original's one SGD step on 96 images, else the runtime's default).
     #[arg(long)]
     pub train_batch: Option<usize>,
+    /// A distributed training job next to the workload (with --use-train): a spec as `train
+    /// submit` takes it (e.g. settings/train_tiny.json), its `model` replaced by the run's
+    /// training model. up submits it once the models are deployed; the controller places its
+    /// stage workers on GPUs inference leaves idle. After the workload up prints its status and
+    /// stops it if it still runs.
+    #[arg(long, value_name = "FILE")]
+    pub train_spec: Option<PathBuf>,
     /// GPUs doing inference in each second of the controller's clock, e.g. 2,1,0,1, each at most
     /// --devices (with --use-train; overrides controller.json's inference_workload_s; emulated
     /// seconds under --emulate-link).
@@ -548,6 +555,15 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
     } else {
         None
     };
+    // The distributed training job, checked before anything starts.
+    let job_spec = match (&args.train_spec, &train) {
+        (Some(path), Some((plan, _))) => {
+            let mut spec = crate::train::load_spec(path, None, &[])?;
+            spec.model = plan.model.clone();
+            Some(spec)
+        }
+        _ => None,
+    };
     for pkg in opened
         .iter()
         .chain(train.as_ref().and_then(|(_, p)| p.as_ref()))
@@ -813,6 +829,11 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
         );
     }
 
+    let job = match job_spec {
+        Some(spec) => Some(training::submit_job(&ctl, &key, spec)?),
+        None => None,
+    };
+
     // 4. Workload.
     let mut ca = loadgen::ClientArgs::with_settings(args.settings.clone());
     ca.addr = Some(dispatcher.clone());
@@ -866,6 +887,9 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
     let report = report?;
     if stop.load(Ordering::Relaxed) {
         bail!("interrupted during the workload; every process was stopped");
+    }
+    if let Some(id) = &job {
+        training::finish_job(&ctl, &key, id)?;
     }
 
     // 5. Metrics, then shutdown.

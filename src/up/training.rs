@@ -3,8 +3,14 @@
 
 use std::path::Path;
 
+use std::time::{Duration, Instant};
+
 use anyhow::{bail, Context};
+use distmind_common::handshake::ClusterKey;
+use distmind_common::proto::{ControllerReply, ControllerRequest, TrainJobStatus};
+use distmind_common::train_spec::JobSpec;
 use distmind_controller::policy::zipf::Zipf;
+use distmind_controller::ControllerClient;
 use distmind_models::{Family, Package, Scale};
 use distmind_runtime::exec::ExecutorKind;
 use distmind_runtime::profile::Profile;
@@ -81,6 +87,7 @@ pub fn check_flags(args: &UpArgs, system: System) -> anyhow::Result<()> {
         for (flag, given) in [
             ("--train-model", args.train_model.is_some()),
             ("--train-batch", args.train_batch.is_some()),
+            ("--train-spec", args.train_spec.is_some()),
             ("--inference-workload", args.inference_workload.is_some()),
         ] {
             if given {
@@ -107,6 +114,70 @@ pub fn check_flags(args: &UpArgs, system: System) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Submits the run's distributed training job; returns its id.
+pub fn submit_job(ctl: &str, key: &ClusterKey, spec: JobSpec) -> anyhow::Result<String> {
+    let mut c = ControllerClient::connect(ctl, key, JOB_CALL_TIMEOUT)
+        .with_context(|| format!("cannot reach the controller at {ctl}"))?;
+    let reply = c
+        .request(&ControllerRequest::TrainSubmit {
+            spec: Box::new(spec),
+        })
+        .context("submitting the training job (--train-spec)")?;
+    let ControllerReply::TrainSubmitted { job } = reply else {
+        bail!("the controller answered a training submit with {reply:?}");
+    };
+    println!("up: training job {} submitted", job.id);
+    print!("{}", crate::train::render_jobs(std::slice::from_ref(&job)));
+    Ok(job.id)
+}
+
+/// After the workload: prints the job's status, and stops it (waiting,
+/// bounded, until every worker heard) if it still runs.
+pub fn finish_job(ctl: &str, key: &ClusterKey, id: &str) -> anyhow::Result<()> {
+    let mut c = ControllerClient::connect(ctl, key, JOB_CALL_TIMEOUT)
+        .with_context(|| format!("cannot reach the controller at {ctl}"))?;
+    let mut status = || -> anyhow::Result<TrainJobStatus> {
+        match c.request(&ControllerRequest::TrainStatus {
+            job: Some(id.to_string()),
+        })? {
+            ControllerReply::TrainJobs { mut jobs } if jobs.len() == 1 => Ok(jobs.remove(0)),
+            r => bail!("the controller answered a training status with {r:?}"),
+        }
+    };
+    let job = status()?;
+    println!("\n== training job ==");
+    print!("{}", crate::train::render_jobs(std::slice::from_ref(&job)));
+    if job.state.is_terminal() {
+        return Ok(());
+    }
+    let mut c2 = ControllerClient::connect(ctl, key, JOB_CALL_TIMEOUT)?;
+    c2.request(&ControllerRequest::TrainStop {
+        job: id.to_string(),
+    })
+    .with_context(|| format!("stopping the training job {id}"))?;
+    let deadline = Instant::now() + JOB_STOP_WAIT;
+    loop {
+        let job = status()?;
+        if job.state.is_terminal() {
+            println!("up: training job {id}: {}", job.state.name());
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            println!(
+                "up: training job {id} still {} after {JOB_STOP_WAIT:?}; its GPU server stops with the cluster",
+                job.state.name()
+            );
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Bounds each controller call about the training job.
+const JOB_CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long up waits for the training job's workers to hear a stop.
+const JOB_STOP_WAIT: Duration = Duration::from_secs(30);
 
 /// Which model trains: `--train-model` when it names one of `models` (the
 /// workload's), else up's own `<family>_train`.
