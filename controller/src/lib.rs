@@ -25,6 +25,7 @@
 //! * [`state`]: catalog + registries + jobs + sync groups, one request applied
 //!   at a time (no IO; deferred replies and driver actions as values).
 //! * [`placement`]: how a model's groups are sharded over memory servers (pure).
+//! * [`prep`]: SOPHON's per-sample preprocessing offload planner (pure).
 //! * [`server`]: the tokio listener, connection handling and expiry task.
 //! * [`client`]: the blocking client used by the deploy tool, benches and tests.
 //!
@@ -42,6 +43,7 @@ pub mod jobs;
 pub mod oip;
 pub mod placement;
 pub mod policy;
+pub mod prep;
 pub mod registry;
 pub mod runtimes;
 pub mod server;
