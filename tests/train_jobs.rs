@@ -325,6 +325,7 @@ async fn serve_fake(mut s: tokio::net::TcpStream, asked: mpsc::Sender<Asked>) {
                     pipeline: a.pipeline,
                     stage: a.stage,
                     data_addr: data_addr(a.pipeline * a.spec.stages + a.stage),
+                    layer_checksums: Vec::new(),
                 };
                 let _ = asked.send(Asked::Stage(assignment));
                 reply
