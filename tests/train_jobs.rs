@@ -172,6 +172,95 @@ fn jobs_run_on_the_gpu_servers_and_refuse_bad_specs() {
     );
 }
 
+/// DynPipe carried out on a real GPU server: 1 x 3 stage workers of tiny
+/// ResNet-152 on the cpu executor; stage 1 turns 3x slower at iteration 4,
+/// the monitor (window 2, baseline at 4) triggers at 6 and the job drains,
+/// checkpoints pipeline 0's stages to the memory server, and generation 1
+/// reloads them on the new partition and runs to the end.
+#[test]
+fn dynpipe_repartitions_a_running_job_through_a_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pkgs = gen_tiny(tmp.path(), "resnet152", 1, 64 << 10);
+    let pkg = Package::open(&pkgs[0]).unwrap();
+    let model = pkg.manifest.name.clone();
+    let controller = spawn_controller();
+    let _ms = spawn_memserver(&controller.addr, "64MiB");
+    wait_alive(&controller.addr, 1);
+    let (ok, _, stderr) = deploy(&controller.addr, &[], &pkgs);
+    assert!(ok, "{stderr}");
+    let runtime = spawn_runtime(
+        &controller.addr,
+        &["--devices", "0,1,2", "--cache", "128MiB"],
+    );
+    wait_runtime_alive(&controller.addr, &runtime.addr);
+    let key = cluster_key();
+    let mut c = ControllerClient::connect(&controller.addr, &key, Duration::from_secs(5)).unwrap();
+
+    let spec = spec_json(
+        "dyn",
+        &model,
+        r#", "dynamic": {"enabled": true, "window": 2, "baseline_at": 4, "delay": 2},
+            "interference": {"slowdowns": [{"stage": 1, "factor": 3.0, "at_iteration": 4}]}"#,
+    )
+    .replace(
+        r#""stages": 2, "iterations": 3"#,
+        r#""stages": 3, "iterations": 12"#,
+    )
+    .replace(
+        r#""batch": 4, "microbatches": 2"#,
+        r#""batch": 6, "microbatches": 3"#,
+    );
+    let path = write(tmp.path(), "dyn.json", &spec);
+    let (ok, stdout, stderr) = train(&controller.addr, &["submit", "--spec", &path]);
+    assert!(ok, "submit failed: {stderr}");
+    assert!(stdout.starts_with("submitted dyn-1"), "{stdout}");
+    let first = status(&mut c, "dyn-1").partition;
+
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let mut saw_repartitioning = false;
+    let done = loop {
+        let st = status(&mut c, "dyn-1");
+        saw_repartitioning |= st.state == TrainJobState::Repartitioning;
+        if st.state.is_terminal() {
+            break st;
+        }
+        assert!(Instant::now() < deadline, "the job stays {st:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(done.state, TrainJobState::Finished, "{done:?}");
+    assert!(saw_repartitioning, "the job re-partitioned: {done:?}");
+    // Exactly one re-partitioning: generation 1, on the decision's
+    // partition, which moved layers.
+    assert_eq!(done.generation, 1, "{done:?}");
+    let d = done.repartition.as_ref().expect("DynPipe's decision");
+    assert_eq!(d.generation, 0);
+    assert_eq!(d.old_partition, first);
+    assert_ne!(d.new_partition, first);
+    assert_eq!(done.partition, d.new_partition);
+    // The checkpoint: written by the 3 stages, put in the catalog,
+    // reloaded bit for bit by the new partition's workers.
+    let ck = done.checkpoint.as_ref().expect("the checkpoint");
+    assert_eq!(ck.model, "dyn-1-g1");
+    assert_eq!(ck.generation, 0);
+    assert!(ck.after_iteration >= d.at_iteration && ck.after_iteration < 12);
+    assert!(ck.catalog_version.is_some(), "{ck:?}");
+    let written = ck.written.expect("every stage wrote its part");
+    assert_eq!(ck.loaded, vec![Some(written)], "reloaded params differ");
+    let e = c.get_model("dyn-1-g1").unwrap();
+    assert_eq!(e.groups.len(), 3, "one group per drained stage");
+    // Generation 1 ran from the drained iteration to the end.
+    for s in &done.stages {
+        assert_eq!(s.iteration, Some(12), "{s:?}");
+    }
+    let (ok, stdout, stderr) = train(&controller.addr, &["status", "--job", "dyn-1"]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains(&format!("partition {:?} (generation 1)", d.new_partition))
+            && stdout.contains("checkpoint: dyn-1-g1"),
+        "{stdout}"
+    );
+}
+
 /// Polls the job's status until `done` says so (bounded, no fixed sleep).
 fn wait_job(
     c: &mut ControllerClient,
@@ -325,6 +414,7 @@ async fn serve_fake(mut s: tokio::net::TcpStream, asked: mpsc::Sender<Asked>) {
                     pipeline: a.pipeline,
                     stage: a.stage,
                     data_addr: data_addr(a.pipeline * a.spec.stages + a.stage),
+                    layer_checksums: Vec::new(),
                 };
                 let _ = asked.send(Asked::Stage(assignment));
                 reply

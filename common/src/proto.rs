@@ -331,6 +331,22 @@ pub enum ControllerRequest {
         loss: Option<f64>,
         samples: u64,
     },
+    /// A drained stage worker of pipeline 0 wrote its layers' weights as
+    /// group `group.index` (= `stage`) of the checkpoint model `model`
+    /// (generation `generation`, after `iteration` iterations; see
+    /// [`DrainOrder`]); `layer_checksums`: per layer of the stage, in
+    /// order, the checksum of its params' f32 bytes. Replies
+    /// `TrainReported`.
+    TrainCheckpointed {
+        job: String,
+        generation: u64,
+        pipeline: u32,
+        stage: u32,
+        iteration: u64,
+        model: String,
+        group: GroupLocation,
+        layer_checksums: Vec<u64>,
+    },
     /// A stage worker cannot go on: the job fails naming this stage and the
     /// reason. Replies `TrainReported` (with `stop`).
     TrainFailed {
@@ -451,11 +467,16 @@ pub enum ControllerReply {
         job: Box<TrainJobStatus>,
     },
     /// A report was taken. `stop`: the worker stops now (the job is
-    /// stopping, stopped, failed or finished).
+    /// stopping, stopped, failed or finished). `drain`: the job is
+    /// re-partitioning; the worker stops once it completed
+    /// `drain.after_iteration` iterations (writing its checkpoint first
+    /// when `drain.checkpoint` names one).
     TrainReported {
         job: String,
         state: TrainJobState,
         stop: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        drain: Option<DrainOrder>,
     },
     /// The group a `TrainGroupReady` joined: the pipelines whose stage
     /// replicas average their weights now, sorted, the asker included (a
@@ -558,6 +579,45 @@ pub struct TrainJobStatus {
     /// the straggler monitor triggers one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub repartition: Option<RepartitionDecision>,
+    /// The last re-partitioning's checkpoint (written and reloaded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<CheckpointStatus>,
+}
+
+/// A re-partitioning's drain, as the reply to a report tells a worker of
+/// the current generation: stop after completing `after_iteration`
+/// iterations (every pipeline at the same one, so replicas stay
+/// consistent); a worker of pipeline 0 first writes its layers' weights
+/// as group `stage` of the checkpoint model `checkpoint`, whose layout is
+/// the job's model's with one group per stage of `partition` (the
+/// partition drained), and says so with `TrainCheckpointed`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DrainOrder {
+    pub after_iteration: u64,
+    pub generation: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<String>,
+    pub partition: Vec<u32>,
+}
+
+/// A re-partitioning's checkpoint as `train status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointStatus {
+    /// The checkpoint model in the catalog, and its version once put.
+    pub model: String,
+    #[serde(default)]
+    pub catalog_version: Option<u64>,
+    /// The generation drained, and the iterations it completed.
+    pub generation: u64,
+    pub after_iteration: u64,
+    /// The checksum (xxh3 over the per-layer checksums, in layer order) of
+    /// the params written, once every stage wrote its part.
+    #[serde(default)]
+    pub written: Option<u64>,
+    /// The same over the params each pipeline of the next generation
+    /// loaded, by pipeline, once every worker of that pipeline was ready.
+    #[serde(default)]
+    pub loaded: Vec<Option<u64>>,
 }
 
 /// A re-partitioning DynPipe's monitor triggered and the re-partitioner
@@ -1029,6 +1089,11 @@ pub enum RuntimeReply {
         pipeline: u32,
         stage: u32,
         data_addr: String,
+        /// Per layer of the stage, in order, the checksum of the params
+        /// loaded (their f32 bytes): how a re-partitioning checks the
+        /// reload against the checkpoint.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        layer_checksums: Vec<u64>,
     },
     /// A `TrainStageStart` took: links connected, iterations running.
     TrainStageStarted {
@@ -1180,6 +1245,21 @@ mod tests {
                 stage: 1,
                 reason: "out of memory".into(),
             },
+            ControllerRequest::TrainCheckpointed {
+                job: "j-1".into(),
+                generation: 0,
+                pipeline: 0,
+                stage: 1,
+                iteration: 12,
+                model: "j-1-g1".into(),
+                group: GroupLocation {
+                    index: 1,
+                    bytes: 4096,
+                    checksum: "00000000000000ff".into(),
+                    slices: Vec::new(),
+                },
+                layer_checksums: vec![1, u64::MAX],
+            },
         ];
         for r in reqs {
             let s = serde_json::to_string(&r).unwrap();
@@ -1223,6 +1303,21 @@ mod tests {
             job: "j-1".into(),
             state: failed,
             stop: true,
+            drain: None,
+        };
+        let s = serde_json::to_string(&reply).unwrap();
+        assert_eq!(serde_json::from_str::<ControllerReply>(&s).unwrap(), reply);
+        assert!(!s.contains("drain"), "{s}");
+        let reply = ControllerReply::TrainReported {
+            job: "j-1".into(),
+            state: TrainJobState::Repartitioning,
+            stop: false,
+            drain: Some(DrainOrder {
+                after_iteration: 12,
+                generation: 0,
+                checkpoint: Some("j-1-g1".into()),
+                partition: vec![3, 2],
+            }),
         };
         let s = serde_json::to_string(&reply).unwrap();
         assert_eq!(serde_json::from_str::<ControllerReply>(&s).unwrap(), reply);

@@ -29,18 +29,22 @@
 //! ([`start_requests`], [`start_link_requests`], [`stop_requests`]) and
 //! feeds the answers back here. With `dynamic.enabled`, reports feed
 //! DynPipe's monitor and a triggered re-partition is planned and recorded
-//! ([`dynpipe`]).
+//! ([`dynpipe`]), then carried out: drain, checkpoint, the next generation
+//! ([`repartition`]).
 
+pub mod checkpoint;
 pub mod dynpipe;
 mod job;
 pub mod launch;
 pub mod placement;
+pub mod repartition;
 mod requests;
 
-pub use dynpipe::{plan_repartition, repartition_actions, RepartitionAction, RepartitionInput};
+pub use dynpipe::{plan_repartition, RepartitionInput};
 use job::StageProgress;
 pub use job::{Job, Received, ReportOutcome, StageReport};
 pub use launch::{Launch, LaunchStep};
+pub use repartition::{CheckpointParts, Drain, DrainPhase};
 pub use requests::{
     start_link_requests, start_requests, start_requests_with, stop_requests, StageRequest,
 };
@@ -313,6 +317,9 @@ impl JobRegistry {
                 stages: (0..workers).map(|_| StageProgress::default()).collect(),
                 dynpipe,
                 repartition: None,
+                drain: None,
+                checkpoint: None,
+                model_now: None,
             },
         );
         Ok(id)
@@ -414,6 +421,7 @@ impl JobRegistry {
                     state: job.state.clone(),
                     stop: true,
                     repartition: None,
+                    drain: None,
                 })
             }
             _ => {}
@@ -431,12 +439,16 @@ impl JobRegistry {
                 state: job.state.clone(),
                 stop: true,
                 repartition: None,
+                drain: None,
             });
         }
-        let repartition = job
-            .dynpipe
-            .as_mut()
-            .and_then(|w| w.observe(r.pipeline, r.stage, r.iteration, r.fwd_bwd_s));
+        let repartition = if job.state == TrainJobState::Repartitioning {
+            None
+        } else {
+            job.dynpipe
+                .as_mut()
+                .and_then(|w| w.observe(r.pipeline, r.stage, r.iteration, r.fwd_bwd_s))
+        };
         if job.state == TrainJobState::Placing && job.stages.iter().all(|s| s.total > 0) {
             job.go(Event::AllReported, TrainJobState::Running, now)?;
         }
@@ -452,13 +464,21 @@ impl JobRegistry {
             state: job.state.clone(),
             stop: job.state.is_terminal(),
             repartition,
+            drain: job.drain_order(r.pipeline),
         })
     }
 
     /// Records DynPipe's decision for `id` (of the generation it was made
-    /// in; a decision for another one is dropped). Returns whether it was
-    /// kept.
-    pub fn record_repartition(&mut self, id: &str, decision: RepartitionDecision) -> bool {
+    /// in; a decision for another one is dropped) and, while the job runs,
+    /// starts carrying it out ([`repartition`]: running ->
+    /// repartitioning) unless it keeps the partition or comes too late (the
+    /// log says why). Returns whether it was kept.
+    pub fn record_repartition(
+        &mut self,
+        id: &str,
+        decision: RepartitionDecision,
+        now: Instant,
+    ) -> bool {
         let Ok(job) = self.get_mut(id) else {
             return false;
         };
@@ -466,7 +486,7 @@ impl JobRegistry {
             return false;
         }
         log::info!(
-            "training job {id}: DynPipe would re-partition {:?} -> {:?} before iteration {} \
+            "training job {id}: DynPipe decided to re-partition {:?} -> {:?} before iteration {} \
              (decided at {}; stage ratios {:?}; predicted {:.6} s per microbatch, now {:.6} s; layer costs by {})",
             decision.old_partition,
             decision.new_partition,
@@ -477,6 +497,9 @@ impl JobRegistry {
             decision.current_s_per_microbatch,
             decision.layer_costs,
         );
+        if let Err(why) = job.begin_drain(&decision, now) {
+            log::info!("training job {id}: the re-partitioning is not carried out: {why}");
+        }
         job.repartition = Some(decision);
         true
     }

@@ -391,6 +391,7 @@ impl ControllerState {
                             job,
                             state: o.state,
                             stop: o.stop,
+                            drain: o.drain,
                         })
                     }
                     Err(e) => ErrorReply::from(e).into(),
@@ -406,8 +407,40 @@ impl ControllerState {
                     job,
                     state,
                     stop: true,
+                    drain: None,
                 }),
                 Err(e) => ErrorReply::from(e).into(),
+            },
+            ControllerRequest::TrainCheckpointed {
+                job,
+                generation,
+                pipeline,
+                stage,
+                iteration,
+                model,
+                group,
+                layer_checksums,
+            } => match self.train_checkpointed(
+                &job,
+                generation,
+                pipeline,
+                stage,
+                iteration,
+                &model,
+                group,
+                layer_checksums,
+                now,
+            ) {
+                Ok(state) => Outcome::Reply(ControllerReply::TrainReported {
+                    stop: state.is_terminal(),
+                    job,
+                    state,
+                    drain: None,
+                }),
+                Err(e) => {
+                    log::warn!("training job {job}: a checkpoint part refused: {e}");
+                    ErrorReply::from(e).into()
+                }
             },
             ControllerRequest::TrainGroupReady {
                 job,

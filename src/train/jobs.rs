@@ -244,6 +244,22 @@ pub fn render_jobs(jobs: &[TrainJobStatus]) -> String {
                 d.layer_costs,
             );
         }
+        if let Some(c) = &j.checkpoint {
+            let hex = |v: Option<u64>| v.map_or_else(|| "-".to_string(), |v| format!("{v:016x}"));
+            let loaded: Vec<String> = c.loaded.iter().map(|&v| hex(v)).collect();
+            let _ = writeln!(
+                out,
+                "  checkpoint: {} (catalog version {}) of generation {} after iteration {}; \
+                 params written {}, loaded [{}]",
+                c.model,
+                c.catalog_version
+                    .map_or_else(|| "-".to_string(), |v| v.to_string()),
+                c.generation,
+                c.after_iteration,
+                hex(c.written),
+                loaded.join(", "),
+            );
+        }
         let mut rows = vec![[
             "pipeline",
             "stage",
@@ -346,6 +362,7 @@ mod tests {
             stages: vec![stage(0, true), stage(1, true)],
             group_asks_waiting: 0,
             repartition: None,
+            checkpoint: None,
         }
     }
 

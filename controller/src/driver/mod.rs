@@ -113,7 +113,7 @@ impl Driver {
                 },
                 Some(done) = self.plans.join_next(), if !self.plans.is_empty() => match done {
                     Ok((job, generation, decision)) => {
-                        lock(&self.state).repartition_planned(&job, generation, decision)
+                        lock(&self.state).repartition_planned(&job, generation, decision, Instant::now())
                     }
                     Err(e) => log::error!("training driver: a DynPipe plan failed: {e}"),
                 },

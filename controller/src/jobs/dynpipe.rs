@@ -1,10 +1,10 @@
-//! DynPipe in the controller (decision only): a job's stage times, from its
+//! DynPipe's decision in the controller: a job's stage times, from its
 //! workers' reports, go to a [`StragglerMonitor`]; when the monitor
 //! schedules a re-partition, [`plan_repartition`] chooses the new partition
 //! with the re-partitioner ([`repartition`]) and the job records the
-//! decision, which `train status` shows. Applying it (drain, checkpoint to
-//! the memory servers, reload on the new partition) comes with the runtime
-//! side: [`repartition_actions`] says what it would send.
+//! decision, which `train status` shows, and carries it out (drain,
+//! checkpoint to the memory servers, reload on the new partition:
+//! [`super::repartition`]).
 //!
 //! * **Stage times.** One time per stage per iteration: the slowest of the
 //!   stage's replicas (the partition is one for every pipeline, and the
@@ -31,14 +31,12 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use distmind_common::proto::{LayerRange, ModelEntry, RepartitionDecision};
-use distmind_common::train_spec::{layer_ranges, JobSpec, SpecError};
+use distmind_common::proto::{ModelEntry, RepartitionDecision};
+use distmind_common::train_spec::{JobSpec, SpecError};
 use distmind_models::flops::manifest_flops;
 use distmind_models::Manifest;
 use serde::Deserialize;
 
-use super::requests::{start_requests_with, stop_requests, StageRequest};
-use super::Job;
 use crate::training::{
     repartition, LayerCost, MeasuredRatio, MonitorConfig, RepartitionOptions, StragglerMonitor,
 };
@@ -320,81 +318,6 @@ pub fn plan_repartition(input: &RepartitionInput) -> Result<RepartitionDecision,
 
 /// Longest `layer_costs` note kept in a decision.
 pub const LAYER_COSTS_NOTE_BYTES_MAX: usize = 256;
-
-/// One step of applying a re-partitioning decision.
-#[derive(Debug, Clone, PartialEq)]
-pub enum RepartitionAction {
-    /// Stop the current generation's worker once it completed
-    /// `after_iteration` iterations: its pipeline drains (1F1B finishes the
-    /// microbatches in flight), weights stashed for them included.
-    Drain {
-        request: StageRequest,
-        after_iteration: u64,
-    },
-    /// The drained worker writes its layers' weights (and optimizer state)
-    /// to the memory servers, where the new generation's workers read
-    /// them over the DistMind data path.
-    Checkpoint {
-        pipeline: u32,
-        stage: u32,
-        runtime: u32,
-        layers: LayerRange,
-    },
-    /// The new generation's worker, on the new partition, from
-    /// `after_iteration` (the same two-step start as a new job's).
-    Start(StageRequest),
-}
-
-/// What applying `decision` to `job` would take, in order: every worker
-/// drained, every worker's layers checkpointed, every worker of generation
-/// `generation + 1` started on the new partition from the decision's
-/// iteration; request ids from `first_id`. Not carried out yet: the drain,
-/// checkpoint and reload protocol comes with the runtime side (the
-/// registry's `begin_repartition` / `finish_repartition` frame it). Empty
-/// when the decision keeps the partition or is of another generation.
-pub fn repartition_actions(
-    job: &Job,
-    decision: &RepartitionDecision,
-    first_id: u64,
-) -> Vec<RepartitionAction> {
-    if decision.generation != job.generation || decision.new_partition == job.partition {
-        return Vec::new();
-    }
-    let n = job.placement.len() as u64;
-    let ranges = layer_ranges(&job.partition);
-    let mut out: Vec<RepartitionAction> = stop_requests(job, first_id)
-        .into_iter()
-        .map(|request| RepartitionAction::Drain {
-            request,
-            after_iteration: decision.at_iteration,
-        })
-        .collect();
-    out.extend(job.placement.iter().enumerate().map(|(i, at)| {
-        let stage = i as u32 % job.spec.stages;
-        let r = &ranges[stage as usize];
-        RepartitionAction::Checkpoint {
-            pipeline: i as u32 / job.spec.stages,
-            stage,
-            runtime: at.runtime,
-            layers: LayerRange {
-                first: r.start,
-                end: r.end,
-            },
-        }
-    }));
-    out.extend(
-        start_requests_with(
-            job,
-            &decision.new_partition,
-            job.generation + 1,
-            decision.at_iteration,
-            first_id + n,
-        )
-        .into_iter()
-        .map(RepartitionAction::Start),
-    );
-    out
-}
 
 #[cfg(test)]
 #[path = "dynpipe_tests.rs"]

@@ -5,7 +5,8 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use distmind_common::proto::{
-    LayerRange, RepartitionDecision, StagePlacement, StageStatus, TrainJobState, TrainJobStatus,
+    CheckpointStatus, DrainOrder, LayerRange, RepartitionDecision, StagePlacement, StageStatus,
+    TrainJobState, TrainJobStatus,
 };
 use distmind_common::train_spec::{layer_ranges, JobSpec};
 
@@ -41,6 +42,8 @@ pub struct ReportOutcome {
     /// DynPipe's monitor scheduled a re-partition with this report: plan it
     /// ([`super::plan_repartition`]) and record the decision.
     pub repartition: Option<Trigger>,
+    /// The job is draining for a re-partitioning: what the worker does.
+    pub drain: Option<DrainOrder>,
 }
 
 #[derive(Debug, Default)]
@@ -54,6 +57,8 @@ pub(super) struct StageProgress {
     pub(super) launch: Launch,
     /// Its `TrainStageStop` went out.
     pub(super) stop_sent: bool,
+    /// Its loaded layers' checksums, as its ready answer gave them.
+    pub(super) loaded: Option<Vec<u64>>,
 }
 
 /// One job as the registry keeps it.
@@ -77,6 +82,13 @@ pub struct Job {
     pub(super) dynpipe: Option<DynPipeWatch>,
     /// DynPipe's last decision.
     pub(super) repartition: Option<RepartitionDecision>,
+    /// The re-partitioning under way.
+    pub(super) drain: Option<super::repartition::Drain>,
+    /// The last re-partitioning's checkpoint.
+    pub(super) checkpoint: Option<CheckpointStatus>,
+    /// The checkpoint the current generation loads (`None`: the job's
+    /// model as submitted).
+    pub(super) model_now: Option<(String, u64)>,
 }
 
 impl Job {
@@ -135,8 +147,25 @@ impl Job {
         (pipeline * self.spec.stages + stage) as usize
     }
 
-    /// The first iteration every stage still has to run.
+    /// Whether its workers are being started: placing, or the start of a
+    /// re-partitioning's next generation.
+    pub(super) fn starting(&self) -> bool {
+        match self.state {
+            TrainJobState::Placing => true,
+            TrainJobState::Repartitioning => self
+                .drain
+                .as_ref()
+                .is_some_and(|d| d.phase == super::repartition::DrainPhase::Starting),
+            _ => false,
+        }
+    }
+
+    /// The first iteration every stage still has to run (a
+    /// re-partitioning's: the drained one).
     pub(super) fn resume_iteration(&self) -> u64 {
+        if let Some(d) = &self.drain {
+            return d.after_iteration;
+        }
         self.stages
             .iter()
             .map(|s| s.reports.back().map_or(0, |r| r.report.iteration))
@@ -251,6 +280,7 @@ impl Job {
             stages,
             group_asks_waiting: 0,
             repartition: self.repartition.clone(),
+            checkpoint: self.checkpoint.clone(),
         }
     }
 }

@@ -101,7 +101,9 @@ impl JobRegistry {
     }
 
     /// Worker (`pipeline`, `stage`) of `generation` answered
-    /// `TrainStageReady` with `data_addr`.
+    /// `TrainStageReady` with `data_addr` and its loaded layers'
+    /// checksums.
+    #[allow(clippy::too_many_arguments)]
     pub fn stage_ready(
         &mut self,
         id: &str,
@@ -109,14 +111,12 @@ impl JobRegistry {
         pipeline: u32,
         stage: u32,
         data_addr: &str,
+        layer_checksums: &[u64],
         now: Instant,
     ) -> Result<LaunchStep, JobError> {
         let job = self.get_mut(id)?;
         let i = job.check_stage(pipeline, stage)?;
-        if generation != job.generation
-            || job.state != TrainJobState::Placing
-            || job.stages[i].launch != Launch::Sent
-        {
+        if generation != job.generation || !job.starting() || job.stages[i].launch != Launch::Sent {
             return Ok(LaunchStep::Stale);
         }
         if data_addr.is_empty() || data_addr.len() > NAME_BYTES_MAX {
@@ -130,6 +130,10 @@ impl JobRegistry {
         job.stages[i].launch = Launch::Ready {
             data_addr: data_addr.to_string(),
         };
+        job.stages[i].loaded = Some(layer_checksums.to_vec());
+        if job.state == TrainJobState::Repartitioning {
+            JobRegistry::note_loaded(job);
+        }
         Ok(
             if job
                 .stages
@@ -158,8 +162,7 @@ impl JobRegistry {
         let Launch::StartSent { data_addr } = &job.stages[i].launch else {
             return Ok(LaunchStep::Stale);
         };
-        if generation != job.generation
-            || !matches!(job.state, TrainJobState::Placing | TrainJobState::Running)
+        if generation != job.generation || !(job.starting() || job.state == TrainJobState::Running)
         {
             return Ok(LaunchStep::Stale);
         }
@@ -175,6 +178,8 @@ impl JobRegistry {
         }
         if job.state == TrainJobState::Placing {
             job.go(Event::AllStarted, TrainJobState::Running, now)?;
+        } else if job.state == TrainJobState::Repartitioning {
+            JobRegistry::repartitioned(job, now)?;
         }
         Ok(LaunchStep::AllStarted)
     }

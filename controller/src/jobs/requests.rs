@@ -67,8 +67,8 @@ pub fn start_requests_with(
                 pipeline,
                 stage,
                 device: at.device,
-                model: job.spec.model.clone(),
-                catalog_version: job.catalog_version,
+                model: job.model_now().0.to_string(),
+                catalog_version: job.model_now().1,
                 layers: LayerRange {
                     first: r.start,
                     end: r.end,

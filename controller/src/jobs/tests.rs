@@ -2,7 +2,7 @@
 //! failures, bounds and the stage requests.
 
 use super::*;
-use distmind_common::proto::{DeviceUse, RuntimeRequest, StagePeer};
+use distmind_common::proto::{DeviceUse, DrainOrder, GroupLocation, RuntimeRequest, StagePeer};
 
 const MS: Duration = Duration::from_millis(1);
 
@@ -488,4 +488,140 @@ fn stage_requests_carry_everything_a_worker_needs() {
     let mut r = JobRegistry::new();
     let id = r.submit(spec("p", 1, 1), 10, 1, t0).unwrap();
     assert!(start_requests(r.get(&id).unwrap(), 0).is_empty());
+}
+
+/// A written checkpoint group, as a worker's `TrainCheckpointed` says.
+fn part(stage: u32) -> GroupLocation {
+    GroupLocation {
+        index: stage,
+        bytes: 4096,
+        checksum: format!("{:016x}", stage + 1),
+        slices: Vec::new(),
+    }
+}
+
+#[test]
+fn a_repartitioning_drains_checkpoints_stops_and_starts_the_next_generation() {
+    let t0 = Instant::now();
+    let mut r = JobRegistry::new();
+    let mut sp = spec("j", 2, 2);
+    sp.iterations = 10;
+    let id = r.submit(sp, 10, 7, t0).unwrap();
+    r.place(&id, placement(4), t0).unwrap();
+    let workers = [(0, 0), (0, 1), (1, 0), (1, 1)];
+    r.launch_sent(&id).unwrap();
+    for (p, s) in workers {
+        let addr = format!("10.0.0.9:{}", 4000 + p * 2 + s);
+        r.stage_ready(&id, 0, p, s, &addr, &[], t0).unwrap();
+    }
+    r.start_sent(&id).unwrap();
+    for (p, s) in workers {
+        r.stage_started(&id, 0, p, s, t0).unwrap();
+    }
+    for (p, s) in workers {
+        r.report(&id, report(p, s, 3), t0).unwrap();
+    }
+    let old = r.get(&id).unwrap().partition().to_vec();
+    let decision = RepartitionDecision {
+        generation: 0,
+        decided_at_iteration: 1,
+        at_iteration: 2,
+        ratios: vec![1.0, 3.0],
+        stragglers: vec![1],
+        old_partition: old.clone(),
+        new_partition: vec![7, 3],
+        predicted_s_per_microbatch: 0.1,
+        current_s_per_microbatch: 0.2,
+        layer_costs: "layers".into(),
+    };
+    // The plan came late: every worker reported 3, so all stop after 4.
+    assert!(r.record_repartition(&id, decision, t0));
+    assert_eq!(state(&r, &id), TrainJobState::Repartitioning);
+    let name = format!("{id}-g1");
+    for (p, s) in workers {
+        let o = r.report(&id, report(p, s, 4), t0).unwrap();
+        assert!(!o.stop);
+        assert_eq!(
+            o.drain,
+            Some(DrainOrder {
+                after_iteration: 4,
+                generation: 0,
+                checkpoint: (p == 0).then(|| name.clone()),
+                partition: old.clone(),
+            })
+        );
+    }
+    // Only pipeline 0's parts, of the drained iteration, one per stage.
+    let bad = [
+        r.checkpointed(&id, 0, 1, 0, 4, &name, part(0), vec![1; 5]),
+        r.checkpointed(&id, 0, 0, 0, 3, &name, part(0), vec![1; 5]),
+        r.checkpointed(&id, 0, 0, 0, 4, "other", part(0), vec![1; 5]),
+        r.checkpointed(&id, 0, 0, 0, 4, &name, part(1), vec![1; 5]),
+        r.checkpointed(&id, 0, 0, 0, 4, &name, part(0), vec![1; 4]),
+        r.checkpointed(&id, 1, 0, 0, 4, &name, part(0), vec![1; 5]),
+    ];
+    for e in bad {
+        assert!(matches!(e, Err(JobError::BadReport { .. })), "{e:?}");
+    }
+    assert_eq!(
+        r.checkpointed(&id, 0, 0, 0, 4, &name, part(0), vec![1; 5]),
+        Ok(None)
+    );
+    let parts = r
+        .checkpointed(&id, 0, 0, 1, 4, &name, part(1), vec![2; 5])
+        .unwrap()
+        .expect("every part written");
+    assert_eq!(parts.base, ("m".to_string(), 7));
+    assert_eq!(parts.partition, old);
+    assert_eq!(parts.groups, vec![part(0), part(1)]);
+    let written = checkpoint::combine(&[1, 1, 1, 1, 1, 2, 2, 2, 2, 2]);
+    // In the catalog: every drained worker is told to stop; the last
+    // answer starts generation 1.
+    assert!(r.checkpoint_put(&id, 9));
+    assert_eq!(r.take_stop_requests(&id, 100, None).len(), 4);
+    for (i, (p, s)) in workers.into_iter().enumerate() {
+        assert_eq!(r.drained_worker_stopped(&id, 0, p, s), i == 3);
+    }
+    r.start_next_generation(&id).unwrap();
+    let job = r.get(&id).unwrap();
+    assert_eq!((job.generation(), job.partition()), (1, &[7, 3][..]));
+    for req in start_requests(job, 200) {
+        match req.request {
+            RuntimeRequest::TrainStage { assignment: a, .. } => {
+                assert_eq!((a.model.as_str(), a.catalog_version), (&*name, 9));
+                assert_eq!((a.generation, a.start_iteration), (1, 4));
+                assert_eq!(a.partition, vec![7, 3]);
+            }
+            r => panic!("{r:?}"),
+        }
+    }
+    // The new workers load what was written (checksums in their ready
+    // answers), start, and the job runs again.
+    r.launch_sent(&id).unwrap();
+    for (p, s) in workers {
+        let sums = if s == 0 {
+            vec![1, 1, 1, 1, 1, 2, 2]
+        } else {
+            vec![2, 2, 2]
+        };
+        let addr = format!("10.0.0.9:{}", 5000 + p * 2 + s);
+        r.stage_ready(&id, 1, p, s, &addr, &sums, t0).unwrap();
+    }
+    let ck = r.get(&id).unwrap().status(t0).checkpoint.unwrap();
+    assert_eq!(ck.written, Some(written));
+    assert_eq!(ck.loaded, vec![Some(written); 2]);
+    assert_eq!((ck.catalog_version, ck.after_iteration), (Some(9), 4));
+    r.start_sent(&id).unwrap();
+    for (p, s) in workers {
+        r.stage_started(&id, 1, p, s, t0).unwrap();
+    }
+    assert_eq!(state(&r, &id), TrainJobState::Running);
+    let o = r.report(&id, report(0, 0, 5), t0).unwrap();
+    assert_eq!((o.stop, o.drain), (false, None));
+    // A decision that keeps the partition is recorded, not carried out.
+    let mut same = r.get(&id).unwrap().repartition().unwrap().clone();
+    same.generation = 1;
+    same.new_partition = vec![7, 3];
+    assert!(r.record_repartition(&id, same, t0));
+    assert_eq!(state(&r, &id), TrainJobState::Running);
 }

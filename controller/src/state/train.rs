@@ -13,6 +13,10 @@
 //!             -> failed (naming the stage and why) + Send Stop to the others
 //! stop        -> Send Stop (TrainStageStop to every worker sent a TrainStage)
 //! DynPipe trigger (a report) -> Plan (off the lock) -> the decision recorded
+//!             -> repartitioning: report replies say drain (`jobs::repartition`)
+//! every checkpoint part written -> the checkpoint in the catalog
+//!             -> Send Stop (TrainStageStop to every drained worker)
+//! all answered -> generation + 1: Send Setup ... as above -> running
 //! ```
 //!
 //! Every change that stops or ends a job also answers its workers' waiting
@@ -22,11 +26,15 @@ use std::collections::{BTreeSet, VecDeque};
 use std::time::Instant;
 
 use distmind_common::proto::{
-    ErrorCode, ErrorReply, RepartitionDecision, RuntimeReply, TrainJobState, TrainJobStatus,
+    ErrorCode, ErrorReply, GroupLocation, ModelEntry, RepartitionDecision, RuntimeReply,
+    TrainJobState, TrainJobStatus,
 };
 use distmind_common::train_spec::JobSpec;
+use distmind_models::Manifest;
+use serde::Deserialize;
 
 use super::ControllerState;
+use crate::jobs::checkpoint::checkpoint_manifest;
 use crate::jobs::{
     self, placement, JobError, LaunchStep, RepartitionInput, StageRequest, JOBS_KEPT_MAX,
 };
@@ -324,6 +332,14 @@ impl ControllerState {
             )
         };
         let step = match (a.phase, &a.reply) {
+            (StagePhase::Stop, _) if self.jobs.drained_worker_stopped(id, generation, p, s) => {
+                // The last drained worker is gone: its device is free.
+                if let Err(e) = &a.reply {
+                    log::warn!("training job {id}: pipeline {p} stage {s}: no answer to its TrainStageStop from {where_}: {e}");
+                }
+                self.start_next_generation(id, now);
+                return;
+            }
             (StagePhase::Stop, Ok(RuntimeReply::Error { error, .. })) => {
                 log::warn!(
                     "training job {id}: pipeline {p} stage {s}: {where_} refused its TrainStageStop: {error}"
@@ -360,10 +376,11 @@ impl ControllerState {
                     pipeline,
                     stage,
                     data_addr,
+                    layer_checksums,
                     ..
-                } if (job.as_str(), *g, *pipeline, *stage) == (id, generation, p, s) => {
-                    self.jobs.stage_ready(id, generation, p, s, data_addr, now)
-                }
+                } if (job.as_str(), *g, *pipeline, *stage) == (id, generation, p, s) => self
+                    .jobs
+                    .stage_ready(id, generation, p, s, data_addr, layer_checksums, now),
                 r => {
                     let reason = wrong(r);
                     self.jobs.stage_refused(id, generation, p, s, &reason, now)
@@ -404,6 +421,122 @@ impl ControllerState {
             self.job_changed(id);
             if after.is_some_and(|s| s.is_terminal()) {
                 self.place_pending(now);
+            }
+        }
+    }
+
+    /// A drained worker of pipeline 0 wrote its checkpoint part; the last
+    /// one puts the checkpoint in the catalog and stops the drained
+    /// generation. A checkpoint that cannot be put fails the job naming
+    /// why.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn train_checkpointed(
+        &mut self,
+        id: &str,
+        generation: u64,
+        pipeline: u32,
+        stage: u32,
+        iteration: u64,
+        model: &str,
+        group: GroupLocation,
+        layer_checksums: Vec<u64>,
+        now: Instant,
+    ) -> Result<TrainJobState, JobError> {
+        let parts = self.jobs.checkpointed(
+            id,
+            generation,
+            pipeline,
+            stage,
+            iteration,
+            model,
+            group,
+            layer_checksums,
+        )?;
+        if let Some(parts) = parts {
+            match self.put_checkpoint(&parts) {
+                Ok(version) => {
+                    log::info!(
+                        "training job {id}: checkpoint {} (catalog version {version}) written \
+                         after iteration {iteration}; stopping the drained workers",
+                        parts.name
+                    );
+                    if self.jobs.checkpoint_put(id, version) {
+                        self.stop_stage_workers(id, None);
+                    }
+                }
+                Err(why) => {
+                    let reason = format!("re-partitioning: checkpoint {}: {why}", parts.name);
+                    return self.train_failed(id, pipeline, stage, &reason, now);
+                }
+            }
+        }
+        Ok(self
+            .jobs
+            .get(id)
+            .map(|j| j.state().clone())
+            .expect("checkpointed looked it up"))
+    }
+
+    /// Puts a checkpoint's catalog entry: the drained model's manifest
+    /// re-cut per stage, with the groups the workers wrote. Returns its
+    /// catalog version.
+    fn put_checkpoint(&mut self, parts: &jobs::CheckpointParts) -> Result<u64, String> {
+        let (base, version) = &parts.base;
+        let entry = self
+            .catalog
+            .get(base)
+            .ok()
+            .filter(|e| e.version == *version)
+            .ok_or_else(|| {
+                format!("model {base} at catalog version {version} is no longer in the catalog")
+            })?;
+        let manifest = Manifest::deserialize(&entry.manifest)
+            .map_err(|e| format!("model {base}'s manifest does not parse: {e}"))?;
+        let sums: Vec<String> = parts.groups.iter().map(|g| g.checksum.clone()).collect();
+        let m = checkpoint_manifest(&manifest, &parts.partition, &parts.name, &sums)?;
+        for (g, want) in parts.groups.iter().zip(&m.groups) {
+            if g.bytes != want.bytes {
+                return Err(format!(
+                    "stage {} wrote {} bytes, its group has {}",
+                    g.index, g.bytes, want.bytes
+                ));
+            }
+        }
+        let ckpt = ModelEntry {
+            name: parts.name.clone(),
+            family: entry.family.clone(),
+            total_bytes: parts.groups.iter().map(|g| g.bytes).sum(),
+            strategy: entry.strategy.clone(),
+            replication: parts
+                .groups
+                .iter()
+                .flat_map(|g| g.slices.iter().map(|s| s.replicas.len() as u32))
+                .min()
+                .unwrap_or(1),
+            version: 0,
+            groups: parts.groups.clone(),
+            manifest: serde_json::to_value(&m).map_err(|e| e.to_string())?,
+        };
+        let registry = &self.registry;
+        self.catalog
+            .put(ckpt, |id| registry.addr(id))
+            .map_err(|e| format!("the catalog refused it: {}", e.message))?;
+        Ok(self
+            .catalog
+            .get(&parts.name)
+            .map(|e| e.version)
+            .expect("just put"))
+    }
+
+    /// Every drained worker of `id` stopped: its next generation starts.
+    fn start_next_generation(&mut self, id: &str, now: Instant) {
+        match self.jobs.start_next_generation(id) {
+            Ok(()) => {
+                self.start_stage_workers(id);
+            }
+            Err(e) => {
+                log::error!("training job {id}: cannot start its next generation: {e}");
+                let _ = self.train_failed(id, 0, 0, &e.to_string(), now);
             }
         }
     }
@@ -496,10 +629,11 @@ impl ControllerState {
         job: &str,
         generation: u64,
         decision: Result<RepartitionDecision, String>,
+        now: Instant,
     ) {
         match decision {
             Ok(d) => {
-                if !self.jobs.record_repartition(job, d) {
+                if !self.jobs.record_repartition(job, d, now) {
                     log::debug!("training job {job}: a re-partitioning decision of generation {generation} dropped: the job moved on");
                 }
             }

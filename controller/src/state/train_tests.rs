@@ -163,6 +163,7 @@ fn ready(r: &StageRequest, job: &str) -> StageAnswer {
         pipeline: r.pipeline,
         stage: r.stage,
         data_addr: format!("10.0.0.9:{}", 40000 + r.pipeline * 10 + r.stage),
+        layer_checksums: Vec::new(),
     };
     answer(r, job, StagePhase::Setup, Ok(reply))
 }
@@ -730,7 +731,7 @@ fn dynpipe_decides_a_repartition_from_reports_and_status_shows_it() {
     assert_eq!(input.trigger.decided_at_iteration, 4);
     // What the driver does off the lock.
     let decision = jobs::plan_repartition(&input);
-    s.repartition_planned(&id, input.generation, decision);
+    s.repartition_planned(&id, input.generation, decision, t0);
     let st = match reply(
         &mut s,
         ControllerRequest::TrainStatus {
@@ -763,32 +764,28 @@ fn dynpipe_decides_a_repartition_from_reports_and_status_shows_it() {
         d.predicted_s_per_microbatch,
         d.current_s_per_microbatch
     );
-    // The monitor decided once; applying it is the later step, whose
-    // actions are named.
-    for it in 5..=8u64 {
-        reply(&mut s, report(0, it, 0.1), t0);
-        reply(&mut s, report(1, it, 0.9), t0);
+    // The monitor decided once; carrying it out drains every worker after
+    // the decision's iteration (the reply to each report says so).
+    let job = s.jobs().get(&id).unwrap();
+    assert_eq!(*job.state(), TrainJobState::Repartitioning);
+    for it in 5..=7u64 {
+        for stage in 0..2 {
+            match reply(&mut s, report(stage, it, 0.9), t0) {
+                ControllerReply::TrainReported {
+                    stop: false,
+                    drain: Some(order),
+                    ..
+                } => {
+                    assert_eq!(order.after_iteration, 7);
+                    assert_eq!(order.checkpoint.as_deref(), Some(&*format!("{id}-g1")));
+                    assert_eq!(order.partition, partition);
+                }
+                r => panic!("{r:?}"),
+            }
+        }
     }
     assert!(
         s.take_train_actions().is_empty(),
         "one decision until applied"
     );
-    let job = s.jobs().get(&id).unwrap();
-    let steps = jobs::repartition_actions(job, job.repartition().unwrap(), 1000);
-    assert_eq!(
-        steps.len(),
-        6,
-        "drain, checkpoint, start per worker: {steps:?}"
-    );
-    match &steps[5] {
-        jobs::RepartitionAction::Start(r) => match &r.request {
-            RuntimeRequest::TrainStage { assignment, .. } => {
-                assert_eq!(assignment.generation, 1);
-                assert_eq!(assignment.partition, d.new_partition);
-                assert_eq!(assignment.start_iteration, 7);
-            }
-            r => panic!("{r:?}"),
-        },
-        a => panic!("{a:?}"),
-    }
 }

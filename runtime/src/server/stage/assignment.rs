@@ -5,6 +5,7 @@
 use distmind_common::limits::NAME_BYTES_MAX;
 use distmind_common::proto::{DataPeer, ErrorCode, StageAssignment};
 use distmind_common::train_spec::{layer_ranges, Optimizer, SpecError, SyncMode};
+use distmind_controller::jobs::checkpoint::checkpoint_name;
 use distmind_models::Manifest;
 
 use super::schedule::in_flight_max;
@@ -98,10 +99,16 @@ pub(crate) fn check(a: &StageAssignment) -> Result<(), Refusal> {
     }
     let spec = &a.spec;
     spec.validate()?;
-    if spec.model != a.model {
+    // The spec's model, or (after a re-partitioning) the checkpoint that
+    // generation loads.
+    let checkpoint = checkpoint_name(&a.job, a.generation);
+    if spec.model != a.model && (a.generation == 0 || a.model != checkpoint) {
         return Err(invalid(
             "model",
-            format!("{:?}, but the spec trains {:?}", a.model, spec.model),
+            format!(
+                "{:?}, but the spec trains {:?} (or, in generation {}, its checkpoint {checkpoint:?})",
+                a.model, spec.model, a.generation
+            ),
         ));
     }
     if let Optimizer::Adam(_) = spec.optimizer {

@@ -110,6 +110,9 @@ pub(crate) enum StageError {
         addr: String,
         why: String,
     },
+    /// A re-partitioning's drain or checkpoint went wrong.
+    #[error("{at}: re-partitioning: {why}")]
+    Checkpoint { at: At, why: String },
     /// The runtime is shutting down: the worker was aborted mid-wait.
     #[error("{at}: the runtime shut down while the worker was {what}")]
     Aborted { at: At, what: &'static str },

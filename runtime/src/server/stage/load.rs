@@ -15,6 +15,7 @@ use distmind_common::proto::{train_job_key, ErrorCode, ErrorReply, StageAssignme
 use distmind_common::train_spec::DataSource;
 
 use super::assignment::check_layers;
+use super::checkpoint::layer_checksums;
 use super::data::Synthetic;
 use super::routing::StageCompute;
 use super::schedule::in_flight_max;
@@ -34,6 +35,8 @@ pub(crate) struct Loaded {
     pub data_addr: String,
     /// The catalog version loaded (at least the assignment's).
     pub version: u64,
+    /// Per layer, the checksum of the params loaded.
+    pub layer_checksums: Vec<u64>,
 }
 
 /// `host:port`, bracketing an IPv6 host.
@@ -69,6 +72,9 @@ pub(crate) fn load(
     let mut model = StageModel::from_groups(m, layers, |g| cached.group(g), Precision::F32)
         .map_err(|e| ErrorReply::new(ErrorCode::BadRequest, format!("{who}: {e}")))?;
     drop(cached);
+    let layer_checksums = layer_checksums(&model).map_err(|e| {
+        ErrorReply::new(ErrorCode::Internal, format!("{who}: layer checksums: {e}"))
+    })?;
     let spec = &a.spec;
     model
         .set_in_flight_limit(in_flight_max(spec.stages, a.stage, spec.microbatches) as usize)
@@ -103,5 +109,6 @@ pub(crate) fn load(
         listener: Arc::new(listener),
         data_addr,
         version: plan.version,
+        layer_checksums,
     })
 }

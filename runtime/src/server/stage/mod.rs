@@ -24,6 +24,11 @@
 //!    iteration, or a `TrainStageStop` ([`train_stage_stop`], answered
 //!    `Training` once the worker ended) ends it at that boundary. Runtime
 //!    shutdown aborts every worker mid-wait and joins its thread.
+//!    A reply may instead order a drain (a re-partitioning): the worker
+//!    stops once it completed the order's iteration, a worker of pipeline
+//!    0 first writing its layers to the memory servers as its part of the
+//!    checkpoint ([`checkpoint`]) and telling the controller
+//!    (`TrainCheckpointed`).
 //! 4. A link, collective, compute or controller error ends the worker and
 //!    sends `TrainFailed` naming the stage and the reason (unless the worker
 //!    was already told to stop, when an error from a neighbour that stopped
@@ -60,6 +65,7 @@
 //! ([`crate::train`]) whatever the device's executor.
 
 pub(crate) mod assignment;
+mod checkpoint;
 pub(crate) mod data;
 mod error;
 mod interference;
@@ -219,6 +225,9 @@ pub struct StageWorkerStatus {
     /// The longest forward or backward of the last iteration (what an
     /// inference request may wait behind), ms.
     pub op_ms_max: f64,
+    /// Per layer of the stage, xxh3-64 of the params loaded (what the
+    /// ready answer carries).
+    pub layer_checksums: Vec<u64>,
     pub end: Option<StageEnd>,
 }
 

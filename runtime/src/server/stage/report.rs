@@ -5,7 +5,9 @@
 //! first needed; after an error the next call opens a fresh one.
 
 use distmind_common::handshake::ClusterKey;
-use distmind_common::proto::{ControllerReply, ControllerRequest, TrainJobState};
+use distmind_common::proto::{
+    ControllerReply, ControllerRequest, DrainOrder, GroupLocation, TrainJobState,
+};
 use distmind_controller::{ClientError, ControllerClient};
 
 use super::error::{At, StageError};
@@ -85,8 +87,8 @@ impl Reporter {
         }
     }
 
-    /// Reports `iteration` (iterations completed); whether to stop, and
-    /// the job's state.
+    /// Reports `iteration` (iterations completed); whether to stop, the
+    /// job's state and a re-partitioning's drain order.
     pub fn report(
         &mut self,
         at: &At,
@@ -94,7 +96,7 @@ impl Reporter {
         fwd_bwd_s: f64,
         loss: Option<f64>,
         samples: u64,
-    ) -> Result<(bool, TrainJobState), StageError> {
+    ) -> Result<(bool, TrainJobState, Option<DrainOrder>), StageError> {
         let req = ControllerRequest::TrainReport {
             job: self.job.clone(),
             pipeline: self.pipeline,
@@ -108,11 +110,48 @@ impl Reporter {
         let reply = self.call(&mut slot, CONTROLLER_TIMEOUT, &req);
         self.reports = slot;
         match reply.map_err(self.err(at, "the iteration report"))? {
-            ControllerReply::TrainReported { stop, state, .. } => Ok((stop, state)),
+            ControllerReply::TrainReported {
+                stop, state, drain, ..
+            } => Ok((stop, state, drain)),
             other => Err(self.err(at, "the iteration report")(
                 ClientError::UnexpectedReply {
                     addr: self.controller.clone(),
                     request: "train_report",
+                    reply: format!("{other:?}"),
+                },
+            )),
+        }
+    }
+
+    /// Tells the controller this worker wrote its part of checkpoint
+    /// `model` after `iteration` iterations; the job's state.
+    pub fn checkpointed(
+        &mut self,
+        at: &At,
+        iteration: u64,
+        model: &str,
+        group: GroupLocation,
+        layer_checksums: Vec<u64>,
+    ) -> Result<TrainJobState, StageError> {
+        let req = ControllerRequest::TrainCheckpointed {
+            job: self.job.clone(),
+            generation: self.generation,
+            pipeline: self.pipeline,
+            stage: self.stage,
+            iteration,
+            model: model.to_string(),
+            group,
+            layer_checksums,
+        };
+        let mut slot = self.reports.take();
+        let reply = self.call(&mut slot, CONTROLLER_TIMEOUT, &req);
+        self.reports = slot;
+        match reply.map_err(self.err(at, "the checkpoint notice"))? {
+            ControllerReply::TrainReported { state, .. } => Ok(state),
+            other => Err(self.err(at, "the checkpoint notice")(
+                ClientError::UnexpectedReply {
+                    addr: self.controller.clone(),
+                    request: "train_checkpointed",
                     reply: format!("{other:?}"),
                 },
             )),

@@ -68,7 +68,7 @@ pub(crate) fn train_stage(
             return match (s.phase, s.data_addr) {
                 (StagePhase::Ready | StagePhase::Running, Some(data_addr)) => Some(Outgoing {
                     permit: Some(permit),
-                    ..ready_reply(id, &h.key, data_addr)
+                    ..ready_reply(id, &h.key, data_addr, s.layer_checksums)
                 }),
                 _ => refuse(
                     Refusal::Loading {
@@ -118,6 +118,7 @@ pub(crate) fn train_stage(
         params_checksum: None,
         params_checksum_before_sync: None,
         op_ms_max: 0.0,
+        layer_checksums: Vec::new(),
         end: None,
     };
     let control = Arc::new(Control {
@@ -169,7 +170,12 @@ pub(crate) fn train_stage(
     }
 }
 
-pub(crate) fn ready_reply(id: u64, key: &StageKey, data_addr: String) -> Outgoing {
+pub(crate) fn ready_reply(
+    id: u64,
+    key: &StageKey,
+    data_addr: String,
+    layer_checksums: Vec<u64>,
+) -> Outgoing {
     Outgoing {
         reply: RuntimeReply::TrainStageReady {
             id,
@@ -178,6 +184,7 @@ pub(crate) fn ready_reply(id: u64, key: &StageKey, data_addr: String) -> Outgoin
             pipeline: key.pipeline,
             stage: key.stage,
             data_addr,
+            layer_checksums,
         },
         frames: Vec::new(),
         permit: None,

@@ -8,9 +8,10 @@ use std::time::{Duration, Instant};
 
 use crossbeam::channel::{Receiver, RecvTimeoutError};
 use distmind_common::checksum::Checksummer;
-use distmind_common::proto::{ErrorCode, StageAssignment, TrainJobState};
+use distmind_common::proto::{DrainOrder, ErrorCode, StageAssignment, TrainJobState};
 
 use super::assignment::sgd_of;
+use super::checkpoint;
 use super::error::{At, StageError};
 use super::interference::Injected;
 use super::links::{sleep_unless, DataPlane};
@@ -67,6 +68,7 @@ pub(super) fn main(
         let mut s = control.status();
         s.phase = StagePhase::Ready;
         s.data_addr = Some(loaded.data_addr.clone());
+        s.layer_checksums = loaded.layer_checksums.clone();
     }
     log::info!(
         "device {}: stage worker of {key} ready: {} (catalog version {}), data on {}",
@@ -79,7 +81,15 @@ pub(super) fn main(
         log::warn!("stage worker of {key}: checkpoint_every is set; stage workers write no checkpoints yet");
     }
     let id = reply.id;
-    reply.send(ready_reply(id, &key, loaded.data_addr.clone()).reply);
+    reply.send(
+        ready_reply(
+            id,
+            &key,
+            loaded.data_addr.clone(),
+            loaded.layer_checksums.clone(),
+        )
+        .reply,
+    );
     let mut reporter = Reporter::new(
         config.controller.clone(),
         config.key.clone(),
@@ -222,6 +232,7 @@ fn run(
     };
     let mut w = Worker {
         core,
+        config,
         index,
         a,
         control,
@@ -254,6 +265,7 @@ enum Next {
 
 struct Worker<'a> {
     core: &'a Core,
+    config: &'a StageConfig,
     index: usize,
     a: &'a StageAssignment,
     control: &'a Control,
@@ -431,7 +443,7 @@ impl Worker<'_> {
             (last && !losses.is_empty()).then(|| losses.iter().sum::<f64>() / losses.len() as f64);
         let done = iteration + 1;
         self.record(done, &times, loss, before, after);
-        let (stop, state) = self.reporter.report(
+        let (stop, state, drain) = self.reporter.report(
             &self.at,
             done,
             fwd_bwd.as_secs_f64(),
@@ -451,6 +463,11 @@ impl Worker<'_> {
                 reason,
             });
         }
+        if let Some(order) = drain.filter(|_| !stop) {
+            if order.after_iteration <= done {
+                return self.drained(done, &order);
+            }
+        }
         Ok(if stop {
             Next::Stop(format!(
                 "the controller said stop in its reply to the report (job {})",
@@ -459,6 +476,59 @@ impl Worker<'_> {
         } else {
             Next::Continue
         })
+    }
+
+    /// The drain's iteration is done: writes the checkpoint part when the
+    /// order names one, then stops.
+    fn drained(&mut self, done: u64, order: &DrainOrder) -> Result<Next, StageError> {
+        let fail = |why: String| StageError::Checkpoint {
+            at: self.at.clone(),
+            why,
+        };
+        if order.after_iteration != done || order.generation != self.a.generation {
+            return Err(fail(format!(
+                "the drain of generation {} after iteration {} came after iteration {done} of \
+                 generation {}",
+                order.generation, order.after_iteration, self.a.generation
+            )));
+        }
+        if let Some(name) = &order.checkpoint {
+            let (group, sums) = checkpoint::write_part(
+                self.config,
+                self.compute.model(),
+                self.a.stage,
+                &order.partition,
+                name,
+            )
+            .map_err(|why| fail(format!("writing its part of checkpoint {name}: {why}")))?;
+            log::info!(
+                "job {} pipeline {} stage {}: wrote its part of checkpoint {name} ({} bytes) \
+                 after iteration {done}",
+                self.a.job,
+                self.a.pipeline,
+                self.a.stage,
+                group.bytes
+            );
+            let state = self
+                .reporter
+                .checkpointed(&self.at, done, name, group, sums)?;
+            if let TrainJobState::Failed {
+                pipeline,
+                stage,
+                reason,
+            } = state
+            {
+                return Err(StageError::JobFailed {
+                    at: self.at.clone(),
+                    pipeline,
+                    stage,
+                    reason,
+                });
+            }
+        }
+        Ok(Next::Stop(format!(
+            "drained after iteration {done} for a re-partitioning"
+        )))
     }
 
     /// Averages the stepped weights `flat` with the replicas the spec's
