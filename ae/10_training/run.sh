@@ -8,7 +8,9 @@
 # CPU, activations and gradients over tcp), 2 pipelines x 3 stages of a
 # tiny GPT-2 (MSE to per-token targets) and a tiny ResNet-152 (10
 # synthetic classes), loss and wall time read back from `train status`.
-# Stragglers are SD-Pipe's knob (`--hetero X`: each stage sleeps X s at
+# DynPipe's comparison slows stage 1 3x from iteration 120 (static: no
+# re-partitioning; dynamic: drain, checkpoint to the memory server, reload
+# on the new partition). Stragglers are SD-Pipe's knob (`--hetero X`: each stage sleeps X s at
 # the start of an iteration with probability 0.1, the same iterations in
 # every run).
 #
@@ -62,7 +64,7 @@ if [ -z "${SIM_ONLY:-}" ]; then
 JSON
         echo "$tmp/$1.json"
     }
-    echo "test,model,sync,hetero,pipelines,stages,iterations,wall_s,samples_per_s,first_loss,final_loss,state,generation,partition" >"$CSV"
+    echo "test,model,sync,hetero,pipelines,stages,iterations,wall_s,samples_per_s,first_loss,final_loss,tail_s_per_iteration,state,generation,partition" >"$CSV"
     for h in 0 0.1 0.3; do
         for s in preduce allreduce adpsgd hetpipe; do
             row=$(python3 "$HERE/watch.py" "$BIN" "$SETTINGS" "$ctl" "$(spec "$s" "${models[0]}" "$s" 8 4 0.01 "$ITERS")" --hetero "$h")
@@ -71,6 +73,21 @@ JSON
     done
     row=$(python3 "$HERE/watch.py" "$BIN" "$SETTINGS" "$ctl" "$(spec cnn "${models[1]}" allreduce 24 3 0.02 80)")
     echo "learn,resnet152-tiny,allreduce,0,2,3,80,$row" | tee -a "$CSV"
+    # DynPipe: stage 1 of both pipelines slowed 3x from iteration 120, 400
+    # iterations (the last fifth after any re-partition), re-partitioning off (static) or on (DynPipe's defaults:
+    # windows of 50, baseline at 100, threshold 2, 60 iterations later).
+    for mode in static dynamic; do
+        enabled=$([ "$mode" = dynamic ] && echo true || echo false)
+        f="$tmp/dyn-$mode.json"
+        cat >"$f" <<JSON
+{"name": "dyn-$mode", "model": "${models[1]}", "optimizer": {"sgd": {"lr": 0.01, "momentum": 0.9}},
+ "batch": 8, "microbatches": 4, "pipelines": 2, "stages": 3, "sync": {"allreduce": {}},
+ "dynamic": {"enabled": $enabled}, "iterations": 400,
+ "interference": {"slowdowns": [{"stage": 1, "factor": 3.0, "at_iteration": 120}]}}
+JSON
+        row=$(python3 "$HERE/watch.py" "$BIN" "$SETTINGS" "$ctl" "$f")
+        echo "dynpipe-$mode,resnet152-tiny,allreduce,0,2,3,400,$row" | tee -a "$CSV"
+    done
 fi
 
 # The simulator: SD-Pipe's comparison at 8..64 GPUs, DynPipe's with a
@@ -99,6 +116,7 @@ sget() { csv_get "$SIM_CSV" samples_per_s "$@"; }
 line=" preduce_vs_allreduce_h0.3=$(ratio "$(get samples_per_s preduce 0.3)" "$(get samples_per_s allreduce 0.3)")"
 line="$line preduce_vs_allreduce_h0=$(ratio "$(get samples_per_s preduce 0)" "$(get samples_per_s allreduce 0)")"
 line="$line loss_preduce_vs_allreduce_h0.3=$(ratio "$(get final_loss preduce 0.3)" "$(get final_loss allreduce 0.3)")"
+line="$line dynamic_vs_static_3x_tail_time=$(ratio "$(csv_get "$CSV" tail_s_per_iteration test=dynpipe-dynamic)" "$(csv_get "$CSV" tail_s_per_iteration test=dynpipe-static)")"
 line="$line sim64_preduce_vs_allreduce_h0.3=$(ratio "$(sget test=sdpipe sync=preduce hetero=0.3 pipelines=16)" "$(sget test=sdpipe sync=allreduce hetero=0.3 pipelines=16)")"
 line="$line sim_dynamic_vs_static_heavy=$(ratio "$(sget test=dynpipe mode=dynamic slowdown=heavy)" "$(sget test=dynpipe mode=static slowdown=heavy)")"
 line="$line sim_restart_vs_static_heavy=$(ratio "$(sget test=dynpipe mode=restart slowdown=heavy)" "$(sget test=dynpipe mode=static slowdown=heavy)")"

@@ -233,10 +233,12 @@ pub struct Dynamic {
     pub baseline_at: u64,
     /// Re-partition when a stage's time exceeds this multiple of its baseline.
     pub threshold_up: f64,
-    /// Re-partition back when it falls below this multiple of the time that
-    /// triggered the last move.
+    /// Re-partition when a stage takes at most this multiple of its
+    /// baseline (it got faster: give it layers back).
     pub threshold_down: f64,
-    /// Iterations after a re-partition before monitoring resumes.
+    /// Iterations from the decision (a window boundary) to the
+    /// re-partition; afterwards the monitor starts over (a new baseline
+    /// `baseline_at` iterations later).
     pub delay: u64,
 }
 

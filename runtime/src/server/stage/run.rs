@@ -78,7 +78,7 @@ pub(super) fn main(
         loaded.data_addr
     );
     if a.spec.checkpoint_every.is_some() {
-        log::warn!("stage worker of {key}: checkpoint_every is set; stage workers write no checkpoints yet");
+        log::warn!("stage worker of {key}: checkpoint_every is set; stage workers write checkpoints only when the job re-partitions, not periodically");
     }
     let id = reply.id;
     reply.send(
