@@ -62,6 +62,12 @@ pub struct ControllerConfig {
     pub inference_grpc: Option<SocketAddr>,
     /// `settings/api.key`: when set, inference requests need `Bearer <key>`.
     pub api_key: Option<String>,
+    /// Start placed training jobs' stage workers on their GPU servers (the
+    /// training driver; default on). Off, the controller still places
+    /// jobs, forms sync groups and takes reports, and whoever else
+    /// coordinates the workers sends the stage requests (the runtime's
+    /// stage-worker tests do).
+    pub drive_training: bool,
 }
 
 impl ControllerConfig {
@@ -77,6 +83,7 @@ impl ControllerConfig {
             inference_http: None,
             inference_grpc: None,
             api_key: None,
+            drive_training: true,
         }
     }
 }
@@ -136,6 +143,7 @@ pub struct Controller {
     inference_http: Option<TcpListener>,
     inference_grpc: Option<TcpListener>,
     api_key: Option<String>,
+    drive_training: bool,
 }
 
 impl Controller {
@@ -223,6 +231,7 @@ impl Controller {
             inference_http,
             inference_grpc,
             api_key: config.api_key,
+            drive_training: config.drive_training,
         })
     }
 
@@ -277,12 +286,14 @@ impl Controller {
         ));
         // Training jobs: the driver sends what the state decides to the GPU
         // servers; the group timer closes sync groups at their deadlines.
-        crate::driver::spawn(
-            self.shared.state.clone(),
-            self.shared.key.clone(),
-            &mut tasks,
-            stop_rx.clone(),
-        );
+        if self.drive_training {
+            crate::driver::spawn(
+                self.shared.state.clone(),
+                self.shared.key.clone(),
+                &mut tasks,
+                stop_rx.clone(),
+            );
+        }
         let group_wake = self.shared.lock().group_wake();
         tasks.spawn(group_timer(
             self.shared.clone(),

@@ -2,8 +2,8 @@
 //! 127.0.0.1: a controller, a memory server holding a tiny package, and two
 //! `RuntimeServer`s with the cpu executor. The test submits the job to the
 //! controller (`TrainSubmit`, which places it and takes its workers'
-//! reports) and plays the job's coordinator itself, as the controller
-//! will: `TrainStage` to every placed device, then `TrainStageStart` to
+//! reports; its training driver is off) and plays the job's coordinator
+//! itself, as the controller's driver does: `TrainStage` to every placed device, then `TrainStageStart` to
 //! every worker with its neighbours' and replicas' data addresses.
 //!
 //! Covered: 2 pipelines x 3 stages of tiny ResNet-152 and of tiny GPT-2
@@ -106,9 +106,12 @@ impl Cluster {
             }
         };
         let (controller, memserver) = rt.block_on(async {
-            let c = Controller::bind(ControllerConfig::new("127.0.0.1:0".parse().unwrap(), key()))
-                .await
-                .unwrap();
+            // The test plays the coordinator: the controller places the
+            // job, forms its sync groups and takes its reports, and sends
+            // no stage requests itself.
+            let mut cfg = ControllerConfig::new("127.0.0.1:0".parse().unwrap(), key());
+            cfg.drive_training = false;
+            let c = Controller::bind(cfg).await.unwrap();
             let controller = c.local_addr().to_string();
             tokio::spawn(c.serve(shutdown(&stop_rx)));
             let mut cfg = MemserverConfig::new("127.0.0.1:0".parse().unwrap(), 64 << 20, key());
