@@ -11,6 +11,7 @@ pub mod hex;
 pub mod limits;
 pub mod metrics;
 pub mod proto;
+pub mod samples;
 pub mod settings;
 pub mod train_spec;
 pub mod wire;

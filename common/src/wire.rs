@@ -34,6 +34,9 @@ pub enum Role {
     Control = 1,
     /// One-sided reads from a memory server's arena.
     Data = 2,
+    /// A memory server's sample service: JSON requests, each answered by a
+    /// JSON reply and, when it carries data, one `Bytes` frame.
+    Sample = 3,
 }
 
 impl Role {
@@ -41,6 +44,7 @@ impl Role {
         match v {
             1 => Some(Role::Control),
             2 => Some(Role::Data),
+            3 => Some(Role::Sample),
             _ => None,
         }
     }
@@ -53,6 +57,8 @@ pub enum FrameKind {
     Message = 1,
     /// `u64` offset of the destination within an extent's arena, then bytes.
     WriteChunk = 2,
+    /// Raw bytes that the JSON message before it describes.
+    Bytes = 3,
 }
 
 impl FrameKind {
@@ -60,6 +66,7 @@ impl FrameKind {
         match v {
             1 => Some(FrameKind::Message),
             2 => Some(FrameKind::WriteChunk),
+            3 => Some(FrameKind::Bytes),
             _ => None,
         }
     }

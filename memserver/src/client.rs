@@ -55,6 +55,34 @@ impl ClientError {
     }
 }
 
+/// Connects to `addr`, proves the cluster key and declares `role`;
+/// `timeout` bounds the connect and every later read and write.
+pub(crate) fn connect_role(
+    addr: &str,
+    key: &ClusterKey,
+    timeout: Duration,
+    role: Role,
+) -> Result<TcpStream, ClientError> {
+    let connect_err = |source| ClientError::Connect {
+        addr: addr.to_owned(),
+        source,
+    };
+    let sock = addr
+        .to_socket_addrs()
+        .map_err(connect_err)?
+        .next()
+        .ok_or_else(|| connect_err(std::io::Error::other("the address resolves to nothing")))?;
+    let mut s = TcpStream::connect_timeout(&sock, timeout).map_err(connect_err)?;
+    s.set_read_timeout(Some(timeout)).map_err(connect_err)?;
+    s.set_write_timeout(Some(timeout)).map_err(connect_err)?;
+    s.set_nodelay(true).map_err(connect_err)?;
+    handshake::client_sync(&mut s, key, role).map_err(|source| ClientError::Handshake {
+        addr: addr.to_owned(),
+        source,
+    })?;
+    Ok(s)
+}
+
 pub struct MemserverClient {
     addr: String,
     stream: BufWriter<TcpStream>,
@@ -64,25 +92,7 @@ impl MemserverClient {
     /// Connects, proves the cluster key and opens a control connection.
     /// `timeout` bounds the connect and every later read and write.
     pub fn connect(addr: &str, key: &ClusterKey, timeout: Duration) -> Result<Self, ClientError> {
-        let connect_err = |source| ClientError::Connect {
-            addr: addr.to_owned(),
-            source,
-        };
-        let sock = addr
-            .to_socket_addrs()
-            .map_err(connect_err)?
-            .next()
-            .ok_or_else(|| connect_err(std::io::Error::other("the address resolves to nothing")))?;
-        let mut s = TcpStream::connect_timeout(&sock, timeout).map_err(connect_err)?;
-        s.set_read_timeout(Some(timeout)).map_err(connect_err)?;
-        s.set_write_timeout(Some(timeout)).map_err(connect_err)?;
-        s.set_nodelay(true).map_err(connect_err)?;
-        handshake::client_sync(&mut s, key, Role::Control).map_err(|source| {
-            ClientError::Handshake {
-                addr: addr.to_owned(),
-                source,
-            }
-        })?;
+        let s = connect_role(addr, key, timeout, Role::Control)?;
         Ok(MemserverClient {
             addr: addr.to_owned(),
             stream: BufWriter::new(s),

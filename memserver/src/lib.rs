@@ -9,6 +9,9 @@
 //!   connection each; [`register`] keeps the controller informed.
 //! * [`client`]: the blocking control client the deploy tool uses.
 //! * [`metrics`]: the Prometheus series, served on `metrics_listen`.
+//! * [`samples`]: the sample service (datasets' samples preprocessed or run
+//!   through a frozen backbone on the server's own worker pool);
+//!   [`sample_client`] is its blocking client.
 //! * [`onesided`]: the arena registered with libfabric / RDMA verbs (features
 //!   `fabric`, `verbs`) so GPU servers read it one-sided; offered over the
 //!   control connection.
@@ -29,10 +32,14 @@ pub mod extents;
 pub mod metrics;
 pub mod onesided;
 pub mod register;
+pub mod sample_client;
+pub mod samples;
 pub mod server;
 
 pub use client::{ClientError, MemserverClient};
 pub use onesided::{OneSidedConfig, OneSidedError};
+pub use sample_client::SampleClient;
+pub use samples::FeatureExtractor;
 pub use server::{Memserver, MemserverConfig, MemserverError, StatsHandle};
 
 /// Why a size string did not parse.

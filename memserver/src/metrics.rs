@@ -19,6 +19,9 @@
 //! | `one_sided_paths{path}` | gauge | 1 for each one-sided data path served (`fabric`, `verbs`) |
 //! | `verbs_queue_pairs` | gauge | verbs queue pairs connected to clients |
 //! | `free_grace_extents` | gauge | freed extents held for one-sided readers (`onesided::FREE_GRACE`) |
+//! | `sample_requests_total{op,status}` | counter | sample-service requests by `op` (`prep`, `profile`, `extract`, `info`, `invalid`) and `status` (`ok` or the error) |
+//! | `sample_bytes_sent_total{op}` | counter | bytes of the sample service's `Bytes` frames (payload only: the JSON replies and frame headers are not counted) |
+//! | `samples_processed_total{op}`, `samples_failed_total{op}` | counter | samples preprocessed, profiled or extracted, and those that failed (corrupt, not an image) |
 //!
 //! The data path only adds to pre-created counters (one relaxed atomic add
 //! each; no lock, no allocation, no label lookup). Control-request errors
@@ -38,6 +41,19 @@ use prometheus_client::registry::Registry;
 pub const METRICS_PREFIX: &str = "memserver";
 
 /// The request kinds counted in `memserver_requests_total`.
+/// The `op` label of the sample service's series.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SampleOpLabel {
+    pub op: &'static str,
+}
+
+/// The `op` and `status` labels of `sample_requests_total`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SampleRequestLabels {
+    pub op: &'static str,
+    pub status: Cow<'static, str>,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
     Alloc,
@@ -135,6 +151,10 @@ pub(crate) struct Metrics {
     pub one_sided_paths: Family<PathLabels, Gauge>,
     pub verbs_queue_pairs: Gauge,
     pub free_grace_extents: Gauge,
+    pub sample_requests: Family<SampleRequestLabels, Counter>,
+    pub sample_bytes_sent: Family<SampleOpLabel, Counter>,
+    pub samples_processed: Family<SampleOpLabel, Counter>,
+    pub samples_failed: Family<SampleOpLabel, Counter>,
 }
 
 /// The label of `one_sided_paths`.
@@ -178,6 +198,10 @@ impl Metrics {
             one_sided_paths: Family::default(),
             verbs_queue_pairs: Gauge::default(),
             free_grace_extents: Gauge::default(),
+            sample_requests: Family::default(),
+            sample_bytes_sent: Family::default(),
+            samples_processed: Family::default(),
+            samples_failed: Family::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -220,6 +244,26 @@ impl Metrics {
             "free_grace_extents",
             "Freed extents held for one-sided readers before their space is reused",
             m.free_grace_extents.clone(),
+        );
+        r.register(
+            "sample_requests",
+            "Sample-service requests by op and status (ok, or the error)",
+            m.sample_requests.clone(),
+        );
+        r.register(
+            "sample_bytes_sent",
+            "Bytes of the sample service's data frames (payload only)",
+            m.sample_bytes_sent.clone(),
+        );
+        r.register(
+            "samples_processed",
+            "Samples preprocessed, profiled or extracted",
+            m.samples_processed.clone(),
+        );
+        r.register(
+            "samples_failed",
+            "Samples that could not be processed (corrupt, not an image)",
+            m.samples_failed.clone(),
         );
         r.register(
             "connections_refused",
@@ -273,6 +317,16 @@ impl Metrics {
     pub fn error(&self, op: Op, code: ErrorCode) {
         self.requests
             .get_or_create(&labels(op, error_status(code)))
+            .inc();
+    }
+
+    /// Counts one sample-service request.
+    pub fn sample_request(&self, op: &'static str, status: impl Into<Cow<'static, str>>) {
+        self.sample_requests
+            .get_or_create(&SampleRequestLabels {
+                op,
+                status: status.into(),
+            })
             .inc();
     }
 

@@ -25,11 +25,14 @@ use tokio::task::JoinSet;
 use crate::arena::Arena;
 use crate::metrics::{gauge_value, Metrics};
 use crate::onesided::{OneSided, OneSidedConfig, OneSidedError};
+use crate::samples::{FeatureExtractor, PrepPool, PREP_WORKERS_MAX};
 
 /// How long in-flight requests get to finish once shutdown starts.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// Default bound on open connections.
 pub const CONNECTIONS_MAX_DEFAULT: usize = 256;
+/// Default size of the sample service's preprocessing pool.
+pub const PREP_WORKERS_DEFAULT: usize = 2;
 /// Default bound on bytes of read replies being sent at once.
 pub const READ_BYTES_IN_FLIGHT_MAX_DEFAULT: u64 = 256 << 20;
 
@@ -58,6 +61,12 @@ pub struct MemserverConfig {
     /// Hold the tcp replies of every connection together to this rate: the
     /// host's NIC, for emulated links (default: none).
     pub nic_bytes_per_s: Option<u64>,
+    /// Threads of the sample service's preprocessing pool (1 to
+    /// [`crate::samples::PREP_WORKERS_MAX`]), apart from the serving tasks.
+    pub prep_workers: usize,
+    /// The frozen backbone the sample service extracts features with
+    /// (NDPipe); `None`: `Extract` requests are refused.
+    pub extractor: Option<Arc<dyn FeatureExtractor>>,
 }
 
 impl MemserverConfig {
@@ -75,6 +84,8 @@ impl MemserverConfig {
             huge_pages: true,
             one_sided: OneSidedConfig::default(),
             nic_bytes_per_s: None,
+            prep_workers: PREP_WORKERS_DEFAULT,
+            extractor: None,
         }
     }
 }
@@ -122,6 +133,10 @@ pub(crate) struct Shared {
     pub metrics: Metrics,
     /// [`MemserverConfig::nic_bytes_per_s`].
     pub nic: Option<distmind_transport::TokenBucket>,
+    /// The sample service's preprocessing workers.
+    pub prep: PrepPool,
+    /// [`MemserverConfig::extractor`].
+    pub extractor: Option<Arc<dyn FeatureExtractor>>,
 }
 
 impl Shared {
@@ -206,6 +221,12 @@ impl Memserver {
                 "nic_bytes_per_s is 0: use None for no limit".into(),
             ));
         }
+        if config.prep_workers == 0 || config.prep_workers > PREP_WORKERS_MAX {
+            return Err(MemserverError::Config(format!(
+                "prep_workers is {}: it must be 1 to {PREP_WORKERS_MAX}",
+                config.prep_workers
+            )));
+        }
         let in_flight = usize::try_from(config.read_bytes_in_flight_max)
             .ok()
             .filter(|&n| n <= Semaphore::MAX_PERMITS)
@@ -276,6 +297,10 @@ impl Memserver {
             nic: config
                 .nic_bytes_per_s
                 .map(distmind_transport::TokenBucket::new),
+            prep: PrepPool::new(config.prep_workers).map_err(|e| {
+                MemserverError::Config(format!("cannot start the preprocessing workers: {e}"))
+            })?,
+            extractor: config.extractor.clone(),
         });
         Ok(Memserver {
             listener,
@@ -439,6 +464,7 @@ async fn handle_connection(
     match role {
         Role::Control => crate::control::serve(&shared, stream, peer, &mut stop).await,
         Role::Data => crate::data::serve(&shared, stream, peer, &mut stop).await,
+        Role::Sample => crate::samples::serve(&shared, stream, peer, &mut stop).await,
     }
 }
 
