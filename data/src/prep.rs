@@ -1384,3 +1384,65 @@ mod tests {
         ));
     }
 }
+
+#[cfg(test)]
+mod golden {
+    use super::*;
+    use crate::synth::{generate, SynthSpec};
+
+    /// FNV-1a, to pin outputs in a few bytes.
+    fn fnv(bytes: &[u8]) -> u64 {
+        bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+            (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+        })
+    }
+
+    /// The same sample and seed give the same bytes on every machine: a
+    /// change here means the generator, decoder, crop or resize changed.
+    #[test]
+    fn pinned_outputs() {
+        let s = generate(&SynthSpec {
+            samples: 2,
+            classes: 2,
+            seed: 2024,
+            sizes: vec![(160, 120), (900, 700)],
+            quality: 95,
+        });
+        let cfg = PrepConfig::default();
+        let mut got = vec![fnv(&s[0].bytes)];
+        for k in 1..=STEPS {
+            let x = run(
+                Prepped::Encoded {
+                    format: s[0].format,
+                    bytes: s[0].bytes.clone(),
+                },
+                0,
+                k,
+                &cfg,
+                77,
+            )
+            .unwrap();
+            got.push(fnv(&x.to_bytes_k(k)));
+        }
+        let t = eval_tensor(&s[1].bytes, s[1].format, 224, &cfg).unwrap();
+        got.push(fnv(&f32_to_f16_le(&t)));
+        let costs = profile(&s[1].bytes, s[1].format, &cfg, 5).unwrap();
+        eprintln!(
+            "pinned: {got:#x?}\nlarge sample {} bytes, costs {costs:?}",
+            s[1].bytes.len()
+        );
+        assert!(s[1].bytes.len() > 224 * 224 * 3);
+        assert_eq!(costs[2].bytes_after, (224 * 224 * 3 + WIRE_HEADER) as u64);
+        assert_eq!(got, PINNED);
+    }
+
+    const PINNED: [u64; 7] = [
+        0x1189_cbce_1bc0_fa75,
+        0x68d3_b9d0_fbba_631c,
+        0x4897_28ac_857e_6cf1,
+        0x2d53_3567_a2c1_09f4,
+        0x08fa_e575_8057_9834,
+        0xbc8b_dcee_6ffa_c2eb,
+        0x5cfb_c19f_7278_65cc,
+    ];
+}
