@@ -91,6 +91,13 @@ async fn serve_requests(
                     }
                 }
             }
+            Ok(Some((FrameKind::Bytes, _))) => {
+                shared.metrics.error(Op::Invalid, ErrorCode::BadRequest);
+                error(
+                    ErrorCode::BadRequest,
+                    "a control connection takes requests and write chunks, not data frames",
+                )
+            }
             Err(WireError::Truncated) => {
                 warn!("control connection from {peer} ended in the middle of a frame");
                 return;
