@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Training input near the data, on real processes at this machine's scale.
+#
+# SOPHON: a dataset of real JPEGs generated here (a third are 900 x 700
+# photos whose 224 x 224 crop is smaller than the file, the rest small
+# images whose file is the smallest form) stored on one memory server
+# whose NIC is held to 500 Mbit/s, with 1 to 4 preprocessing workers. One
+# epoch through the runtime's data loader per mode: none (ship files),
+# all (every step on the memory server), split:2 (decode and crop there),
+# sophon (the per-sample plan from a profiling epoch). Time and bytes the
+# trainer received.
+#
+# NDPipe: the same memory server runs a frozen backbone (a generated tiny
+# ResNet without its head) over its samples in R chunks and ships f16
+# features; the trainer fine-tunes the head on chunk i while chunk i+1 is
+# extracted. R = 1, 2, 4 against shipping the images (backbone on the
+# trainer). Extraction throughput, bytes on the wire (the memory server's
+# metrics), total time, held-out accuracy.
+#
+# This machine has 2 cores: the memory server's workers and the trainer
+# share them, so more than 2 workers add no CPU (stated in the CSV).
+source "$(dirname "$0")/../lib.sh"
+HERE="$AE/11_near_data"
+RES="$HERE/results"
+CSV="$RES/sophon.csv"
+mkdir -p "$RES"
+SAMPLES="${SAMPLES:-120}"
+LINK="${LINK:-500mbit}"
+
+tmp="$(mktemp -d)"
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$tmp"; }
+trap cleanup EXIT
+service() {
+    local name="$1"; shift
+    "$BIN" --log-level warn "$@" >"$tmp/$name.out" 2>"$tmp/$name.err" &
+    pids+=($!)
+    for _ in $(seq 100); do
+        grep -q "listening on" "$tmp/$name.out" 2>/dev/null && break
+        sleep 0.1
+    done
+    awk '/listening on/ { print $NF; exit }' "$tmp/$name.out"
+}
+dm() { "$BIN" --log-level warn "$@" --settings "$SETTINGS" --controller "$ctl"; }
+
+"$BIN" --log-level warn dataset synth --out "$tmp/photos" --samples "$SAMPLES" --classes 4 \
+    --sizes 64x64,96x128,900x700 --quality 95 >/dev/null
+
+echo "test,prep_workers,link,mode,samples,offloaded,seconds,bytes,local_prep_s" >"$CSV"
+for w in 1 2 4; do
+    # A fresh controller and memory server per worker count.
+    ctl=$(service "ctl$w" controller --settings "$SETTINGS" --listen 127.0.0.1:0 --client-listen 127.0.0.1:0 --no-dispatcher)
+    ctlpid=${pids[-1]}
+    service "ms$w" memserver --settings "$SETTINGS" --listen 127.0.0.1:0 --capacity 512MiB \
+        --controller "$ctl" --prep-workers "$w" --emulate-link "$LINK" --emulate-loopback "$LINK" >/dev/null
+    mspid=${pids[-1]}
+    for _ in $(seq 50); do dm dataset put --name photos "$tmp/photos" >/dev/null 2>&1 && break; sleep 0.2; done
+    dm dataset plan photos --mode sophon --bandwidth "$LINK" --out "$tmp/plan.json" >/dev/null
+    for mode in none all split:2 sophon; do
+        if [ "$mode" = sophon ]; then how=(--plan "$tmp/plan.json"); else how=(--mode "$mode"); fi
+        r=$(dm dataset epoch photos --json "${how[@]}")
+        row=$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(",".join(str(r[k]) for k in ("samples","offloaded","seconds","bytes","local_prep_s")))' "$r")
+        echo "sophon,$w,$LINK,$mode,$row" | tee -a "$CSV"
+    done
+    dm dataset rm photos >/dev/null
+    kill "$mspid" "$ctlpid"; wait "$mspid" "$ctlpid" 2>/dev/null || true
+done
+column -s, -t "$CSV"
+
+get() { csv_get "$CSV" "$1" "prep_workers=$2" "mode=$3"; }
+line=""
+for w in 1 2 4; do
+    best=$(python3 -c 'import sys; print(min(float(a) for a in sys.argv[1:]))' "$(get seconds "$w" none)" "$(get seconds "$w" all)")
+    line="$line sophon_vs_best_fixed_w$w=$(ratio "$best" "$(get seconds "$w" sophon)")"
+done
+line="$line sophon_traffic_reduction_w1=$(ratio "$(get bytes 1 none)" "$(get bytes 1 sophon)")"
+echo "wrote $CSV"
+echo "headline:$line"
