@@ -216,3 +216,91 @@ fn bad_samples_are_named_and_the_service_keeps_serving() {
     let ls = dm(&ctl, &["dataset", "ls"]);
     assert!(ls.contains("no datasets"), "{ls}");
 }
+
+/// `memserver_sample_bytes_sent_total{op="extract"}` of a memory server.
+fn extract_bytes(metrics: &str) -> u64 {
+    let (code, text) = distmind_common::metrics::scrape(
+        metrics,
+        "/metrics",
+        std::time::Duration::from_secs(5),
+    )
+    .expect("scrape the memory server");
+    assert_eq!(code, 200);
+    distmind_common::metrics::sample_value(
+        &text,
+        "memserver_sample_bytes_sent_total",
+        &[("op", "extract")],
+    )
+    .unwrap_or(0.0) as u64
+}
+
+#[test]
+fn ndpipe_ships_features_and_chunks_finish_sooner_at_the_same_accuracy() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("set");
+    synth(&data, 240, "64x64,80x96", 90);
+    // The backbone: a generated tiny ResNet-152 without its head.
+    let pkgs = gen_tiny(&dir.path().join("pk"), "resnet152", 1, 1 << 16);
+    let backbone = pkgs[0].to_str().unwrap();
+    let c = spawn_controller();
+    let ctl = c.addr.clone();
+    let s = settings_dir();
+    let (_m, addrs) = spawn_service_lines(
+        &[
+            "memserver",
+            "--settings",
+            s.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+            "--capacity",
+            "256MiB",
+            "--controller",
+            &ctl,
+            "--metrics",
+            "127.0.0.1:0",
+            "--prep-workers",
+            "2",
+            "--backbone",
+            backbone,
+        ],
+        2,
+    );
+    let metrics = addrs[1].clone();
+    wait_alive(&ctl, 1);
+    dm(&ctl, &["dataset", "put", "--name", "d", data.to_str().unwrap()]);
+
+    let ndpipe = |chunks: &str| -> serde_json::Value {
+        let before = extract_bytes(&metrics);
+        let out = dm(
+            &ctl,
+            &["ndpipe", "--dataset", "d", "--chunks", chunks, "--epochs", "20", "--json"],
+        );
+        let r: serde_json::Value =
+            serde_json::from_str(out.lines().last().expect("a report")).expect("json report");
+        let sent = extract_bytes(&metrics) - before;
+        // Everything extracted, training chunks and held-out set alike,
+        // crossed the wire as f16 features and a u32 label, nothing else.
+        let n = r["extracted"].as_u64().unwrap();
+        let dim = r["backbone"]["feature_dim"].as_u64().unwrap();
+        assert_eq!(n, 240, "{r}");
+        assert_eq!(sent, n * (dim * 2 + 4), "{r}");
+        assert_eq!(r["bytes"].as_u64().unwrap(), sent, "{r}");
+        r
+    };
+    let r1 = ndpipe("1");
+    let r4 = ndpipe("4");
+    let acc = |r: &serde_json::Value| r["held_out_accuracy"].as_f64().unwrap();
+    let wall = |r: &serde_json::Value| r["wall_s"].as_f64().unwrap();
+    println!(
+        "ndpipe with backbone {}: R=1 {:.3}s accuracy {:.3}, R=4 {:.3}s accuracy {:.3}",
+        r1["backbone"]["backbone"],
+        wall(&r1),
+        acc(&r1),
+        wall(&r4),
+        acc(&r4)
+    );
+    // Chance is 0.25: the features carry the classes.
+    assert!(acc(&r1) > 0.5, "{r1}");
+    assert!((acc(&r1) - acc(&r4)).abs() <= 0.02, "R=1 {} against R=4 {}", acc(&r1), acc(&r4));
+    assert!(wall(&r4) < wall(&r1), "R=4 took {} s, R=1 {} s", wall(&r4), wall(&r1));
+}

@@ -25,21 +25,24 @@ RES="$HERE/results"
 CSV="$RES/sophon.csv"
 mkdir -p "$RES"
 SAMPLES="${SAMPLES:-120}"
-LINK="${LINK:-500mbit}"
+LINKS="${LINKS:-500mbit 100mbit}"
 
 tmp="$(mktemp -d)"
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$tmp"; }
 trap cleanup EXIT
+# `distmind <service>` in the background (in this shell, so that its pid is
+# kept for cleanup); waits for its readiness line; its address in $ADDR.
 service() {
     local name="$1"; shift
     "$BIN" --log-level warn "$@" >"$tmp/$name.out" 2>"$tmp/$name.err" &
-    pids+=($!)
+    PID=$!
+    pids+=("$PID")
     for _ in $(seq 100); do
         grep -q "listening on" "$tmp/$name.out" 2>/dev/null && break
         sleep 0.1
     done
-    awk '/listening on/ { print $NF; exit }' "$tmp/$name.out"
+    ADDR=$(awk '/listening on/ { print $NF; exit }' "$tmp/$name.out")
 }
 dm() { "$BIN" --log-level warn "$@" --settings "$SETTINGS" --controller "$ctl"; }
 
@@ -47,13 +50,14 @@ dm() { "$BIN" --log-level warn "$@" --settings "$SETTINGS" --controller "$ctl"; 
     --sizes 64x64,96x128,900x700 --quality 95 >/dev/null
 
 echo "test,prep_workers,link,mode,samples,offloaded,seconds,bytes,local_prep_s" >"$CSV"
+for LINK in $LINKS; do
 for w in 1 2 4; do
-    # A fresh controller and memory server per worker count.
-    ctl=$(service "ctl$w" controller --settings "$SETTINGS" --listen 127.0.0.1:0 --client-listen 127.0.0.1:0 --no-dispatcher)
-    ctlpid=${pids[-1]}
+    # A fresh controller and memory server per link and worker count.
+    service "ctl$w" controller --settings "$SETTINGS" --listen 127.0.0.1:0 --client-listen 127.0.0.1:0 --no-dispatcher
+    ctl=$ADDR ctlpid=$PID
     service "ms$w" memserver --settings "$SETTINGS" --listen 127.0.0.1:0 --capacity 512MiB \
-        --controller "$ctl" --prep-workers "$w" --emulate-link "$LINK" --emulate-loopback "$LINK" >/dev/null
-    mspid=${pids[-1]}
+        --controller "$ctl" --prep-workers "$w" --emulate-link "$LINK" --emulate-loopback "$LINK"
+    mspid=$PID
     for _ in $(seq 50); do dm dataset put --name photos "$tmp/photos" >/dev/null 2>&1 && break; sleep 0.2; done
     dm dataset plan photos --mode sophon --bandwidth "$LINK" --out "$tmp/plan.json" >/dev/null
     for mode in none all split:2 sophon; do
@@ -65,14 +69,18 @@ for w in 1 2 4; do
     dm dataset rm photos >/dev/null
     kill "$mspid" "$ctlpid"; wait "$mspid" "$ctlpid" 2>/dev/null || true
 done
+done
 column -s, -t "$CSV"
 
-get() { csv_get "$CSV" "$1" "prep_workers=$2" "mode=$3"; }
+get() { csv_get "$CSV" "$1" "link=$2" "prep_workers=$3" "mode=$4"; }
+# sophon's speed-up over the faster of none and all (above 1: sophon is faster).
 line=""
-for w in 1 2 4; do
-    best=$(python3 -c 'import sys; print(min(float(a) for a in sys.argv[1:]))' "$(get seconds "$w" none)" "$(get seconds "$w" all)")
-    line="$line sophon_vs_best_fixed_w$w=$(ratio "$best" "$(get seconds "$w" sophon)")"
+for LINK in $LINKS; do
+    for w in 1 2 4; do
+        best=$(python3 -c 'import sys; print(min(float(a) for a in sys.argv[1:]))' "$(get seconds "$LINK" "$w" none)" "$(get seconds "$LINK" "$w" all)")
+        line="$line sophon_speedup_${LINK}_w$w=$(ratio "$best" "$(get seconds "$LINK" "$w" sophon)")"
+    done
+    line="$line sophon_traffic_cut_${LINK}_w1=$(ratio "$(get bytes "$LINK" 1 none)" "$(get bytes "$LINK" 1 sophon)")"
 done
-line="$line sophon_traffic_reduction_w1=$(ratio "$(get bytes 1 none)" "$(get bytes 1 sophon)")"
 echo "wrote $CSV"
 echo "headline:$line"
