@@ -91,6 +91,18 @@ async fn serve_requests(
                     }
                 }
             }
+            Ok(Some((FrameKind::Bytes, payload))) => {
+                // Only the sample service's replies carry data frames.
+                warn!(
+                    "control connection from {peer} sent a {}-byte data frame",
+                    payload.len()
+                );
+                shared.metrics.error(Op::Invalid, ErrorCode::BadRequest);
+                error(
+                    ErrorCode::BadRequest,
+                    "a data frame on a control connection: only sample replies carry them",
+                )
+            }
             Err(WireError::Truncated) => {
                 warn!("control connection from {peer} ended in the middle of a frame");
                 return;
