@@ -342,6 +342,19 @@ fn refresh_used_bytes(key: &ClusterKey, servers: &mut [MemserverInfo]) {
     }
 }
 
+/// Frees every extent of a removed catalog entry, best effort; returns how
+/// many copies it asked to free.
+pub fn free_entry(key: &ClusterKey, entry: &ModelEntry) -> usize {
+    let locs: Vec<&Location> = entry
+        .groups
+        .iter()
+        .flat_map(|g| g.slices.iter().flat_map(|s| s.replicas.iter()))
+        .collect();
+    let n = locs.len();
+    free_locations(key, locs.into_iter());
+    n
+}
+
 /// Frees extents, best effort: a memory server that is gone has lost them anyway.
 fn free_locations<'a>(key: &ClusterKey, locs: impl Iterator<Item = &'a Location>) {
     let mut by_addr: BTreeMap<&str, Vec<u64>> = BTreeMap::new();

@@ -4,11 +4,13 @@
 
 pub mod bench;
 pub mod cluster;
+pub mod dataset;
 pub mod deploy;
 pub mod emulate;
 pub mod loadgen;
 pub mod logging;
 pub mod plot;
+pub mod prep;
 pub mod profile;
 pub mod services;
 pub mod simulate;

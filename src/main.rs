@@ -66,6 +66,9 @@ enum Command {
     /// (submit, status, stop): distributed jobs, P pipelines x S stages, that the controller
     /// places on the GPUs inference leaves idle.
     Train(distmind::train::TrainCmd),
+    /// Training datasets on the memory servers: put a directory of labelled JPEG/PNG/.npy
+    /// samples, list, inspect, remove; synth writes a generated labelled JPEG set.
+    Dataset(distmind::dataset::DatasetCmd),
     /// Run a GPU server: pulls models from the memory servers on demand and serves inference requests.
     Runtime(RuntimeCmd),
     /// Draw PNG figures (grouped bars, lines, stacked areas) from experiment CSVs (`up --csv`).
@@ -314,6 +317,10 @@ struct MemserverCmd {
     /// GID index of the RDMA device's port (RoCE v2: often 1 or 3); default: transport.json, else 0.
     #[arg(long)]
     verbs_gid_index: Option<u8>,
+    /// Threads of the sample service's preprocessing pool (datasets' samples decoded, cropped
+    /// or run through a backbone here), apart from the tasks that serve reads.
+    #[arg(long, default_value_t = distmind_memserver::server::PREP_WORKERS_DEFAULT)]
+    prep_workers: usize,
     #[command(flatten)]
     emulate: distmind::emulate::EmulateArgs,
 }
@@ -508,6 +515,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             fabric_provider: m.fabric_provider,
             verbs_device: m.verbs_device,
             verbs_gid_index: m.verbs_gid_index,
+            prep_workers: m.prep_workers,
             emulate: m.emulate,
         }),
         Command::Controller(c) => services::run_controller(
@@ -601,6 +609,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             })
         }
         Command::Train(t) => distmind::train::run_cmd(&t),
+        Command::Dataset(d) => distmind::dataset::run(&d),
         Command::Plot(p) => distmind::plot::run(&p),
         Command::Profile(p) => distmind::profile::run(&p),
         Command::Infer(i) => {

@@ -103,6 +103,8 @@ pub struct MemserverArgs<'a> {
     pub fabric_provider: Option<String>,
     pub verbs_device: Option<String>,
     pub verbs_gid_index: Option<u8>,
+    /// The sample service's preprocessing workers.
+    pub prep_workers: usize,
     /// Emulated link: the tcp data path is held to its loopback rate.
     pub emulate: crate::emulate::EmulateArgs,
 }
@@ -123,6 +125,7 @@ pub fn run_memserver(args: MemserverArgs<'_>) -> anyhow::Result<()> {
     config.max_connections = args.max_connections;
     config.huge_pages = args.huge_pages;
     config.metrics_listen = args.metrics;
+    config.prep_workers = args.prep_workers;
     if let Some(e) = &emulated {
         config.nic_bytes_per_s = Some(e.loopback_bytes_per_s() as u64);
         log::info!("{e}: tcp replies held to the loopback rate");

@@ -23,8 +23,9 @@ use crate::proto::ErrorReply;
 pub const DATASET_FAMILY: &str = "dataset";
 /// The largest sample a dataset may hold, in bytes.
 pub const SAMPLE_BYTES_MAX: u64 = 32 << 20;
-/// The most samples one dataset may hold.
-pub const DATASET_SAMPLES_MAX: usize = 1_000_000;
+/// The most samples one dataset may hold: its manifest travels in one
+/// control frame with the catalog entry.
+pub const DATASET_SAMPLES_MAX: usize = 100_000;
 /// The most samples one `Profile` or `Extract` request may name.
 pub const SAMPLES_PER_REQUEST_MAX: usize = 1024;
 /// The largest `Bytes` frame of the sample service (a decoded image of the

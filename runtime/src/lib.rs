@@ -11,6 +11,7 @@ pub mod dist;
 pub mod exec;
 pub mod fetch;
 pub mod infer;
+pub mod loader;
 pub mod ndpipe;
 pub mod npy;
 pub mod pipeline;

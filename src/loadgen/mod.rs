@@ -227,6 +227,7 @@ pub fn run_until(args: &ClientArgs, stop: &AtomicBool) -> anyhow::Result<Report>
             .list_models()
             .with_context(|| format!("listing the models of the catalog at {controller}"))?
             .into_iter()
+            .filter(|m| m.family != distmind_common::samples::DATASET_FAMILY)
             .map(|m| m.name)
             .collect(),
     };

@@ -12,6 +12,7 @@ use std::time::Duration;
 use distmind_common::checksum::from_hex;
 use distmind_common::handshake::ClusterKey;
 use distmind_common::proto::{ErrorCode, ErrorReply, ModelEntry};
+use distmind_common::samples::DATASET_FAMILY;
 use distmind_controller::{ClientError, ControllerClient};
 use distmind_models::Manifest;
 
@@ -36,6 +37,9 @@ impl ModelPlan {
     pub fn compile(entry: ModelEntry) -> Result<ModelPlan, String> {
         let model = entry.name.clone();
         let bad = |why: String| format!("model {model}: the catalog entry cannot be served: {why}");
+        if entry.family == DATASET_FAMILY {
+            return Err(bad("it is a dataset, not a model".into()));
+        }
         let manifest: Manifest = serde_json::from_value(entry.manifest.clone())
             .map_err(|e| bad(format!("its manifest does not parse: {e}")))?;
         if manifest.name != entry.name {
@@ -268,8 +272,14 @@ impl Catalog {
 
     /// Every model name in the catalog (`ListModels`).
     pub fn list(&self) -> Result<Vec<String>, ClientError> {
-        self.call(|c| c.list_models())
-            .map(|models| models.into_iter().map(|m| m.name).collect())
+        // Datasets share the catalog; they are never models to load.
+        self.call(|c| c.list_models()).map(|models| {
+            models
+                .into_iter()
+                .filter(|m| m.family != DATASET_FAMILY)
+                .map(|m| m.name)
+                .collect()
+        })
     }
 
     /// One request on the shared controller connection, reconnecting once

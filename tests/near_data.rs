@@ -1,0 +1,218 @@
+//! Training input near the data, on real processes over loopback: a
+//! controller and memory servers started from the `distmind` binary, a
+//! dataset of real JPEGs generated here and stored with `dataset put`, the
+//! memory servers' sample service, the runtime's data loader.
+//!
+//! - SOPHON: with a rate-limited link (the memory server's NIC held to a
+//!   low rate) and one preprocessing worker, the sophon plan's epoch is no
+//!   slower than shipping files (`none`) or preprocessing everything
+//!   remotely (`all`); its traffic against `none` is printed.
+//! - Bad input: a corrupt JPEG is reported by sample id and skipped (or
+//!   fails its batch) while the memory server keeps serving; an over-size
+//!   sample is refused; a plan for a dataset that has changed is refused.
+
+mod support;
+
+use std::path::Path;
+
+use support::*;
+
+/// A controller and one memory server with `extra` flags; (procs, controller addr).
+fn cluster_with(extra: &[&str]) -> (Vec<Proc>, String) {
+    let c = spawn_controller();
+    let addr = c.addr.clone();
+    let m = spawn_memserver_with(&addr, "512MiB", extra);
+    wait_alive(&addr, 1);
+    (vec![m, c], addr)
+}
+
+fn dm(controller: &str, args: &[&str]) -> String {
+    let s = settings_dir();
+    let mut all: Vec<&str> = args.to_vec();
+    all.extend_from_slice(&["--settings", s.to_str().unwrap(), "--controller", controller]);
+    let (ok, out, err) = run(&all);
+    assert!(ok, "distmind {all:?} failed:\n{out}\n{err}");
+    out
+}
+
+fn dm_fails(controller: &str, args: &[&str]) -> String {
+    let s = settings_dir();
+    let mut all: Vec<&str> = args.to_vec();
+    all.extend_from_slice(&["--settings", s.to_str().unwrap(), "--controller", controller]);
+    let (ok, out, err) = run(&all);
+    assert!(!ok, "distmind {all:?} should have failed:\n{out}");
+    err
+}
+
+fn synth(dir: &Path, samples: usize, sizes: &str, quality: u8) {
+    let (ok, out, err) = run(&[
+        "dataset",
+        "synth",
+        "--out",
+        dir.to_str().unwrap(),
+        "--samples",
+        &samples.to_string(),
+        "--classes",
+        "4",
+        "--sizes",
+        sizes,
+        "--quality",
+        &quality.to_string(),
+    ]);
+    assert!(ok, "synth failed: {out}{err}");
+}
+
+fn epoch(controller: &str, name: &str, how: &[&str]) -> serde_json::Value {
+    let mut args = vec!["dataset", "epoch", name, "--json", "--batch", "8"];
+    args.extend_from_slice(how);
+    let out = dm(controller, &args);
+    serde_json::from_str(out.lines().last().expect("a report line")).expect("json report")
+}
+
+#[test]
+fn sophon_is_no_slower_than_none_or_all_when_link_and_cpu_are_scarce() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("set");
+    // Small images (their files are smaller than any preprocessed form:
+    // never worth offloading) and large photos (a 224 x 224 crop is
+    // smaller than the file).
+    synth(&data, 36, "64x64,96x128,900x700", 95);
+    // The memory server's NIC held to 80 Mbit/s; one preprocessing worker.
+    let (_procs, ctl) = cluster_with(&[
+        "--prep-workers",
+        "1",
+        "--emulate-link",
+        "80mbit",
+        "--emulate-loopback",
+        "80mbit",
+    ]);
+    dm(&ctl, &["dataset", "put", "--name", "photos", data.to_str().unwrap()]);
+    let plan = dir.path().join("plan.json");
+    let out = dm(
+        &ctl,
+        &[
+            "dataset",
+            "plan",
+            "photos",
+            "--mode",
+            "sophon",
+            "--bandwidth",
+            "80mbit",
+            "--out",
+            plan.to_str().unwrap(),
+        ],
+    );
+    println!("{out}");
+    let p: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&plan).unwrap()).unwrap();
+    let steps: Vec<u64> = p["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k.as_u64().unwrap())
+        .collect();
+    // Every third sample is a large photo; only those are worth offloading.
+    for (i, &k) in steps.iter().enumerate() {
+        if i % 3 != 2 {
+            assert_eq!(k, 0, "sample {i} (small) must not be offloaded: {steps:?}");
+        }
+    }
+    assert!(steps.iter().any(|&k| k > 0), "nothing offloaded: {steps:?}");
+
+    let none = epoch(&ctl, "photos", &["--mode", "none"]);
+    let all = epoch(&ctl, "photos", &["--mode", "all"]);
+    let sophon = epoch(&ctl, "photos", &["--plan", plan.to_str().unwrap()]);
+    let t = |r: &serde_json::Value| r["seconds"].as_f64().unwrap();
+    let b = |r: &serde_json::Value| r["bytes"].as_u64().unwrap();
+    for r in [&none, &all, &sophon] {
+        assert_eq!(r["samples"], 36, "{r}");
+    }
+    println!(
+        "epoch: none {:.3}s {} B, all {:.3}s {} B, sophon {:.3}s {} B; sophon moves {:.2}x less than none",
+        t(&none),
+        b(&none),
+        t(&all),
+        b(&all),
+        t(&sophon),
+        b(&sophon),
+        b(&none) as f64 / b(&sophon) as f64
+    );
+    assert!(b(&sophon) < b(&none), "sophon moved more than none");
+    assert!(
+        t(&sophon) <= t(&none).min(t(&all)),
+        "sophon's epoch ({:.3}s) is slower than min(none {:.3}s, all {:.3}s)",
+        t(&sophon),
+        t(&none),
+        t(&all)
+    );
+}
+
+#[test]
+fn bad_samples_are_named_and_the_service_keeps_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("set");
+    synth(&data, 8, "64x64", 90);
+    // Corrupt sample 3: keep the JPEG header, cut the rest to garbage.
+    let labels = std::fs::read_to_string(data.join("labels.txt")).unwrap();
+    let third = labels
+        .lines()
+        .filter(|l| !l.trim().is_empty() && !l.starts_with('#'))
+        .nth(3)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string();
+    let path = data.join(&third);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let n = bytes.len();
+    for b in &mut bytes[n / 3..n - 2] {
+        *b = 0xAB;
+    }
+    bytes.truncate(n / 2);
+    std::fs::write(&path, &bytes).unwrap();
+
+    let (_procs, ctl) = cluster_with(&["--prep-workers", "1"]);
+    dm(&ctl, &["dataset", "put", "--name", "d", data.to_str().unwrap()]);
+    let inspect = dm(&ctl, &["dataset", "inspect", "d"]);
+    assert!(inspect.contains("8 samples"), "{inspect}");
+
+    // Skipped by default, named by its index; the other 7 load.
+    let r = epoch(&ctl, "d", &["--mode", "all"]);
+    assert_eq!(r["samples"], 7, "{r}");
+    assert_eq!(r["skipped"], 1, "{r}");
+    // With the failing policy the epoch fails naming sample 3.
+    let err = dm_fails(&ctl, &["dataset", "epoch", "d", "--mode", "split:2", "--fail-bad-samples"]);
+    assert!(err.contains("sample 3"), "{err}");
+    // The memory server still serves every good sample, locally decoded too.
+    let r = epoch(&ctl, "d", &["--mode", "none"]);
+    assert_eq!(r["samples"], 7, "{r}");
+
+    // A plan made for this content is refused once the dataset changes.
+    let plan = dir.path().join("plan.json");
+    dm(&ctl, &["dataset", "plan", "d", "--mode", "split:1", "--out", plan.to_str().unwrap()]);
+    std::fs::write(&path, std::fs::read(data.join(
+        labels.lines().find(|l| !l.starts_with('#')).unwrap().split_whitespace().next().unwrap(),
+    )).unwrap())
+    .unwrap();
+    dm(&ctl, &["dataset", "put", "--name", "d", data.to_str().unwrap()]);
+    let err = dm_fails(&ctl, &["dataset", "epoch", "d", "--plan", plan.to_str().unwrap()]);
+    assert!(err.contains("make a new plan"), "{err}");
+
+    // An over-size sample is refused at put, naming the file.
+    let big = dir.path().join("big");
+    std::fs::create_dir_all(&big).unwrap();
+    let mut jpeg = vec![0xFF, 0xD8, 0xFF, 0xE0];
+    jpeg.resize((32 << 20) + 1, 0);
+    std::fs::write(big.join("huge.jpg"), &jpeg).unwrap();
+    std::fs::write(big.join("labels.txt"), "huge.jpg 0\n").unwrap();
+    let err = dm_fails(&ctl, &["dataset", "put", "--name", "big", big.to_str().unwrap()]);
+    assert!(err.contains("huge.jpg"), "{err}");
+
+    // ls and rm.
+    let ls = dm(&ctl, &["dataset", "ls"]);
+    assert!(ls.contains('d'), "{ls}");
+    dm(&ctl, &["dataset", "rm", "d"]);
+    let ls = dm(&ctl, &["dataset", "ls"]);
+    assert!(ls.contains("no datasets"), "{ls}");
+}
