@@ -355,9 +355,10 @@ pub fn pack(lens: &[u64], group_max: u64) -> (Vec<(u32, u64)>, Vec<u64>) {
     let mut at = Vec::with_capacity(lens.len());
     let mut groups: Vec<u64> = Vec::new();
     for &len in lens {
+        let last = groups.len().saturating_sub(1) as u32;
         match groups.last_mut() {
             Some(g) if *g > 0 && *g + len <= group_max => {
-                at.push(((groups.len() - 1) as u32, *g));
+                at.push((last, *g));
                 *g += len;
             }
             _ => {
