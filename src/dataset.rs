@@ -10,7 +10,7 @@
 //! offsets the memory servers' sample service reads.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Context};
@@ -355,10 +355,10 @@ pub fn pack(lens: &[u64], group_max: u64) -> (Vec<(u32, u64)>, Vec<u64>) {
     let mut at = Vec::with_capacity(lens.len());
     let mut groups: Vec<u64> = Vec::new();
     for &len in lens {
-        let last = groups.len().saturating_sub(1) as u32;
+        let last = groups.len().wrapping_sub(1);
         match groups.last_mut() {
             Some(g) if *g > 0 && *g + len <= group_max => {
-                at.push((last, *g));
+                at.push((last as u32, *g));
                 *g += len;
             }
             _ => {

@@ -91,16 +91,11 @@ async fn serve_requests(
                     }
                 }
             }
-            Ok(Some((FrameKind::Bytes, payload))) => {
-                // Only the sample service's replies carry data frames.
-                warn!(
-                    "control connection from {peer} sent a {}-byte data frame",
-                    payload.len()
-                );
+            Ok(Some((FrameKind::Bytes, _))) => {
                 shared.metrics.error(Op::Invalid, ErrorCode::BadRequest);
                 error(
                     ErrorCode::BadRequest,
-                    "a data frame on a control connection: only sample replies carry them",
+                    "a control connection takes requests and write chunks, not data frames",
                 )
             }
             Err(WireError::Truncated) => {

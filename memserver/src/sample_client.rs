@@ -149,7 +149,8 @@ impl SampleClient {
         Ok(Features {
             samples: ids,
             feature_dim: dim,
-            values: distmind_data::prep::f16_le_to_f32(f).map_err(|e| self.unexpected(e))?,
+            values: distmind_data::prep::f16_le_to_f32(f)
+                .map_err(|e| self.unexpected(format!("features: {e}")))?,
             labels: l
                 .chunks_exact(4)
                 .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))

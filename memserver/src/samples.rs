@@ -314,7 +314,7 @@ async fn prep_one(shared: &Shared, s: SampleRef, steps: u8, seed: u64) -> Answer
             };
             drop(lease);
             prep::run(input, 0, usize::from(steps), &PrepConfig::default(), seed)
-                .map(|p| p.to_bytes())
+                .map(|p| p.to_bytes_k(usize::from(steps)))
                 .map_err(|e| e.to_string())
         })
         .await

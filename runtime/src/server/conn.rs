@@ -267,18 +267,16 @@ async fn read_loop(
                     permit,
                 )
             }
-            Incoming::Frame(FrameKind::Bytes, payload) => {
-                skip_inputs = 0;
-                error_reply(
-                    0,
-                    ErrorCode::BadRequest,
-                    format!(
-                        "a data frame of {} bytes: only sample replies carry them; skipped",
-                        payload.len()
-                    ),
-                    permit,
-                )
-            }
+            Incoming::Frame(FrameKind::Bytes, payload) => error_reply(
+                0,
+                ErrorCode::BadRequest,
+                format!(
+                    "a data frame of {} bytes on a GPU server's control connection; skipped \
+                     (inputs go in write-chunk frames after their request)",
+                    payload.len()
+                ),
+                permit,
+            ),
             Incoming::Frame(FrameKind::Message, payload) => {
                 skip_inputs = 0;
                 match wire::decode_message::<RuntimeRequest>(&payload) {
@@ -540,11 +538,7 @@ async fn read_inputs(
                 "request {id}: its {kind:?} input frame is {len} bytes, more than the bound of \
                  {CONTROL_FRAME_BYTES_MAX} bytes; send a smaller batch"
             )),
-            Incoming::Frame(FrameKind::Bytes, bytes) => Err(format!(
-                "request {id}: a data frame of {} bytes where its input frame belongs",
-                bytes.len()
-            )),
-            other @ Incoming::Frame(FrameKind::Message, _) => {
+            other @ Incoming::Frame(FrameKind::Message | FrameKind::Bytes, _) => {
                 carried = Some(other);
                 got.push((req, permit, Err(missing(id))));
                 break;
