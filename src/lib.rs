@@ -9,6 +9,7 @@ pub mod deploy;
 pub mod emulate;
 pub mod loadgen;
 pub mod logging;
+pub mod ndpipe;
 pub mod plot;
 pub mod prep;
 pub mod profile;

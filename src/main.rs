@@ -69,6 +69,10 @@ enum Command {
     /// Training datasets on the memory servers: put a directory of labelled JPEG/PNG/.npy
     /// samples, list, inspect, remove; synth writes a generated labelled JPEG set.
     Dataset(distmind::dataset::DatasetCmd),
+    /// NDPipe: fine-tune a classifier head on a dataset's features, which the memory servers
+    /// holding its samples extract with a frozen backbone (memserver --backbone) and ship in
+    /// R pipelined chunks; --ship-images: the baseline that ships the files instead.
+    Ndpipe(distmind::ndpipe::NdpipeCmd),
     /// Run a GPU server: pulls models from the memory servers on demand and serves inference requests.
     Runtime(RuntimeCmd),
     /// Draw PNG figures (grouped bars, lines, stacked areas) from experiment CSVs (`up --csv`).
@@ -321,6 +325,13 @@ struct MemserverCmd {
     /// or run through a backbone here), apart from the tasks that serve reads.
     #[arg(long, default_value_t = distmind_memserver::server::PREP_WORKERS_DEFAULT)]
     prep_workers: usize,
+    /// A CNN model package whose layers before the classifier head this server runs over its
+    /// datasets' samples when asked for features (NDPipe); none by default.
+    #[arg(long)]
+    backbone: Option<PathBuf>,
+    /// The side of the square images --backbone takes (the eval transform resizes to it).
+    #[arg(long, default_value_t = distmind_runtime::ndpipe::BACKBONE_INPUT_DEFAULT)]
+    backbone_input: u32,
     #[command(flatten)]
     emulate: distmind::emulate::EmulateArgs,
 }
@@ -516,6 +527,8 @@ fn run(command: Command) -> anyhow::Result<()> {
             verbs_device: m.verbs_device,
             verbs_gid_index: m.verbs_gid_index,
             prep_workers: m.prep_workers,
+            backbone: m.backbone,
+            backbone_input: m.backbone_input,
             emulate: m.emulate,
         }),
         Command::Controller(c) => services::run_controller(
@@ -610,6 +623,7 @@ fn run(command: Command) -> anyhow::Result<()> {
         }
         Command::Train(t) => distmind::train::run_cmd(&t),
         Command::Dataset(d) => distmind::dataset::run(&d),
+        Command::Ndpipe(n) => distmind::ndpipe::run_cmd(&n),
         Command::Plot(p) => distmind::plot::run(&p),
         Command::Profile(p) => distmind::profile::run(&p),
         Command::Infer(i) => {

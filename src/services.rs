@@ -105,6 +105,10 @@ pub struct MemserverArgs<'a> {
     pub verbs_gid_index: Option<u8>,
     /// The sample service's preprocessing workers.
     pub prep_workers: usize,
+    /// NDPipe: a model package whose layers before the head extract features.
+    pub backbone: Option<std::path::PathBuf>,
+    /// The backbone's input side.
+    pub backbone_input: u32,
     /// Emulated link: the tcp data path is held to its loopback rate.
     pub emulate: crate::emulate::EmulateArgs,
 }
@@ -126,6 +130,15 @@ pub fn run_memserver(args: MemserverArgs<'_>) -> anyhow::Result<()> {
     config.huge_pages = args.huge_pages;
     config.metrics_listen = args.metrics;
     config.prep_workers = args.prep_workers;
+    if let Some(dir) = &args.backbone {
+        let b = distmind_runtime::ndpipe::Backbone::open(dir, args.backbone_input)
+            .with_context(|| format!("--backbone {}", dir.display()))?;
+        log::info!(
+            "backbone: {:?}",
+            distmind_memserver::FeatureExtractor::info(&b)
+        );
+        config.extractor = Some(std::sync::Arc::new(b));
+    }
     if let Some(e) = &emulated {
         config.nic_bytes_per_s = Some(e.loopback_bytes_per_s() as u64);
         log::info!("{e}: tcp replies held to the loopback rate");

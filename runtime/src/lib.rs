@@ -12,6 +12,7 @@ pub mod exec;
 pub mod fetch;
 pub mod infer;
 pub mod loader;
+pub mod ndpipe;
 pub mod npy;
 pub mod pipeline;
 pub mod profile;
