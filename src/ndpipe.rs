@@ -657,7 +657,7 @@ pub fn run_cmd(cmd: &NdpipeCmd) -> anyhow::Result<()> {
     };
     let report = run(&opts)?;
     if cmd.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        println!("{}", serde_json::to_string(&report)?);
     } else {
         print!("{}", report.render());
     }
