@@ -105,8 +105,9 @@ pub enum DatasetOp {
         mode: Option<String>,
         #[arg(long, default_value_t = 32)]
         batch: usize,
-        /// Sample connections (fetcher threads) per memory server.
-        #[arg(long, default_value_t = 2)]
+        /// Sample connections per memory server: each a fetcher thread that also runs the
+        /// sample's remaining steps, so this is the trainer's preprocessing parallelism too.
+        #[arg(long, default_value_t = 4)]
         connections: usize,
         /// Fail the batch of a sample that cannot be loaded (default: skip it).
         #[arg(long)]
@@ -190,7 +191,10 @@ pub fn run(cmd: &DatasetCmd) -> anyhow::Result<()> {
                 println!("no datasets (store one with `distmind dataset put`)");
             }
             for m in sets {
-                println!("{:32} {:>12} bytes  {:>4} shards", m.name, m.total_bytes, m.groups);
+                println!(
+                    "{:32} {:>12} bytes  {:>4} shards",
+                    m.name, m.total_bytes, m.groups
+                );
             }
         }
         DatasetOp::Inspect { at, name, json } => {
@@ -265,7 +269,11 @@ pub fn run(cmd: &DatasetCmd) -> anyhow::Result<()> {
             let plan = match (plan, mode) {
                 (Some(p), _) => crate::prep::PlanFile::load(p)?,
                 (None, m) => {
-                    let mode: Mode = m.as_deref().unwrap_or("none").parse().map_err(anyhow::Error::msg)?;
+                    let mode: Mode = m
+                        .as_deref()
+                        .unwrap_or("none")
+                        .parse()
+                        .map_err(anyhow::Error::msg)?;
                     crate::prep::fixed_plan(&ds, mode)?
                 }
             };
@@ -305,11 +313,13 @@ pub fn run(cmd: &DatasetCmd) -> anyhow::Result<()> {
                 sizes: parse_sizes(sizes)?,
                 quality: *quality,
             };
-            ensure!(*samples > 0 && *classes > 0, "--samples and --classes must be positive");
+            ensure!(
+                *samples > 0 && *classes > 0,
+                "--samples and --classes must be positive"
+            );
             ensure!((1..=100).contains(quality), "--quality must be 1 to 100");
             let set = distmind_data::synth::generate(&spec);
-            std::fs::create_dir_all(out)
-                .with_context(|| format!("creating {}", out.display()))?;
+            std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
             distmind_data::dir::write_dir(out, &set)?;
             let bytes: usize = set.iter().map(|s| s.bytes.len()).sum();
             println!(
@@ -331,8 +341,10 @@ pub fn parse_sizes(s: &str) -> anyhow::Result<Vec<(u32, u32)>> {
                 .split_once('x')
                 .with_context(|| format!("size {p:?}: expected WxH, e.g. 224x224"))?;
             let (w, h): (u32, u32) = (
-                w.parse().with_context(|| format!("size {p:?}: bad width"))?,
-                h.parse().with_context(|| format!("size {p:?}: bad height"))?,
+                w.parse()
+                    .with_context(|| format!("size {p:?}: bad width"))?,
+                h.parse()
+                    .with_context(|| format!("size {p:?}: bad height"))?,
             );
             ensure!(
                 (1..=16384).contains(&w) && (1..=16384).contains(&h),
@@ -417,7 +429,10 @@ pub fn put(
     let group_max = total.div_ceil(width).clamp(1, DATASET_GROUP_BYTES_MAX);
     let lens: Vec<u64> = samples.iter().map(|s| s.bytes.len() as u64).collect();
     let (at, sizes) = pack(&lens, group_max);
-    let mut groups: Vec<Vec<u8>> = sizes.iter().map(|&b| Vec::with_capacity(b as usize)).collect();
+    let mut groups: Vec<Vec<u8>> = sizes
+        .iter()
+        .map(|&b| Vec::with_capacity(b as usize))
+        .collect();
     let mut metas = Vec::with_capacity(samples.len());
     for (s, &(g, off)) in samples.iter().zip(&at) {
         groups[g as usize].extend_from_slice(&s.bytes);
@@ -551,21 +566,28 @@ pub fn from_entry(entry: &ModelEntry) -> anyhow::Result<Dataset> {
         .with_context(|| format!("dataset {name}: its manifest does not parse"))?;
     let mut located = Vec::with_capacity(manifest.samples.len());
     for (i, s) in manifest.samples.iter().enumerate() {
-        let g = entry
-            .groups
-            .get(s.group as usize)
-            .with_context(|| format!("dataset {name}: sample {i} is in group {}, which the catalog lacks", s.group))?;
+        let g = entry.groups.get(s.group as usize).with_context(|| {
+            format!(
+                "dataset {name}: sample {i} is in group {}, which the catalog lacks",
+                s.group
+            )
+        })?;
         let slice = g
             .slices
             .iter()
             .find(|sl| sl.group_offset <= s.offset && s.offset + s.len <= sl.group_offset + sl.len)
             .with_context(|| {
-                format!("dataset {name}: sample {i} straddles two slices of group {}", s.group)
+                format!(
+                    "dataset {name}: sample {i} straddles two slices of group {}",
+                    s.group
+                )
             })?;
-        let r = slice
-            .replicas
-            .first()
-            .with_context(|| format!("dataset {name}: group {} has a slice with no copy left", s.group))?;
+        let r = slice.replicas.first().with_context(|| {
+            format!(
+                "dataset {name}: group {} has a slice with no copy left",
+                s.group
+            )
+        })?;
         located.push(Located {
             memserver: r.memserver,
             addr: r.addr.clone(),
@@ -603,7 +625,10 @@ mod tests {
 
     #[test]
     fn parse_sizes_names_the_bad_one() {
-        assert_eq!(parse_sizes("64x64, 900x700").unwrap(), vec![(64, 64), (900, 700)]);
+        assert_eq!(
+            parse_sizes("64x64, 900x700").unwrap(),
+            vec![(64, 64), (900, 700)]
+        );
         let e = parse_sizes("64x64,9x").unwrap_err().to_string();
         assert!(e.contains("9x"), "{e}");
         assert!(parse_sizes("0x5").is_err());

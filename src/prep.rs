@@ -86,7 +86,8 @@ impl PlanFile {
 
     pub fn load(path: &Path) -> anyhow::Result<PlanFile> {
         let b = std::fs::read(path).with_context(|| format!("reading plan {}", path.display()))?;
-        serde_json::from_slice(&b).with_context(|| format!("plan {} does not parse", path.display()))
+        serde_json::from_slice(&b)
+            .with_context(|| format!("plan {} does not parse", path.display()))
     }
 }
 
@@ -109,7 +110,11 @@ pub fn prep_workers(target: &Target, ds: &Dataset) -> anyhow::Result<BTreeMap<u3
 /// SOPHON's profiling epoch: every sample profiled by the memory server
 /// holding it (servers in parallel). Samples that fail are reported and
 /// left out (they are shipped as files, k = 0).
-pub fn profile(target: &Target, ds: &Dataset, seed: u64) -> anyhow::Result<Vec<Option<SampleCost>>> {
+pub fn profile(
+    target: &Target,
+    ds: &Dataset,
+    seed: u64,
+) -> anyhow::Result<Vec<Option<SampleCost>>> {
     let groups = by_server(ds);
     let results: Vec<anyhow::Result<Vec<SampleCost>>> = std::thread::scope(|s| {
         let handles: Vec<_> = groups
@@ -121,9 +126,9 @@ pub fn profile(target: &Target, ds: &Dataset, seed: u64) -> anyhow::Result<Vec<O
                     let mut costs = Vec::new();
                     for chunk in located.chunks(PROFILE_CHUNK) {
                         let refs: Vec<_> = chunk.iter().map(|l| l.sample.clone()).collect();
-                        let (got, failed) = c
-                            .profile(&refs, seed)
-                            .with_context(|| format!("profiling on memory server {id} at {addr}"))?;
+                        let (got, failed) = c.profile(&refs, seed).with_context(|| {
+                            format!("profiling on memory server {id} at {addr}")
+                        })?;
                         for f in failed {
                             log::warn!("profiling: {} (it will be shipped as a file)", f.why);
                         }

@@ -29,7 +29,12 @@ fn cluster_with(extra: &[&str]) -> (Vec<Proc>, String) {
 fn dm(controller: &str, args: &[&str]) -> String {
     let s = settings_dir();
     let mut all: Vec<&str> = args.to_vec();
-    all.extend_from_slice(&["--settings", s.to_str().unwrap(), "--controller", controller]);
+    all.extend_from_slice(&[
+        "--settings",
+        s.to_str().unwrap(),
+        "--controller",
+        controller,
+    ]);
     let (ok, out, err) = run(&all);
     assert!(ok, "distmind {all:?} failed:\n{out}\n{err}");
     out
@@ -38,7 +43,12 @@ fn dm(controller: &str, args: &[&str]) -> String {
 fn dm_fails(controller: &str, args: &[&str]) -> String {
     let s = settings_dir();
     let mut all: Vec<&str> = args.to_vec();
-    all.extend_from_slice(&["--settings", s.to_str().unwrap(), "--controller", controller]);
+    all.extend_from_slice(&[
+        "--settings",
+        s.to_str().unwrap(),
+        "--controller",
+        controller,
+    ]);
     let (ok, out, err) = run(&all);
     assert!(!ok, "distmind {all:?} should have failed:\n{out}");
     err
@@ -86,7 +96,10 @@ fn sophon_is_no_slower_than_none_or_all_when_link_and_cpu_are_scarce() {
         "--emulate-loopback",
         "80mbit",
     ]);
-    dm(&ctl, &["dataset", "put", "--name", "photos", data.to_str().unwrap()]);
+    dm(
+        &ctl,
+        &["dataset", "put", "--name", "photos", data.to_str().unwrap()],
+    );
     let plan = dir.path().join("plan.json");
     let out = dm(
         &ctl,
@@ -103,8 +116,7 @@ fn sophon_is_no_slower_than_none_or_all_when_link_and_cpu_are_scarce() {
         ],
     );
     println!("{out}");
-    let p: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&plan).unwrap()).unwrap();
+    let p: serde_json::Value = serde_json::from_slice(&std::fs::read(&plan).unwrap()).unwrap();
     let steps: Vec<u64> = p["steps"]
         .as_array()
         .unwrap()
@@ -173,7 +185,10 @@ fn bad_samples_are_named_and_the_service_keeps_serving() {
     std::fs::write(&path, &bytes).unwrap();
 
     let (_procs, ctl) = cluster_with(&["--prep-workers", "1"]);
-    dm(&ctl, &["dataset", "put", "--name", "d", data.to_str().unwrap()]);
+    dm(
+        &ctl,
+        &["dataset", "put", "--name", "d", data.to_str().unwrap()],
+    );
     let inspect = dm(&ctl, &["dataset", "inspect", "d"]);
     assert!(inspect.contains("8 samples"), "{inspect}");
 
@@ -182,7 +197,17 @@ fn bad_samples_are_named_and_the_service_keeps_serving() {
     assert_eq!(r["samples"], 7, "{r}");
     assert_eq!(r["skipped"], 1, "{r}");
     // With the failing policy the epoch fails naming sample 3.
-    let err = dm_fails(&ctl, &["dataset", "epoch", "d", "--mode", "split:2", "--fail-bad-samples"]);
+    let err = dm_fails(
+        &ctl,
+        &[
+            "dataset",
+            "epoch",
+            "d",
+            "--mode",
+            "split:2",
+            "--fail-bad-samples",
+        ],
+    );
     assert!(err.contains("sample 3"), "{err}");
     // The memory server still serves every good sample, locally decoded too.
     let r = epoch(&ctl, "d", &["--mode", "none"]);
@@ -190,13 +215,42 @@ fn bad_samples_are_named_and_the_service_keeps_serving() {
 
     // A plan made for this content is refused once the dataset changes.
     let plan = dir.path().join("plan.json");
-    dm(&ctl, &["dataset", "plan", "d", "--mode", "split:1", "--out", plan.to_str().unwrap()]);
-    std::fs::write(&path, std::fs::read(data.join(
-        labels.lines().find(|l| !l.starts_with('#')).unwrap().split_whitespace().next().unwrap(),
-    )).unwrap())
+    dm(
+        &ctl,
+        &[
+            "dataset",
+            "plan",
+            "d",
+            "--mode",
+            "split:1",
+            "--out",
+            plan.to_str().unwrap(),
+        ],
+    );
+    std::fs::write(
+        &path,
+        std::fs::read(
+            data.join(
+                labels
+                    .lines()
+                    .find(|l| !l.starts_with('#'))
+                    .unwrap()
+                    .split_whitespace()
+                    .next()
+                    .unwrap(),
+            ),
+        )
+        .unwrap(),
+    )
     .unwrap();
-    dm(&ctl, &["dataset", "put", "--name", "d", data.to_str().unwrap()]);
-    let err = dm_fails(&ctl, &["dataset", "epoch", "d", "--plan", plan.to_str().unwrap()]);
+    dm(
+        &ctl,
+        &["dataset", "put", "--name", "d", data.to_str().unwrap()],
+    );
+    let err = dm_fails(
+        &ctl,
+        &["dataset", "epoch", "d", "--plan", plan.to_str().unwrap()],
+    );
     assert!(err.contains("make a new plan"), "{err}");
 
     // An over-size sample is refused at put, naming the file.
@@ -206,7 +260,10 @@ fn bad_samples_are_named_and_the_service_keeps_serving() {
     jpeg.resize((32 << 20) + 1, 0);
     std::fs::write(big.join("huge.jpg"), &jpeg).unwrap();
     std::fs::write(big.join("labels.txt"), "huge.jpg 0\n").unwrap();
-    let err = dm_fails(&ctl, &["dataset", "put", "--name", "big", big.to_str().unwrap()]);
+    let err = dm_fails(
+        &ctl,
+        &["dataset", "put", "--name", "big", big.to_str().unwrap()],
+    );
     assert!(err.contains("huge.jpg"), "{err}");
 
     // ls and rm.
@@ -219,12 +276,9 @@ fn bad_samples_are_named_and_the_service_keeps_serving() {
 
 /// `memserver_sample_bytes_sent_total{op="extract"}` of a memory server.
 fn extract_bytes(metrics: &str) -> u64 {
-    let (code, text) = distmind_common::metrics::scrape(
-        metrics,
-        "/metrics",
-        std::time::Duration::from_secs(5),
-    )
-    .expect("scrape the memory server");
+    let (code, text) =
+        distmind_common::metrics::scrape(metrics, "/metrics", std::time::Duration::from_secs(5))
+            .expect("scrape the memory server");
     assert_eq!(code, 200);
     distmind_common::metrics::sample_value(
         &text,
@@ -270,13 +324,31 @@ fn ndpipe_ships_features_and_chunks_finish_sooner_at_the_same_accuracy() {
     );
     let metrics = addrs[1].clone();
     wait_alive(&ctl, 1);
-    dm(&ctl, &["dataset", "put", "--name", "d", data.to_str().unwrap()]);
+    dm(
+        &ctl,
+        &["dataset", "put", "--name", "d", data.to_str().unwrap()],
+    );
 
     let ndpipe = |chunks: &str| -> serde_json::Value {
         let before = extract_bytes(&metrics);
         let out = dm(
             &ctl,
-            &["ndpipe", "--dataset", "d", "--chunks", chunks, "--epochs", "2000", "--batch", "45", "--lr", "2", "--held-out", "0.25", "--json"],
+            &[
+                "ndpipe",
+                "--dataset",
+                "d",
+                "--chunks",
+                chunks,
+                "--epochs",
+                "2000",
+                "--batch",
+                "45",
+                "--lr",
+                "2",
+                "--held-out",
+                "0.25",
+                "--json",
+            ],
         );
         let r: serde_json::Value =
             serde_json::from_str(out.lines().last().expect("a report")).expect("json report");
@@ -314,6 +386,16 @@ fn ndpipe_ships_features_and_chunks_finish_sooner_at_the_same_accuracy() {
     );
     // Chance is 0.25: the features carry the classes.
     assert!(acc(&r1) > 0.5, "{r1}");
-    assert!((acc(&r1) - acc(&r4)).abs() <= 0.02, "R=1 {} against R=4 {}", acc(&r1), acc(&r4));
-    assert!(wall(&r4) < wall(&r1), "R=4 took {} s, R=1 {} s", wall(&r4), wall(&r1));
+    assert!(
+        (acc(&r1) - acc(&r4)).abs() <= 0.02,
+        "R=1 {} against R=4 {}",
+        acc(&r1),
+        acc(&r4)
+    );
+    assert!(
+        wall(&r4) < wall(&r1),
+        "R=4 took {} s, R=1 {} s",
+        wall(&r4),
+        wall(&r1)
+    );
 }

@@ -38,12 +38,17 @@ service() {
     "$BIN" --log-level warn "$@" >"$tmp/$name.out" 2>"$tmp/$name.err" &
     PID=$!
     pids+=("$PID")
-    for _ in $(seq 100); do
+    for _ in $(seq 300); do
         grep -q "listening on" "$tmp/$name.out" 2>/dev/null && break
         sleep 0.1
     done
     ADDR=$(awk '/listening on/ { print $NF; exit }' "$tmp/$name.out")
+    if [ -z "$ADDR" ]; then
+        echo "distmind $* did not start:" >&2; cat "$tmp/$name.err" >&2; exit 1
+    fi
 }
+# A CSV as a table (column(1) where there is one).
+table() { if command -v column >/dev/null; then column -s, -t "$1"; else cat "$1"; fi; }
 dm() { "$BIN" --log-level warn "$@" --settings "$SETTINGS" --controller "$ctl"; }
 
 "$BIN" --log-level warn dataset synth --out "$tmp/photos" --samples "$SAMPLES" --classes 4 \
@@ -70,7 +75,33 @@ for w in 1 2 4; do
     kill "$mspid" "$ctlpid"; wait "$mspid" "$ctlpid" 2>/dev/null || true
 done
 done
-column -s, -t "$CSV"
+table "$CSV"
+
+# NDPipe: a controller and one memory server running a generated tiny
+# ResNet-152 without its head (64 x 64 inputs), 1 extraction worker; a
+# labelled set of small JPEGs; R = 1, 2, 4 near the data against shipping
+# the images (the backbone on the trainer). The trainer's fine-tuning of
+# the head (2000 epochs, one batch per chunk) costs about what extraction
+# does, so the overlap of chunks matters.
+ND_CSV="$RES/ndpipe.csv"
+"$BIN" --log-level warn dataset synth --out "$tmp/small" --samples 240 --classes 4 --sizes 64x64,80x96 --quality 90 >/dev/null
+"$BIN" --log-level warn model gen --family resnet152 --scale tiny --variants 1 --group-bytes 65536 --out "$tmp/pk" >/dev/null
+bb="$tmp/pk/$(ls "$tmp/pk")"
+service ndctl controller --settings "$SETTINGS" --listen 127.0.0.1:0 --client-listen 127.0.0.1:0 --no-dispatcher
+ctl=$ADDR
+service ndms memserver --settings "$SETTINGS" --listen 127.0.0.1:0 --capacity 256MiB \
+    --controller "$ctl" --prep-workers 1 --backbone "$bb"
+for _ in $(seq 50); do dm dataset put --name small "$tmp/small" >/dev/null 2>&1 && break; sleep 0.2; done
+echo "test,mode,chunks,samples,extract_samples_per_s,bytes,train_s,wall_s,held_out_accuracy" >"$ND_CSV"
+nd() {
+    local mode="$1"; shift
+    r=$(dm ndpipe --dataset small --epochs 2000 --batch 45 --lr 2 --held-out 0.25 --json "$@")
+    row=$(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(",".join(str(x) for x in (len(r["chunks"]), r["extracted"], round(r["extract_samples_per_s"], 1), r["bytes"], round(r["train_s"], 4), round(r["wall_s"], 4), round(r["held_out_accuracy"], 4))))' "$r")
+    echo "ndpipe,$mode,$row" | tee -a "$ND_CSV"
+}
+for r in 1 2 4; do nd near_data --chunks "$r"; done
+nd ship_images --chunks 4 --ship-images --backbone "$bb"
+table "$ND_CSV"
 
 get() { csv_get "$CSV" "$1" "link=$2" "prep_workers=$3" "mode=$4"; }
 # sophon's speed-up over the faster of none and all (above 1: sophon is faster).
@@ -82,5 +113,9 @@ for LINK in $LINKS; do
     done
     line="$line sophon_traffic_cut_${LINK}_w1=$(ratio "$(get bytes "$LINK" 1 none)" "$(get bytes "$LINK" 1 sophon)")"
 done
-echo "wrote $CSV"
+nget() { csv_get "$ND_CSV" "$1" "mode=$2" "chunks=$3"; }
+line="$line ndpipe_r4_vs_r1_time=$(ratio "$(nget wall_s near_data 4)" "$(nget wall_s near_data 1)")"
+line="$line ndpipe_bytes_cut_vs_images=$(ratio "$(nget bytes ship_images 4)" "$(nget bytes near_data 4)")"
+line="$line ndpipe_accuracy_r1=$(nget held_out_accuracy near_data 1) ndpipe_accuracy_r4=$(nget held_out_accuracy near_data 4)"
+echo "wrote $CSV and $ND_CSV"
 echo "headline:$line"

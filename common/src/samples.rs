@@ -133,7 +133,11 @@ pub struct ExtractorInfo {
 #[serde(tag = "reply", rename_all = "snake_case")]
 pub enum SampleReply {
     /// A `Bytes` frame of `bytes` bytes follows: step `steps`'s output.
-    Prepped { sample: u64, steps: u8, bytes: u64 },
+    Prepped {
+        sample: u64,
+        steps: u8,
+        bytes: u64,
+    },
     /// Profiles in request order; samples that failed are listed apart.
     Profiled {
         costs: Vec<SampleCost>,

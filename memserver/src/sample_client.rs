@@ -92,7 +92,12 @@ impl SampleClient {
 
     /// The first `steps` preprocessing steps of one sample, in step
     /// `steps`'s wire form (`steps = 0`: the file).
-    pub fn prep(&mut self, sample: &SampleRef, steps: u8, seed: u64) -> Result<Vec<u8>, ClientError> {
+    pub fn prep(
+        &mut self,
+        sample: &SampleRef,
+        steps: u8,
+        seed: u64,
+    ) -> Result<Vec<u8>, ClientError> {
         let req = SampleRequest::Prep {
             sample: sample.clone(),
             steps,

@@ -20,8 +20,8 @@ use std::time::Instant;
 use distmind_common::limits::CONTROL_FRAME_BYTES_MAX;
 use distmind_common::proto::{ErrorCode, ErrorReply};
 use distmind_common::samples::{
-    ExtractorInfo, SampleCost, SampleFailure, SampleRef, SampleReply, SampleRequest,
-    PREP_STEPS, SAMPLES_PER_REQUEST_MAX, SAMPLE_BYTES_MAX,
+    ExtractorInfo, SampleCost, SampleFailure, SampleRef, SampleReply, SampleRequest, PREP_STEPS,
+    SAMPLES_PER_REQUEST_MAX, SAMPLE_BYTES_MAX,
 };
 use distmind_common::wire::{self, FrameKind};
 use distmind_data::format::SampleFormat;
@@ -90,8 +90,16 @@ impl PrepPool {
 
     /// Queues `f` once a slot is free (the slot is held until `f` returns);
     /// a panic in `f` is caught, and the worker lives on.
-    async fn submit<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> Pending<T> {
-        let slot = self.slots.clone().acquire_owned().await.expect("never closed");
+    async fn submit<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> Pending<T> {
+        let slot = self
+            .slots
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("never closed");
         let (done_tx, done_rx) = oneshot::channel();
         let job: Job = Box::new(move || {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
@@ -248,7 +256,9 @@ fn parse_format(s: &str) -> Result<SampleFormat, String> {
         "jpeg" => Ok(SampleFormat::Jpeg),
         "png" => Ok(SampleFormat::Png),
         "npy" => Ok(SampleFormat::Npy),
-        other => Err(format!("unknown format {other:?} (expected jpeg, png or npy)")),
+        other => Err(format!(
+            "unknown format {other:?} (expected jpeg, png or npy)"
+        )),
     }
 }
 

@@ -6,7 +6,10 @@
 //! stage).
 //!
 //! Threads: `connections` fetchers per memory server, each with its own
-//! sample connection, taking that server's samples from a shared queue; the
+//! sample connection, taking that server's samples from two shared queues
+//! (files, and samples the server preprocesses; each fetcher prefers one,
+//! in turn, so a sample waiting for the server's workers never stalls the
+//! files behind it); the
 //! local steps run on the fetcher that received the bytes (the trainer's
 //! CPUs); one batcher thread groups finished samples. Every queue between
 //! them is bounded (`prefetch_batches` batches of samples), so a slow
@@ -64,7 +67,7 @@ impl Default for LoaderConfig {
         LoaderConfig {
             batch: 32,
             prefetch_batches: 4,
-            connections: 2,
+            connections: 4,
             seed: 0,
             on_bad_sample: OnBadSample::Skip,
             prep: PrepConfig::default(),
@@ -162,12 +165,20 @@ impl Loader {
         }
         let mut threads = Vec::new();
         for (addr, samples) in per_server {
-            let queue = Arc::new(Mutex::new(samples.into_iter()));
+            // Files and preprocessed samples queue apart, and fetchers
+            // prefer one or the other in turn: a sample waiting for the
+            // memory server's workers never holds back the files behind it.
+            let (prepped, files): (Vec<_>, Vec<_>) = samples.into_iter().partition(|p| p.steps > 0);
+            let queues = [
+                Arc::new(Mutex::new(files.into_iter())),
+                Arc::new(Mutex::new(prepped.into_iter())),
+            ];
             for c in 0..cfg.connections {
                 let f = Fetcher {
                     addr: addr.clone(),
                     key: key.clone(),
-                    queue: queue.clone(),
+                    queues: queues.clone(),
+                    prefer: c % 2,
                     done: done_tx.clone(),
                     batches: batch_tx.clone(),
                     stats: stats.clone(),
@@ -269,7 +280,10 @@ fn format_of(s: &str) -> Result<distmind_data::format::SampleFormat, String> {
 struct Fetcher {
     addr: String,
     key: ClusterKey,
-    queue: Arc<Mutex<std::vec::IntoIter<PlannedSample>>>,
+    /// This server's files (k = 0) and samples it preprocesses (k > 0).
+    queues: [Arc<Mutex<std::vec::IntoIter<PlannedSample>>>; 2],
+    /// The queue this fetcher takes from first.
+    prefer: usize,
     done: Sender<Done>,
     batches: Sender<Result<Batch, LoaderError>>,
     stats: Arc<LoaderStats>,
@@ -282,7 +296,10 @@ impl Fetcher {
         if self.stop.load(Ordering::Relaxed) {
             return None;
         }
-        self.queue.lock().unwrap_or_else(|p| p.into_inner()).next()
+        let take = |q: &Mutex<std::vec::IntoIter<PlannedSample>>| {
+            q.lock().unwrap_or_else(|p| p.into_inner()).next()
+        };
+        take(&self.queues[self.prefer]).or_else(|| take(&self.queues[1 - self.prefer]))
     }
 
     fn run(self) {
@@ -309,9 +326,8 @@ impl Fetcher {
                         .bytes_received
                         .fetch_add(wire.len() as u64, Ordering::Relaxed);
                     let t = Instant::now();
-                    let r = format_of(&p.sample.format).and_then(|f| {
-                        finish_sample(&wire, p.steps, f, &self.cfg.prep, seed)
-                    });
+                    let r = format_of(&p.sample.format)
+                        .and_then(|f| finish_sample(&wire, p.steps, f, &self.cfg.prep, seed));
                     self.stats
                         .local_prep_ns
                         .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
