@@ -439,7 +439,7 @@ pub fn put(
         metas.push(SampleMeta {
             name: s.name.clone(),
             label: s.label,
-            format: format_name(s.format).to_string(),
+            format: s.format.name().to_string(),
             group: g,
             offset: off,
             len: s.bytes.len() as u64,
@@ -466,15 +466,6 @@ pub fn put(
         progress: false,
     };
     deploy::deploy(target, &model, &opts).with_context(|| format!("storing dataset {name}"))
-}
-
-pub fn format_name(f: distmind_data::format::SampleFormat) -> &'static str {
-    use distmind_data::format::SampleFormat;
-    match f {
-        SampleFormat::Jpeg => "jpeg",
-        SampleFormat::Png => "png",
-        SampleFormat::Npy => "npy",
-    }
 }
 
 /// One sample and the memory server that serves it (the first replica).

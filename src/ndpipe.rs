@@ -308,17 +308,6 @@ struct Local {
     seed: u64,
 }
 
-fn parse_format(s: &str) -> Result<SampleFormat, String> {
-    match s {
-        "jpeg" => Ok(SampleFormat::Jpeg),
-        "png" => Ok(SampleFormat::Png),
-        "npy" => Ok(SampleFormat::Npy),
-        other => Err(format!(
-            "unknown format {other:?} (expected jpeg, png or npy)"
-        )),
-    }
-}
-
 impl Extract for Local {
     fn part(&mut self, samples: &[SampleRef]) -> anyhow::Result<Features> {
         let side = self.backbone.side() as u32;
@@ -336,7 +325,7 @@ impl Extract for Local {
             for s in req {
                 let file = self.client.prep(s, 0, self.seed)?;
                 out.wire_bytes += file.len() as u64;
-                let t = parse_format(&s.format).and_then(|f| {
+                let t = SampleFormat::from_name(&s.format).and_then(|f| {
                     eval_tensor(&file, f, side, &PrepConfig::default()).map_err(|e| e.to_string())
                 });
                 match t {

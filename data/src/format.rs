@@ -80,6 +80,28 @@ impl SampleFormat {
         Ok(ext)
     }
 
+    /// The name datasets' manifests and the sample protocol use (`jpeg`,
+    /// `png`, `npy`: serde's spelling).
+    pub fn name(self) -> &'static str {
+        match self {
+            SampleFormat::Jpeg => "jpeg",
+            SampleFormat::Png => "png",
+            SampleFormat::Npy => "npy",
+        }
+    }
+
+    /// The format of a [`SampleFormat::name`]; the error says what is accepted.
+    pub fn from_name(s: &str) -> Result<SampleFormat, String> {
+        match s {
+            "jpeg" => Ok(SampleFormat::Jpeg),
+            "png" => Ok(SampleFormat::Png),
+            "npy" => Ok(SampleFormat::Npy),
+            other => Err(format!(
+                "unknown format {other:?} (expected jpeg, png or npy)"
+            )),
+        }
+    }
+
     /// The usual file extension, without the dot.
     pub fn extension(self) -> &'static str {
         match self {

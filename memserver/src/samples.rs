@@ -241,7 +241,8 @@ fn lease(shared: &Shared, s: &SampleRef) -> Result<(ReadLease, SampleFormat), St
             s.sample, s.len
         ));
     }
-    let format = parse_format(&s.format).map_err(|e| format!("sample {}: {e}", s.sample))?;
+    let format =
+        SampleFormat::from_name(&s.format).map_err(|e| format!("sample {}: {e}", s.sample))?;
     let lease = shared.arena.read(s.offset, s.len).map_err(|e| {
         format!(
             "sample {}: no committed bytes at arena offset {} (+{}): {e}",
@@ -249,17 +250,6 @@ fn lease(shared: &Shared, s: &SampleRef) -> Result<(ReadLease, SampleFormat), St
         )
     })?;
     Ok((lease, format))
-}
-
-fn parse_format(s: &str) -> Result<SampleFormat, String> {
-    match s {
-        "jpeg" => Ok(SampleFormat::Jpeg),
-        "png" => Ok(SampleFormat::Png),
-        "npy" => Ok(SampleFormat::Npy),
-        other => Err(format!(
-            "unknown format {other:?} (expected jpeg, png or npy)"
-        )),
-    }
 }
 
 fn count(shared: &Shared, op: &'static str, processed: usize, failed: usize) {

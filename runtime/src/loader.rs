@@ -267,16 +267,6 @@ pub fn finish_sample(
     }
 }
 
-fn format_of(s: &str) -> Result<distmind_data::format::SampleFormat, String> {
-    use distmind_data::format::SampleFormat;
-    match s {
-        "jpeg" => Ok(SampleFormat::Jpeg),
-        "png" => Ok(SampleFormat::Png),
-        "npy" => Ok(SampleFormat::Npy),
-        other => Err(format!("unknown format {other:?}")),
-    }
-}
-
 struct Fetcher {
     addr: String,
     key: ClusterKey,
@@ -302,19 +292,20 @@ impl Fetcher {
         take(&self.queues[self.prefer]).or_else(|| take(&self.queues[1 - self.prefer]))
     }
 
+    /// Without its connection this server's samples cannot load: say so
+    /// once and stop every fetcher; the batcher ends the epoch short.
+    fn lost(&self, e: distmind_memserver::ClientError) {
+        let _ = self.batches.send(Err(LoaderError::Server {
+            addr: self.addr.clone(),
+            why: e.to_string(),
+        }));
+        self.stop.store(true, Ordering::Relaxed);
+    }
+
     fn run(self) {
         let mut client = match SampleClient::connect(&self.addr, &self.key, self.cfg.timeout) {
             Ok(c) => c,
-            Err(e) => {
-                // Without a connection this server's samples cannot load:
-                // say so once; the batcher ends the epoch short.
-                let _ = self.batches.send(Err(LoaderError::Server {
-                    addr: self.addr.clone(),
-                    why: e.to_string(),
-                }));
-                self.stop.store(true, Ordering::Relaxed);
-                return;
-            }
+            Err(e) => return self.lost(e),
         };
         while let Some(p) = self.next() {
             let id = p.sample.sample;
@@ -326,7 +317,7 @@ impl Fetcher {
                         .bytes_received
                         .fetch_add(wire.len() as u64, Ordering::Relaxed);
                     let t = Instant::now();
-                    let r = format_of(&p.sample.format)
+                    let r = distmind_data::format::SampleFormat::from_name(&p.sample.format)
                         .and_then(|f| finish_sample(&wire, p.steps, f, &self.cfg.prep, seed));
                     self.stats
                         .local_prep_ns
@@ -337,14 +328,7 @@ impl Fetcher {
                 // The server refused this sample (corrupt, unreadable): the
                 // connection is still good.
                 Err(e) if e.server_error().is_some() => Err(fail(e.to_string())),
-                Err(e) => {
-                    let _ = self.batches.send(Err(LoaderError::Server {
-                        addr: self.addr.clone(),
-                        why: e.to_string(),
-                    }));
-                    self.stop.store(true, Ordering::Relaxed);
-                    return;
-                }
+                Err(e) => return self.lost(e),
             };
             if self.done.send(out).is_err() {
                 return;
