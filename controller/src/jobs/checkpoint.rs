@@ -35,7 +35,7 @@ pub fn periodic_checkpoint_name(job: &str) -> String {
 /// iterations are complete: every `every` iterations, not at the job's
 /// last (the job is over by the time its parts would come in).
 pub fn periodic_due(every: Option<u64>, done: u64, iterations: u64) -> bool {
-    matches!(every, Some(k) if k > 0 && done > 0 && done % k == 0 && done < iterations)
+    matches!(every, Some(k) if k > 0 && done > 0 && done.is_multiple_of(k) && done < iterations)
 }
 
 /// The stage each layer range of `partition` holds, for param `p`.
