@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use distmind_common::proto::{ControllerReply, ControllerRequest, TrainJobState, TrainJobStatus};
 use distmind_controller::ControllerClient;
+use distmind_memserver::MemserverClient;
 use distmind_models::Package;
 use support::*;
 
@@ -262,19 +263,25 @@ fn under_stragglers_the_partial_reduce_outruns_allreduce() {
 }
 
 #[test]
-fn a_killed_gpu_server_fails_its_jobs_naming_it_and_nothing_hangs() {
+fn a_killed_gpu_server_fails_its_jobs_naming_it_and_its_last_checkpoint_and_nothing_hangs() {
     let (_serial, mut c) = cluster(&["gpt2"]);
     let gpt = c.models[0].clone();
     let started = Instant::now();
-    let id = submit(&c, &spec("long", &gpt, "preduce", 8, 4, 0.01, 100_000), &[]);
-    // Running, with reports coming in.
+    // Pipeline 0 checkpoints every 2 iterations, to `<id>-ckpt`.
+    let long = spec("long", &gpt, "preduce", 8, 4, 0.01, 100_000)
+        .replace(r#""iterations""#, r#""checkpoint_every": 2, "iterations""#);
+    let id = submit(&c, &long, &[]);
+    let name = format!("{id}-ckpt");
+    // Running, with reports coming in, and a periodic checkpoint in the
+    // catalog that replaced two earlier ones.
     loop {
         let st = status(&mut c.client, &id);
-        if st.stages.iter().all(|s| s.iteration.unwrap_or(0) >= 2) {
+        let ckpt = st.last_checkpoint.as_ref().map_or(0, |l| l.iteration);
+        if st.stages.iter().all(|s| s.iteration.unwrap_or(0) >= 2) && ckpt >= 6 {
             break;
         }
         assert!(!st.state.is_terminal(), "{st:?}");
-        assert!(started.elapsed() < Duration::from_secs(60), "{st:?}");
+        assert!(started.elapsed() < Duration::from_secs(120), "{st:?}");
         std::thread::sleep(Duration::from_millis(20));
     }
     let (rt_addr, pid) = (c.runtime.addr.clone(), c.runtime.pid());
@@ -284,10 +291,40 @@ fn a_killed_gpu_server_fails_its_jobs_naming_it_and_nothing_hangs() {
         panic!("runtime {pid} killed, yet {:?}", t.status);
     };
     assert!(reason.contains(&rt_addr), "{reason}");
+    // The failure names the last complete checkpoint; it is in the
+    // catalog with the checksums the job's status records.
+    let last = t.status.last_checkpoint.clone().expect("a checkpoint");
+    assert_eq!(last.model, name);
+    assert_eq!(last.group_checksums.len(), 3, "{last:?}");
+    assert!(
+        reason.ends_with(&format!("; last checkpoint: {last}")),
+        "{reason}"
+    );
+    let entry = c.client.get_model(&name).unwrap();
+    assert_eq!(entry.version, last.catalog_version);
+    let sums: Vec<String> = entry.groups.iter().map(|g| g.checksum.clone()).collect();
+    assert_eq!(sums, last.group_checksums);
+    // Replaced checkpoints were freed: the memory server holds the model,
+    // the last checkpoint and at most the parts of the one being written
+    // when the GPU server died (three or more without freeing).
+    let model = c.client.get_model(&gpt).unwrap().total_bytes;
+    let used = MemserverClient::connect(&c._memserver.addr, &cluster_key(), Duration::from_secs(5))
+        .and_then(|mut m| m.stats())
+        .unwrap()
+        .used_bytes;
+    assert!(
+        used < model + entry.total_bytes * 5 / 2,
+        "{used} bytes used: the model is {model} bytes, a checkpoint {}",
+        entry.total_bytes
+    );
     let (ok, stdout, stderr) = train(&c, &["status", "--job", &id]);
     assert!(ok, "{stderr}");
     assert!(
         stdout.starts_with(&format!("{id}  failed")) && stdout.contains(&rt_addr),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(&format!("\n  last checkpoint: {last} of generation 0")),
         "{stdout}"
     );
     // The controller keeps serving: once the GPU server's heartbeats have

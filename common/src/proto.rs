@@ -470,13 +470,18 @@ pub enum ControllerReply {
     /// stopping, stopped, failed or finished). `drain`: the job is
     /// re-partitioning; the worker stops once it completed
     /// `drain.after_iteration` iterations (writing its checkpoint first
-    /// when `drain.checkpoint` names one).
+    /// when `drain.checkpoint` names one). `free`: in the reply to the
+    /// `TrainCheckpointed` that completed a periodic checkpoint, the
+    /// extents of the one it replaced in the catalog, for the worker to
+    /// free (the new entry is visible by then).
     TrainReported {
         job: String,
         state: TrainJobState,
         stop: bool,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         drain: Option<DrainOrder>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        free: Vec<Location>,
     },
     /// The group a `TrainGroupReady` joined: the pipelines whose stage
     /// replicas average their weights now, sorted, the asker included (a
@@ -582,6 +587,39 @@ pub struct TrainJobStatus {
     /// The last re-partitioning's checkpoint (written and reloaded).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint: Option<CheckpointStatus>,
+    /// The job's last complete checkpoint in the catalog: the periodic one
+    /// (`checkpoint_every`) or a re-partitioning's, whichever came last.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_checkpoint: Option<LastCheckpoint>,
+}
+
+/// A complete checkpoint of a training job: every stage of pipeline 0
+/// wrote its part and the controller put the model in its catalog.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LastCheckpoint {
+    /// The checkpoint model (`<job>-ckpt` for a periodic one, `<job>-g<n>`
+    /// for a re-partitioning's) and its catalog version.
+    pub model: String,
+    pub catalog_version: u64,
+    /// The generation that wrote it, and the iterations it had completed.
+    pub generation: u64,
+    pub iteration: u64,
+    /// The checksum (xxh3 over the per-layer checksums, in layer order) of
+    /// the params written.
+    pub written: u64,
+    /// Each group's checksum (one group per stage), as in the catalog
+    /// entry.
+    pub group_checksums: Vec<String>,
+}
+
+impl std::fmt::Display for LastCheckpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} (catalog version {}) after iteration {}",
+            self.model, self.catalog_version, self.iteration
+        )
+    }
 }
 
 /// A re-partitioning's drain, as the reply to a report tells a worker of
@@ -1304,6 +1342,7 @@ mod tests {
             state: failed,
             stop: true,
             drain: None,
+            free: Vec::new(),
         };
         let s = serde_json::to_string(&reply).unwrap();
         assert_eq!(serde_json::from_str::<ControllerReply>(&s).unwrap(), reply);
@@ -1318,6 +1357,7 @@ mod tests {
                 checkpoint: Some("j-1-g1".into()),
                 partition: vec![3, 2],
             }),
+            free: Vec::new(),
         };
         let s = serde_json::to_string(&reply).unwrap();
         assert_eq!(serde_json::from_str::<ControllerReply>(&s).unwrap(), reply);

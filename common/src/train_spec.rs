@@ -101,7 +101,12 @@ pub struct JobSpec {
     /// Injected interference (experiments); default none.
     #[serde(default)]
     pub interference: Interference,
-    /// Checkpoint every this many iterations; absent: never.
+    /// Checkpoint every this many iterations (1..=`iterations`; not after
+    /// the last); absent: never. Pipeline 0's workers write their stage's
+    /// weights to the memory servers at the iteration boundary, without
+    /// draining; the controller then puts the checkpoint model `<job>-ckpt`
+    /// in its catalog, replacing (and freeing) the previous one. See the
+    /// controller's `jobs::periodic`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint_every: Option<u64>,
 }

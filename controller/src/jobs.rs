@@ -36,6 +36,7 @@ pub mod checkpoint;
 pub mod dynpipe;
 mod job;
 pub mod launch;
+mod periodic;
 pub mod placement;
 pub mod repartition;
 mod requests;
@@ -320,6 +321,8 @@ impl JobRegistry {
                 drain: None,
                 checkpoint: None,
                 model_now: None,
+                periodic: None,
+                last_checkpoint: None,
             },
         );
         Ok(id)
@@ -516,7 +519,7 @@ impl JobRegistry {
     ) -> Result<TrainJobState, JobError> {
         let job = self.get_mut(id)?;
         let i = job.check_stage(pipeline, stage)?;
-        let reason = cut(reason, REASON_BYTES_MAX);
+        let reason = job.failure_reason(reason);
         match &job.state {
             TrainJobState::Stopping => {
                 log::warn!("training job {id}: pipeline {pipeline} stage {stage} failed while stopping: {reason}");
@@ -610,13 +613,10 @@ impl JobRegistry {
                 continue;
             }
             let at = &job.placement[first];
-            let reason = cut(
-                &format!(
-                    "its GPU server, runtime {runtime} ({}), device {}: {why}",
-                    at.addr, at.device
-                ),
-                REASON_BYTES_MAX,
-            );
+            let reason = job.failure_reason(&format!(
+                "its GPU server, runtime {runtime} ({}), device {}: {why}",
+                at.addr, at.device
+            ));
             let (pipeline, stage) = (
                 first as u32 / job.spec.stages,
                 first as u32 % job.spec.stages,

@@ -392,6 +392,7 @@ impl ControllerState {
                             state: o.state,
                             stop: o.stop,
                             drain: o.drain,
+                            free: Vec::new(),
                         })
                     }
                     Err(e) => ErrorReply::from(e).into(),
@@ -408,6 +409,7 @@ impl ControllerState {
                     state,
                     stop: true,
                     drain: None,
+                    free: Vec::new(),
                 }),
                 Err(e) => ErrorReply::from(e).into(),
             },
@@ -431,11 +433,12 @@ impl ControllerState {
                 layer_checksums,
                 now,
             ) {
-                Ok(state) => Outcome::Reply(ControllerReply::TrainReported {
+                Ok((state, free)) => Outcome::Reply(ControllerReply::TrainReported {
                     stop: state.is_terminal(),
                     job,
                     state,
                     drain: None,
+                    free,
                 }),
                 Err(e) => {
                     log::warn!("training job {job}: a checkpoint part refused: {e}");

@@ -260,6 +260,23 @@ pub fn render_jobs(jobs: &[TrainJobStatus]) -> String {
                 loaded.join(", "),
             );
         }
+        match &j.last_checkpoint {
+            Some(c) => {
+                let _ = writeln!(
+                    out,
+                    "  last checkpoint: {c} of generation {}; params written {:016x}",
+                    c.generation, c.written
+                );
+            }
+            None if s.checkpoint_every.is_some() => {
+                let _ = writeln!(
+                    out,
+                    "  last checkpoint: none yet (every {} iterations)",
+                    s.checkpoint_every.unwrap_or(0)
+                );
+            }
+            None => {}
+        }
         let mut rows = vec![[
             "pipeline",
             "stage",
@@ -319,7 +336,7 @@ fn ago(ms: u64) -> String {
 mod tests {
     use super::*;
     use distmind_common::proto::{
-        DeviceUse, LayerRange, RepartitionDecision, StagePlacement, StageStatus,
+        DeviceUse, LastCheckpoint, LayerRange, RepartitionDecision, StagePlacement, StageStatus,
     };
 
     fn job(state: TrainJobState, waiting: Option<&str>) -> TrainJobStatus {
@@ -363,6 +380,7 @@ mod tests {
             group_asks_waiting: 0,
             repartition: None,
             checkpoint: None,
+            last_checkpoint: None,
         }
     }
 
@@ -410,6 +428,29 @@ r-1  running  model resnet152-tiny-00000000 (55 layers)  1 x 2 (pipelines x stag
                 "\n  dynpipe: re-partition [28, 27] -> [36, 19] before iteration 210 (decided at 150, \
                  generation 0; stage ratios [1.00, 3.00], stragglers [1]); predicted 0.012300 s per \
                  microbatch, now 0.030000 s; layer costs by flops\n"
+            ),
+            "{text}"
+        );
+        let mut every = job(TrainJobState::Running, None);
+        every.spec.checkpoint_every = Some(4);
+        let text = render_jobs(&[every.clone()]);
+        assert!(
+            text.contains("\n  last checkpoint: none yet (every 4 iterations)\n"),
+            "{text}"
+        );
+        every.last_checkpoint = Some(LastCheckpoint {
+            model: "r-1-ckpt".into(),
+            catalog_version: 12,
+            generation: 0,
+            iteration: 4,
+            written: 0xab,
+            group_checksums: vec!["01".into(), "02".into()],
+        });
+        let text = render_jobs(&[every]);
+        assert!(
+            text.contains(
+                "\n  last checkpoint: r-1-ckpt (catalog version 12) after iteration 4 of \
+                 generation 0; params written 00000000000000ab\n"
             ),
             "{text}"
         );

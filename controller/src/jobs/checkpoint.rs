@@ -23,6 +23,21 @@ pub fn checkpoint_name(job: &str, generation: u64) -> String {
     format!("{job}-g{generation}")
 }
 
+/// The periodic checkpoint model of job `job` (its spec's
+/// `checkpoint_every`): one name per job, replaced in the catalog by each
+/// newer periodic checkpoint, so a job keeps at most one (plus, while the
+/// next one is being written, that one's parts).
+pub fn periodic_checkpoint_name(job: &str) -> String {
+    format!("{job}-ckpt")
+}
+
+/// Whether pipeline 0's workers write a periodic checkpoint once `done`
+/// iterations are complete: every `every` iterations, not at the job's
+/// last (the job is over by the time its parts would come in).
+pub fn periodic_due(every: Option<u64>, done: u64, iterations: u64) -> bool {
+    matches!(every, Some(k) if k > 0 && done > 0 && done.is_multiple_of(k) && done < iterations)
+}
+
 /// The stage each layer range of `partition` holds, for param `p`.
 fn stage_of(ranges: &[Range<u32>], layer: usize) -> Option<usize> {
     ranges.iter().position(|r| r.contains(&(layer as u32)))
@@ -288,5 +303,19 @@ mod tests {
         }
         assert_ne!(combine(&[1, 2]), combine(&[2, 1]));
         assert_eq!(checkpoint_name("j-3", 2), "j-3-g2");
+        assert_eq!(periodic_checkpoint_name("j-3"), "j-3-ckpt");
+    }
+
+    #[test]
+    fn periodic_checkpoints_come_every_k_iterations_but_not_at_the_end() {
+        let due: Vec<u64> = (0..=10).filter(|&d| periodic_due(Some(3), d, 10)).collect();
+        assert_eq!(due, vec![3, 6, 9]);
+        let due: Vec<u64> = (0..=10).filter(|&d| periodic_due(Some(5), d, 10)).collect();
+        assert_eq!(due, vec![5], "not after the last iteration");
+        assert!((0..=10).all(|d| !periodic_due(None, d, 10)));
+        assert!((0..=10).all(|d| !periodic_due(Some(0), d, 10)));
+        assert!((0..=10).all(|d| !periodic_due(Some(10), d, 10)));
+        let due: Vec<u64> = (0..=4).filter(|&d| periodic_due(Some(1), d, 4)).collect();
+        assert_eq!(due, vec![1, 2, 3]);
     }
 }

@@ -5,8 +5,8 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use distmind_common::proto::{
-    CheckpointStatus, DrainOrder, LayerRange, RepartitionDecision, StagePlacement, StageStatus,
-    TrainJobState, TrainJobStatus,
+    CheckpointStatus, DrainOrder, LastCheckpoint, LayerRange, RepartitionDecision, StagePlacement,
+    StageStatus, TrainJobState, TrainJobStatus,
 };
 use distmind_common::train_spec::{layer_ranges, JobSpec};
 
@@ -89,6 +89,11 @@ pub struct Job {
     /// The checkpoint the current generation loads (`None`: the job's
     /// model as submitted).
     pub(super) model_now: Option<(String, u64)>,
+    /// The periodic checkpoint being written (`checkpoint_every`).
+    pub(super) periodic: Option<super::periodic::Periodic>,
+    /// The last complete checkpoint in the catalog (periodic or a
+    /// re-partitioning's).
+    pub(super) last_checkpoint: Option<LastCheckpoint>,
 }
 
 impl Job {
@@ -281,6 +286,7 @@ impl Job {
             group_asks_waiting: 0,
             repartition: self.repartition.clone(),
             checkpoint: self.checkpoint.clone(),
+            last_checkpoint: self.last_checkpoint.clone(),
         }
     }
 }

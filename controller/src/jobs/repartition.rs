@@ -30,7 +30,7 @@ use distmind_common::proto::{
     CheckpointStatus, DrainOrder, GroupLocation, RepartitionDecision, TrainJobState,
 };
 
-use super::checkpoint::{checkpoint_name, combine};
+use super::checkpoint::{checkpoint_name, combine, periodic_checkpoint_name};
 use super::dynpipe::DynPipeWatch;
 use super::launch::Launch;
 use super::{Event, Job, JobError, JobRegistry};
@@ -69,6 +69,13 @@ pub struct CheckpointParts {
     pub partition: Vec<u32>,
     /// One per stage, in order.
     pub groups: Vec<GroupLocation>,
+    /// The generation that wrote it and the iterations it had completed.
+    pub generation: u64,
+    pub iteration: u64,
+    /// [`combine`] over every layer's checksum, in layer order.
+    pub written: u64,
+    /// A periodic checkpoint (`checkpoint_every`), not a re-partitioning's.
+    pub periodic: bool,
 }
 
 impl Job {
@@ -181,6 +188,17 @@ impl JobRegistry {
         group: GroupLocation,
         layer_checksums: Vec<u64>,
     ) -> Result<Option<CheckpointParts>, JobError> {
+        if model == periodic_checkpoint_name(id) {
+            let part = super::periodic::Part {
+                generation,
+                pipeline,
+                stage,
+                iteration,
+                group,
+                layer_checksums,
+            };
+            return self.get_mut(id)?.periodic_part(part);
+        }
         let job = self.get_mut(id)?;
         job.check_stage(pipeline, stage)?;
         let bad = |what: String| JobError::BadReport {
@@ -242,6 +260,10 @@ impl JobRegistry {
             base,
             partition: job.partition.clone(),
             groups: d.parts.iter().flatten().map(|(g, _)| g.clone()).collect(),
+            generation: job.generation,
+            iteration: d.after_iteration,
+            written: combine(&sums),
+            periodic: false,
         };
         if let Some(c) = job.checkpoint.as_mut() {
             c.written = Some(combine(&sums));

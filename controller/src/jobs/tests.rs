@@ -2,7 +2,9 @@
 //! failures, bounds and the stage requests.
 
 use super::*;
-use distmind_common::proto::{DeviceUse, DrainOrder, GroupLocation, RuntimeRequest, StagePeer};
+use distmind_common::proto::{
+    DeviceUse, DrainOrder, GroupLocation, LastCheckpoint, RuntimeRequest, StagePeer,
+};
 
 const MS: Duration = Duration::from_millis(1);
 
@@ -286,7 +288,7 @@ fn failures_name_the_stage_and_the_reason() {
         TrainJobState::Failed {
             pipeline: 1,
             stage: 0,
-            reason: "CUDA out of memory".into()
+            reason: "CUDA out of memory; no checkpoint yet".into()
         }
     );
     assert!(r.held_devices().is_empty());
@@ -308,7 +310,11 @@ fn failures_name_the_stage_and_the_reason() {
         .fail(&id, 0, 0, &"é".repeat(REASON_BYTES_MAX), t0)
         .unwrap()
     {
-        TrainJobState::Failed { reason, .. } => assert_eq!(reason.len(), REASON_BYTES_MAX),
+        TrainJobState::Failed { reason, .. } => {
+            assert!(reason.len() <= REASON_BYTES_MAX, "{}", reason.len());
+            assert!(reason.len() >= REASON_BYTES_MAX - 1, "{}", reason.len());
+            assert!(reason.ends_with("é; no checkpoint yet"), "{reason}");
+        }
         s => panic!("{s:?}"),
     }
 }
@@ -332,7 +338,8 @@ fn a_lost_gpu_server_fails_the_jobs_on_it() {
             assert_eq!((pipeline, stage), (1, 0));
             assert_eq!(
                 reason,
-                "its GPU server, runtime 1 (10.0.0.1:10009), device 0: no heartbeat for 3 s"
+                "its GPU server, runtime 1 (10.0.0.1:10009), device 0: no heartbeat for 3 s; \
+                 no checkpoint yet"
             );
         }
         s => panic!("{s:?}"),
@@ -624,4 +631,104 @@ fn a_repartitioning_drains_checkpoints_stops_and_starts_the_next_generation() {
     same.new_partition = vec![7, 3];
     assert!(r.record_repartition(&id, same, t0));
     assert_eq!(state(&r, &id), TrainJobState::Running);
+}
+
+#[test]
+fn periodic_checkpoint_parts_are_checked_collected_and_named_by_a_failure() {
+    let t0 = Instant::now();
+    let mut r = JobRegistry::new();
+    let mut sp = spec("j", 2, 2);
+    sp.iterations = 10;
+    sp.checkpoint_every = Some(2);
+    let id = r.submit(sp, 10, 7, t0).unwrap();
+    r.place(&id, placement(4), t0).unwrap();
+    let name = format!("{id}-ckpt");
+    // Only pipeline 0's parts, of a due iteration, one per stage.
+    let bad = [
+        r.checkpointed(&id, 0, 1, 0, 2, &name, part(0), vec![1; 5]),
+        r.checkpointed(&id, 0, 0, 0, 3, &name, part(0), vec![1; 5]),
+        r.checkpointed(&id, 0, 0, 0, 10, &name, part(0), vec![1; 5]),
+        r.checkpointed(&id, 0, 0, 0, 2, &name, part(1), vec![1; 5]),
+        r.checkpointed(&id, 0, 0, 0, 2, &name, part(0), vec![1; 4]),
+        r.checkpointed(&id, 1, 0, 0, 2, &name, part(0), vec![1; 5]),
+    ];
+    for e in bad {
+        assert!(matches!(e, Err(JobError::BadReport { .. })), "{e:?}");
+    }
+    assert_eq!(
+        r.checkpointed(&id, 0, 0, 0, 2, &name, part(0), vec![1; 5]),
+        Ok(None)
+    );
+    let again = r.checkpointed(&id, 0, 0, 0, 2, &name, part(0), vec![1; 5]);
+    assert!(
+        matches!(again, Err(JobError::BadReport { .. })),
+        "{again:?}"
+    );
+    let parts = r
+        .checkpointed(&id, 0, 0, 1, 2, &name, part(1), vec![2; 5])
+        .unwrap()
+        .expect("every part written");
+    assert!(parts.periodic);
+    assert_eq!(parts.name, name);
+    assert_eq!(parts.base, ("m".to_string(), 7));
+    assert_eq!((parts.generation, parts.iteration), (0, 2));
+    assert_eq!(parts.groups, vec![part(0), part(1)]);
+    let written = checkpoint::combine(&[1, 1, 1, 1, 1, 2, 2, 2, 2, 2]);
+    assert_eq!(parts.written, written);
+    // Not the last checkpoint until the catalog has it.
+    assert_eq!(r.get(&id).unwrap().status(t0).last_checkpoint, None);
+    assert!(r.checkpoint_saved(&id, &parts, 11));
+    let last = r.get(&id).unwrap().status(t0).last_checkpoint.unwrap();
+    assert_eq!(
+        last,
+        LastCheckpoint {
+            model: name.clone(),
+            catalog_version: 11,
+            generation: 0,
+            iteration: 2,
+            written,
+            group_checksums: vec!["0000000000000001".into(), "0000000000000002".into()],
+        }
+    );
+    // One that never completes is left for a later one; an older part
+    // than the one being written is refused.
+    assert_eq!(
+        r.checkpointed(&id, 0, 0, 0, 4, &name, part(0), vec![1; 5]),
+        Ok(None)
+    );
+    assert_eq!(
+        r.checkpointed(&id, 0, 0, 1, 6, &name, part(1), vec![2; 5]),
+        Ok(None)
+    );
+    let old = r.checkpointed(&id, 0, 0, 1, 4, &name, part(1), vec![2; 5]);
+    assert!(matches!(old, Err(JobError::BadReport { .. })), "{old:?}");
+    // An older checkpoint put late does not replace the last one.
+    let mut late = parts.clone();
+    late.iteration = 0;
+    assert!(r.checkpoint_saved(&id, &late, 12));
+    assert_eq!(
+        r.get(&id)
+            .unwrap()
+            .last_checkpoint()
+            .unwrap()
+            .catalog_version,
+        11
+    );
+    // A failure names the last checkpoint; a failed job takes no parts.
+    let s = r.fail(&id, 1, 1, "runtime 0 lost", t0).unwrap();
+    assert_eq!(
+        s,
+        TrainJobState::Failed {
+            pipeline: 1,
+            stage: 1,
+            reason: format!(
+                "runtime 0 lost; last checkpoint: {name} (catalog version 11) after iteration 2"
+            ),
+        }
+    );
+    let after = r.checkpointed(&id, 0, 0, 0, 6, &name, part(0), vec![1; 5]);
+    assert!(
+        matches!(after, Err(JobError::BadReport { .. })),
+        "{after:?}"
+    );
 }

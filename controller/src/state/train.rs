@@ -23,10 +23,11 @@
 //! group asks with `stop` (`state::groups`).
 
 use std::collections::{BTreeSet, VecDeque};
+use std::sync::Arc;
 use std::time::Instant;
 
 use distmind_common::proto::{
-    ErrorCode, ErrorReply, GroupLocation, ModelEntry, RepartitionDecision, RuntimeReply,
+    ErrorCode, ErrorReply, GroupLocation, Location, ModelEntry, RepartitionDecision, RuntimeReply,
     TrainJobState, TrainJobStatus,
 };
 use distmind_common::train_spec::JobSpec;
@@ -425,10 +426,14 @@ impl ControllerState {
         }
     }
 
-    /// A drained worker of pipeline 0 wrote its checkpoint part; the last
-    /// one puts the checkpoint in the catalog and stops the drained
+    /// A worker of pipeline 0 wrote its checkpoint part: a drained one's
+    /// (a re-partitioning) or a periodic one's (`checkpoint_every`). The
+    /// last part puts the checkpoint in the catalog (it becomes the job's
+    /// last checkpoint); a re-partitioning's then stops the drained
     /// generation. A checkpoint that cannot be put fails the job naming
-    /// why.
+    /// why. Returns the job's state and, when a periodic checkpoint
+    /// replaced the previous one, that one's extents for the worker to
+    /// free.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn train_checkpointed(
         &mut self,
@@ -441,7 +446,7 @@ impl ControllerState {
         group: GroupLocation,
         layer_checksums: Vec<u64>,
         now: Instant,
-    ) -> Result<TrainJobState, JobError> {
+    ) -> Result<(TrainJobState, Vec<Location>), JobError> {
         let parts = self.jobs.checkpointed(
             id,
             generation,
@@ -452,35 +457,64 @@ impl ControllerState {
             group,
             layer_checksums,
         )?;
+        let mut free = Vec::new();
         if let Some(parts) = parts {
-            match self.put_checkpoint(&parts) {
-                Ok(version) => {
-                    log::info!(
-                        "training job {id}: checkpoint {} (catalog version {version}) written \
-                         after iteration {iteration}; stopping the drained workers",
-                        parts.name
-                    );
-                    if self.jobs.checkpoint_put(id, version) {
-                        self.stop_stage_workers(id, None);
+            match self.put_checkpoint(id, &parts) {
+                Ok((version, replaced)) => {
+                    self.jobs.checkpoint_saved(id, &parts, version);
+                    if parts.periodic {
+                        log::info!(
+                            "training job {id}: periodic checkpoint {} (catalog version \
+                             {version}) written after iteration {iteration}",
+                            parts.name
+                        );
+                        free = replaced
+                            .iter()
+                            .flat_map(|e| e.groups.iter())
+                            .flat_map(|g| g.slices.iter())
+                            .flat_map(|s| s.replicas.iter().cloned())
+                            .collect();
+                    } else {
+                        log::info!(
+                            "training job {id}: checkpoint {} (catalog version {version}) \
+                             written after iteration {iteration}; stopping the drained workers",
+                            parts.name
+                        );
+                        if self.jobs.checkpoint_put(id, version) {
+                            self.stop_stage_workers(id, None);
+                        }
                     }
                 }
                 Err(why) => {
-                    let reason = format!("re-partitioning: checkpoint {}: {why}", parts.name);
-                    return self.train_failed(id, pipeline, stage, &reason, now);
+                    let what = if parts.periodic {
+                        "periodic checkpoint"
+                    } else {
+                        "re-partitioning: checkpoint"
+                    };
+                    let reason = format!("{what} {}: {why}", parts.name);
+                    return self
+                        .train_failed(id, pipeline, stage, &reason, now)
+                        .map(|s| (s, Vec::new()));
                 }
             }
         }
-        Ok(self
+        let state = self
             .jobs
             .get(id)
             .map(|j| j.state().clone())
-            .expect("checkpointed looked it up"))
+            .expect("checkpointed looked it up");
+        Ok((state, free))
     }
 
-    /// Puts a checkpoint's catalog entry: the drained model's manifest
+    /// Puts job `job`'s checkpoint's catalog entry: the model's manifest
     /// re-cut per stage, with the groups the workers wrote. Returns its
-    /// catalog version.
-    fn put_checkpoint(&mut self, parts: &jobs::CheckpointParts) -> Result<u64, String> {
+    /// catalog version and the entry it replaced (only ever the job's own
+    /// last checkpoint).
+    fn put_checkpoint(
+        &mut self,
+        job: &str,
+        parts: &jobs::CheckpointParts,
+    ) -> Result<(u64, Option<Arc<ModelEntry>>), String> {
         let (base, version) = &parts.base;
         let entry = self
             .catalog
@@ -492,6 +526,22 @@ impl ControllerState {
             })?;
         let manifest = Manifest::deserialize(&entry.manifest)
             .map_err(|e| format!("model {base}'s manifest does not parse: {e}"))?;
+        // Only the job's own last checkpoint is replaced (and freed), never
+        // a model someone deployed under the name.
+        if let Ok(old) = self.catalog.get(&parts.name) {
+            let own = self
+                .jobs
+                .get(job)
+                .and_then(|j| j.last_checkpoint())
+                .is_some_and(|c| c.model == parts.name && c.catalog_version == old.version);
+            if !own {
+                return Err(format!(
+                    "the catalog has a model {} (version {}) that is not this job's last \
+                     checkpoint; remove it or rename the job",
+                    parts.name, old.version
+                ));
+            }
+        }
         let sums: Vec<String> = parts.groups.iter().map(|g| g.checksum.clone()).collect();
         let m = checkpoint_manifest(&manifest, &parts.partition, &parts.name, &sums)?;
         for (g, want) in parts.groups.iter().zip(&m.groups) {
@@ -518,14 +568,16 @@ impl ControllerState {
             manifest: serde_json::to_value(&m).map_err(|e| e.to_string())?,
         };
         let registry = &self.registry;
-        self.catalog
+        let replaced = self
+            .catalog
             .put(ckpt, |id| registry.addr(id))
             .map_err(|e| format!("the catalog refused it: {}", e.message))?;
-        Ok(self
+        let version = self
             .catalog
             .get(&parts.name)
             .map(|e| e.version)
-            .expect("just put"))
+            .expect("just put");
+        Ok((version, replaced))
     }
 
     /// Every drained worker of `id` stopped: its next generation starts.

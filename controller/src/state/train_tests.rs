@@ -460,7 +460,8 @@ fn a_refusal_fails_the_job_naming_the_stage_and_the_runtimes_reason() {
                 reason,
                 format!(
                     "runtime {rt} (127.0.0.1:10009), device 1 refused its TrainStage: unsupported: \
-                     this GPU server does not run training stage workers yet (job a-1 pipeline 0 stage 1)"
+                     this GPU server does not run training stage workers yet (job a-1 pipeline 0 stage 1); \
+                     no checkpoint yet"
                 )
             );
         }
@@ -486,7 +487,8 @@ fn a_refusal_fails_the_job_naming_the_stage_and_the_runtimes_reason() {
             assert_eq!(stage, 0);
             assert!(
                 reason.ends_with(
-                    "device 0: no TrainStageReady: no answer within 120s (STAGE_READY_TIMEOUT)"
+                    "device 0: no TrainStageReady: no answer within 120s (STAGE_READY_TIMEOUT); \
+                     no checkpoint yet"
                 ),
                 "{reason}"
             );
@@ -536,7 +538,7 @@ fn a_lost_stage_link_or_gpu_server_fails_its_jobs_and_stops_the_rest() {
                 reason,
                 format!(
                     "its GPU server, runtime {rt1} (127.0.0.1:10010), device 0: \
-                     its stage link closed: the runtime closed the connection"
+                     its stage link closed: the runtime closed the connection; no checkpoint yet"
                 )
             );
         }

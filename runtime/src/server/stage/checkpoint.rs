@@ -1,12 +1,14 @@
-//! A drained stage worker's checkpoint part (a re-partitioning, see the
-//! controller's `jobs::repartition`): its layers' params (learnable and
+//! A stage worker's checkpoint part, of a drained worker (a
+//! re-partitioning, see the controller's `jobs::repartition`) or of a
+//! periodic checkpoint (`checkpoint_every`, the controller's
+//! `jobs::periodic`): its layers' params (learnable and
 //! BatchNorm statistics, f32, in the model's packed layout) become group
 //! `stage` of the checkpoint model (`jobs::checkpoint`: one group per
-//! stage of the drained partition), written to the memory servers the way
+//! stage of the partition the worker runs), written to the memory servers the way
 //! `distmind deploy` writes a group (the controller's placement plan,
 //! alloc, write, commit with the checksum); the controller puts the
 //! catalog entry once every stage's part is in. SGD momentum is not
-//! written: the next generation's momentum starts at zero.
+//! written: a generation loading a checkpoint starts it at zero.
 //!
 //! Layer checksums (xxh3-64 of each layer's params in the packed layout,
 //! padding included) are taken here and on every load, so a reload can be
@@ -61,6 +63,20 @@ fn group_bytes(model: &StageModel, stage: u32, partition: &[u32]) -> Result<Vec<
     Ok(bytes)
 }
 
+/// The stage's part of a checkpoint of `partition`: its group's bytes and
+/// the stage's layer checksums (taken with the device held, so the
+/// weights do not move under it; written with [`write_bytes`]).
+pub(crate) fn snapshot(
+    model: &StageModel,
+    stage: u32,
+    partition: &[u32],
+) -> Result<(Vec<u8>, Vec<u64>), String> {
+    Ok((
+        group_bytes(model, stage, partition)?,
+        layer_checksums(model)?,
+    ))
+}
+
 /// Writes the stage's part of checkpoint `name`; returns the group's
 /// location and the stage's layer checksums. A failed write frees what it
 /// allocated.
@@ -71,8 +87,20 @@ pub(crate) fn write_part(
     partition: &[u32],
     name: &str,
 ) -> Result<(GroupLocation, Vec<u64>), String> {
-    let bytes = group_bytes(model, stage, partition)?;
-    let sums = layer_checksums(model)?;
+    let (bytes, sums) = snapshot(model, stage, partition)?;
+    let group = write_bytes(config, stage, name, &bytes)?;
+    Ok((group, sums))
+}
+
+/// Writes `bytes` as group `stage` of checkpoint `name` (placed by the
+/// controller's plan over the live memory servers); returns the group's
+/// location. A failed write frees what it allocated.
+pub(crate) fn write_bytes(
+    config: &StageConfig,
+    stage: u32,
+    name: &str,
+    bytes: &[u8],
+) -> Result<GroupLocation, String> {
     let servers: Vec<MemserverInfo> =
         ControllerClient::connect(&config.controller, &config.key, CHECKPOINT_IO_TIMEOUT)
             .and_then(|mut c| c.list_memservers())
@@ -121,10 +149,10 @@ pub(crate) fn write_part(
     let group = GroupLocation {
         index: stage,
         bytes: bytes.len() as u64,
-        checksum: to_hex(checksum(&bytes)),
+        checksum: to_hex(checksum(bytes)),
         slices: out,
     };
-    Ok((group, sums))
+    Ok(group)
 }
 
 fn write_slice(
@@ -154,7 +182,7 @@ fn write_slice(
 }
 
 /// Frees extents, best effort (logged).
-fn free(config: &StageConfig, locations: &[Location]) {
+pub(crate) fn free(config: &StageConfig, locations: &[Location]) {
     for l in locations {
         let r = MemserverClient::connect(&l.addr, &config.key, CHECKPOINT_IO_TIMEOUT)
             .and_then(|mut c| c.free(l.offset));

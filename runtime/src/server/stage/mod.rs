@@ -28,7 +28,11 @@
 //!    stops once it completed the order's iteration, a worker of pipeline
 //!    0 first writing its layers to the memory servers as its part of the
 //!    checkpoint ([`checkpoint`]) and telling the controller
-//!    (`TrainCheckpointed`).
+//!    (`TrainCheckpointed`). With the spec's `checkpoint_every`, a worker
+//!    of pipeline 0 also writes its part of the job's periodic checkpoint
+//!    (`<job>-ckpt`) every that many iterations, after the report, and
+//!    goes on; the answer to the part that completes one hands that
+//!    worker the replaced checkpoint's extents to free.
 //! 4. A link, collective, compute or controller error ends the worker and
 //!    sends `TrainFailed` naming the stage and the reason (unless the worker
 //!    was already told to stop, when an error from a neighbour that stopped

@@ -6,7 +6,7 @@
 
 use distmind_common::handshake::ClusterKey;
 use distmind_common::proto::{
-    ControllerReply, ControllerRequest, DrainOrder, GroupLocation, TrainJobState,
+    ControllerReply, ControllerRequest, DrainOrder, GroupLocation, Location, TrainJobState,
 };
 use distmind_controller::{ClientError, ControllerClient};
 
@@ -124,7 +124,8 @@ impl Reporter {
     }
 
     /// Tells the controller this worker wrote its part of checkpoint
-    /// `model` after `iteration` iterations; the job's state.
+    /// `model` after `iteration` iterations; the job's state, and the
+    /// extents of a replaced periodic checkpoint this worker is to free.
     pub fn checkpointed(
         &mut self,
         at: &At,
@@ -132,7 +133,7 @@ impl Reporter {
         model: &str,
         group: GroupLocation,
         layer_checksums: Vec<u64>,
-    ) -> Result<TrainJobState, StageError> {
+    ) -> Result<(TrainJobState, Vec<Location>), StageError> {
         let req = ControllerRequest::TrainCheckpointed {
             job: self.job.clone(),
             generation: self.generation,
@@ -147,7 +148,7 @@ impl Reporter {
         let reply = self.call(&mut slot, CONTROLLER_TIMEOUT, &req);
         self.reports = slot;
         match reply.map_err(self.err(at, "the checkpoint notice"))? {
-            ControllerReply::TrainReported { state, .. } => Ok(state),
+            ControllerReply::TrainReported { state, free, .. } => Ok((state, free)),
             other => Err(self.err(at, "the checkpoint notice")(
                 ClientError::UnexpectedReply {
                     addr: self.controller.clone(),

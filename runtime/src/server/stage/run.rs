@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use crossbeam::channel::{Receiver, RecvTimeoutError};
 use distmind_common::checksum::Checksummer;
 use distmind_common::proto::{DrainOrder, ErrorCode, StageAssignment, TrainJobState};
+use distmind_controller::jobs::checkpoint::{periodic_checkpoint_name, periodic_due};
 
 use super::assignment::sgd_of;
 use super::checkpoint;
@@ -77,9 +78,6 @@ pub(super) fn main(
         loaded.version,
         loaded.data_addr
     );
-    if a.spec.checkpoint_every.is_some() {
-        log::warn!("stage worker of {key}: checkpoint_every is set; stage workers write checkpoints only when the job re-partitions, not periodically");
-    }
     let id = reply.id;
     reply.send(
         ready_reply(
@@ -468,6 +466,9 @@ impl Worker<'_> {
                 return self.drained(done, &order);
             }
         }
+        if !stop && a.pipeline == 0 && periodic_due(spec.checkpoint_every, done, spec.iterations) {
+            self.periodic_checkpoint(done)?;
+        }
         Ok(if stop {
             Next::Stop(format!(
                 "the controller said stop in its reply to the report (job {})",
@@ -509,7 +510,7 @@ impl Worker<'_> {
                 self.a.stage,
                 group.bytes
             );
-            let state = self
+            let (state, _) = self
                 .reporter
                 .checkpointed(&self.at, done, name, group, sums)?;
             if let TrainJobState::Failed {
@@ -529,6 +530,65 @@ impl Worker<'_> {
         Ok(Next::Stop(format!(
             "drained after iteration {done} for a re-partitioning"
         )))
+    }
+
+    /// A periodic checkpoint (`checkpoint_every`) is due after iteration
+    /// `done`: writes this stage's part of the job's periodic checkpoint
+    /// (the weights taken with the device held, written without it) and
+    /// tells the controller; frees the replaced checkpoint's extents when
+    /// the controller's answer hands them to this worker (its part came
+    /// last). The job goes on.
+    fn periodic_checkpoint(&mut self, done: u64) -> Result<(), StageError> {
+        let name = periodic_checkpoint_name(&self.a.job);
+        let fail = |at: &At, why: String| StageError::Checkpoint {
+            at: at.clone(),
+            why: format!("writing its part of periodic checkpoint {name}: {why}"),
+        };
+        let device = &self.core.devices[self.index];
+        let guard = device
+            .lock
+            .train(&self.control.abort)
+            .ok_or_else(|| StageError::Aborted {
+                at: self.at.clone(),
+                what: "waiting for the device to checkpoint",
+            })?;
+        let snapshot = checkpoint::snapshot(self.compute.model(), self.a.stage, &self.a.partition);
+        drop(guard);
+        let (bytes, sums) = snapshot.map_err(|why| fail(&self.at, why))?;
+        let group = checkpoint::write_bytes(self.config, self.a.stage, &name, &bytes)
+            .map_err(|why| fail(&self.at, why))?;
+        log::info!(
+            "job {} pipeline 0 stage {}: wrote its part of periodic checkpoint {name} ({} bytes) \
+             after iteration {done}",
+            self.a.job,
+            self.a.stage,
+            group.bytes
+        );
+        let (state, free) = self
+            .reporter
+            .checkpointed(&self.at, done, &name, group, sums)?;
+        if !free.is_empty() {
+            log::info!(
+                "job {}: freeing the {} extents of the periodic checkpoint {name} replaced",
+                self.a.job,
+                free.len()
+            );
+            checkpoint::free(self.config, &free);
+        }
+        if let TrainJobState::Failed {
+            pipeline,
+            stage,
+            reason,
+        } = state
+        {
+            return Err(StageError::JobFailed {
+                at: self.at.clone(),
+                pipeline,
+                stage,
+                reason,
+            });
+        }
+        Ok(())
     }
 
     /// Averages the stepped weights `flat` with the replicas the spec's
