@@ -9,8 +9,8 @@
 //!   server's samples is shuffled (seeded) and cut into `R` near-equal
 //!   chunks, so each chunk holds a share of every server's samples.
 //! * One thread per memory server extracts chunk 0, 1, ..., R-1 and then
-//!   the held-out samples, in requests of at most
-//!   [`SAMPLES_PER_REQUEST_MAX`] samples, without waiting for the trainer:
+//!   the held-out samples, in requests of at most [`extract_request_max`]
+//!   samples (their decoded inputs bounded), without waiting for the trainer:
 //!   chunk `i + 1` is extracted while the trainer fine-tunes on chunk `i`.
 //! * The trainer takes chunk `i` once every server delivered it and trains
 //!   `E` epochs on it from chunk `i - 1`'s weights at `lr (R - i/2) / R`
@@ -35,7 +35,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context};
 use distmind_common::handshake::ClusterKey;
-use distmind_common::samples::{ExtractorInfo, SampleFailure, SampleRef, SAMPLES_PER_REQUEST_MAX};
+use distmind_common::samples::{
+    extract_request_max, ExtractorInfo, SampleFailure, SampleRef, SAMPLES_PER_REQUEST_MAX,
+};
 use distmind_data::format::SampleFormat;
 use distmind_data::prep::{eval_tensor, f16_le_to_f32, f32_to_f16_le, PrepConfig};
 use distmind_memserver::sample_client::Features;
@@ -264,21 +266,25 @@ trait Extract: Send {
     fn part(&mut self, samples: &[SampleRef]) -> anyhow::Result<Features>;
 }
 
-/// Near data: the memory server's backbone.
-struct Remote(SampleClient);
+/// Near data: the memory server's backbone, asked for at most
+/// `per_request` samples at a time (`extract_request_max` of its input).
+struct Remote {
+    client: SampleClient,
+    per_request: usize,
+}
 
 impl Extract for Remote {
     fn part(&mut self, samples: &[SampleRef]) -> anyhow::Result<Features> {
         let mut all: Option<Features> = None;
-        for req in samples.chunks(SAMPLES_PER_REQUEST_MAX) {
-            let f = self.0.extract(req)?;
+        for req in samples.chunks(self.per_request) {
+            let f = self.client.extract(req)?;
             match &mut all {
                 None => all = Some(f),
                 Some(a) => {
                     ensure!(
                         a.feature_dim == f.feature_dim,
                         "{}: features of {} then {} values",
-                        self.0.addr(),
+                        self.client.addr(),
                         a.feature_dim,
                         f.feature_dim
                     );
@@ -445,7 +451,10 @@ pub fn run_located(opts: &NdpipeOptions, located: Vec<Located>) -> anyhow::Resul
                 backbone: b.clone(),
                 seed: opts.head.seed,
             }),
-            None => Box::new(Remote(client)),
+            None => Box::new(Remote {
+                client,
+                per_request: extract_request_max(info.input),
+            }),
         };
         let name = format!("ndpipe-{}", share.memserver);
         let h = std::thread::Builder::new().name(name).spawn(move || {

@@ -17,6 +17,14 @@ use std::path::Path;
 
 use support::*;
 
+/// The tests compare times: one at a time, so that no other test's
+/// processes share the cores with the runs compared.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// A controller and one memory server with `extra` flags; (procs, controller addr).
 fn cluster_with(extra: &[&str]) -> (Vec<Proc>, String) {
     let c = spawn_controller();
@@ -81,6 +89,7 @@ fn epoch(controller: &str, name: &str, how: &[&str]) -> serde_json::Value {
 
 #[test]
 fn sophon_is_no_slower_than_none_or_all_when_link_and_cpu_are_scarce() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("set");
     // Small images (their files are smaller than any preprocessed form:
@@ -161,6 +170,7 @@ fn sophon_is_no_slower_than_none_or_all_when_link_and_cpu_are_scarce() {
 
 #[test]
 fn bad_samples_are_named_and_the_service_keeps_serving() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("set");
     synth(&data, 8, "64x64", 90);
@@ -290,6 +300,7 @@ fn extract_bytes(metrics: &str) -> u64 {
 
 #[test]
 fn ndpipe_ships_features_and_chunks_finish_sooner_at_the_same_accuracy() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("set");
     synth(&data, 240, "64x64,80x96", 90);
@@ -340,7 +351,7 @@ fn ndpipe_ships_features_and_chunks_finish_sooner_at_the_same_accuracy() {
                 "--chunks",
                 chunks,
                 "--epochs",
-                "2000",
+                "3000",
                 "--batch",
                 "45",
                 "--lr",

@@ -28,6 +28,19 @@ pub const SAMPLE_BYTES_MAX: u64 = 32 << 20;
 pub const DATASET_SAMPLES_MAX: usize = 100_000;
 /// The most samples one `Profile` or `Extract` request may name.
 pub const SAMPLES_PER_REQUEST_MAX: usize = 1024;
+/// The most bytes of backbone input one `Extract` request may decode
+/// (`samples x 3 x input x input` f32).
+pub const EXTRACT_INPUT_BYTES_MAX: u64 = 256 << 20;
+
+/// The most samples one `Extract` request may name for a backbone whose
+/// input side is `input`: [`SAMPLES_PER_REQUEST_MAX`], fewer where their
+/// decoded inputs would pass [`EXTRACT_INPUT_BYTES_MAX`]; at least 1.
+pub fn extract_request_max(input: u32) -> usize {
+    let per = 3 * u64::from(input) * u64::from(input) * 4;
+    let fit = EXTRACT_INPUT_BYTES_MAX / per.max(1);
+    (fit as usize).clamp(1, SAMPLES_PER_REQUEST_MAX)
+}
+
 /// The largest `Bytes` frame of the sample service (a decoded image of the
 /// largest size a memory server decodes fits).
 pub const SAMPLE_FRAME_BYTES_MAX: u32 = 256 << 20;
@@ -161,6 +174,14 @@ pub enum SampleReply {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn extract_requests_are_bounded_by_their_decoded_bytes() {
+        assert_eq!(extract_request_max(64), SAMPLES_PER_REQUEST_MAX);
+        // 224 x 224: 602,112 bytes each.
+        assert_eq!(extract_request_max(224), 445);
+        assert_eq!(extract_request_max(u32::MAX / 2), 1);
+    }
 
     #[test]
     fn requests_round_trip_through_json() {

@@ -20,8 +20,8 @@ use std::time::Instant;
 use distmind_common::limits::CONTROL_FRAME_BYTES_MAX;
 use distmind_common::proto::{ErrorCode, ErrorReply};
 use distmind_common::samples::{
-    ExtractorInfo, SampleCost, SampleFailure, SampleRef, SampleReply, SampleRequest, PREP_STEPS,
-    SAMPLES_PER_REQUEST_MAX, SAMPLE_BYTES_MAX,
+    extract_request_max, ExtractorInfo, SampleCost, SampleFailure, SampleRef, SampleReply,
+    SampleRequest, PREP_STEPS, SAMPLES_PER_REQUEST_MAX, SAMPLE_BYTES_MAX,
 };
 use distmind_common::wire::{self, FrameKind};
 use distmind_data::format::SampleFormat;
@@ -434,6 +434,16 @@ async fn extract(shared: &Shared, samples: Vec<SampleRef>) -> Answer {
     }
     let info = extractor.info();
     let side = info.input;
+    let most = extract_request_max(side);
+    if samples.len() > most {
+        return Answer::error(
+            ErrorCode::BadRequest,
+            format!(
+                "{} samples: at this backbone's {side} x {side} input a request names at most {most}",
+                samples.len()
+            ),
+        );
+    }
     let started = Instant::now();
     let results = per_sample(shared, &samples, move |l, format| {
         prep::eval_tensor(l.bytes(), format, side, &PrepConfig::default())
