@@ -43,7 +43,16 @@ fn deploy_read_back_free_and_reuse() {
         let s = (1000 * id + 3) as usize;
         assert_eq!(got, first[s..s + 4096 + id as usize]);
     }
-    let s = c.stats().unwrap();
+    // A read is counted once its reply is written, which the client can
+    // see first: wait (bounded) for the last one to be counted.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let s = loop {
+        let s = c.stats().unwrap();
+        if s.reads_served >= 4 || std::time::Instant::now() > deadline {
+            break s;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    };
     assert_eq!(s.capacity_bytes, 1 << 20);
     assert_eq!(s.used_bytes, 100_352); // rounded up to 512
     assert_eq!(s.extents, 1);
