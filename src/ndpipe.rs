@@ -35,9 +35,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context};
 use distmind_common::handshake::ClusterKey;
-use distmind_common::samples::{
-    extract_request_max, ExtractorInfo, SampleFailure, SampleRef, SAMPLES_PER_REQUEST_MAX,
-};
+use distmind_common::samples::{extract_request_max, ExtractorInfo, SampleFailure, SampleRef};
 use distmind_data::format::SampleFormat;
 use distmind_data::prep::{eval_tensor, f16_le_to_f32, f32_to_f16_le, PrepConfig};
 use distmind_memserver::sample_client::Features;
@@ -296,14 +294,7 @@ impl Extract for Remote {
                 }
             }
         }
-        Ok(all.unwrap_or_else(|| Features {
-            samples: Vec::new(),
-            feature_dim: 0,
-            values: Vec::new(),
-            labels: Vec::new(),
-            failed: Vec::new(),
-            wire_bytes: 0,
-        }))
+        Ok(all.unwrap_or_else(|| Features::empty(0)))
     }
 }
 
@@ -318,15 +309,8 @@ impl Extract for Local {
     fn part(&mut self, samples: &[SampleRef]) -> anyhow::Result<Features> {
         let side = self.backbone.side() as u32;
         let dim = self.backbone.feature_dim();
-        let mut out = Features {
-            samples: Vec::new(),
-            feature_dim: dim,
-            values: Vec::new(),
-            labels: Vec::new(),
-            failed: Vec::new(),
-            wire_bytes: 0,
-        };
-        for req in samples.chunks(SAMPLES_PER_REQUEST_MAX) {
+        let mut out = Features::empty(dim);
+        for req in samples.chunks(extract_request_max(side)) {
             let mut inputs = Vec::new();
             for s in req {
                 let file = self.client.prep(s, 0, self.seed)?;
@@ -488,14 +472,7 @@ pub fn run_located(opts: &NdpipeOptions, located: Vec<Located>) -> anyhow::Resul
     // Every part in order: the chunks, then the held-out samples.
     let mut gather = |failed: &mut Vec<SampleFailure>| -> anyhow::Result<(Features, f64, f64)> {
         let waited = Instant::now();
-        let mut all = Features {
-            samples: Vec::new(),
-            feature_dim: dim,
-            values: Vec::new(),
-            labels: Vec::new(),
-            failed: Vec::new(),
-            wire_bytes: 0,
-        };
+        let mut all = Features::empty(dim);
         let mut extract_s = 0f64;
         for rx in &receivers {
             let p = rx

@@ -34,30 +34,32 @@ fn cluster_with(extra: &[&str]) -> (Vec<Proc>, String) {
     (vec![m, c], addr)
 }
 
-fn dm(controller: &str, args: &[&str]) -> String {
+/// `distmind ARGS --settings .. --controller CONTROLLER`: (ok, stdout, stderr).
+fn dm_run(controller: &str, args: &[&str]) -> (bool, String, String, Vec<String>) {
     let s = settings_dir();
-    let mut all: Vec<&str> = args.to_vec();
-    all.extend_from_slice(&[
-        "--settings",
-        s.to_str().unwrap(),
-        "--controller",
-        controller,
-    ]);
-    let (ok, out, err) = run(&all);
+    let mut all: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    all.extend(
+        [
+            "--settings",
+            s.to_str().unwrap(),
+            "--controller",
+            controller,
+        ]
+        .map(String::from),
+    );
+    let refs: Vec<&str> = all.iter().map(String::as_str).collect();
+    let (ok, out, err) = run(&refs);
+    (ok, out, err, all)
+}
+
+fn dm(controller: &str, args: &[&str]) -> String {
+    let (ok, out, err, all) = dm_run(controller, args);
     assert!(ok, "distmind {all:?} failed:\n{out}\n{err}");
     out
 }
 
 fn dm_fails(controller: &str, args: &[&str]) -> String {
-    let s = settings_dir();
-    let mut all: Vec<&str> = args.to_vec();
-    all.extend_from_slice(&[
-        "--settings",
-        s.to_str().unwrap(),
-        "--controller",
-        controller,
-    ]);
-    let (ok, out, err) = run(&all);
+    let (ok, out, err, all) = dm_run(controller, args);
     assert!(!ok, "distmind {all:?} should have failed:\n{out}");
     err
 }

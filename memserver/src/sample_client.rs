@@ -34,6 +34,20 @@ pub struct Features {
     pub wire_bytes: u64,
 }
 
+impl Features {
+    /// No samples yet, of `feature_dim` features each.
+    pub fn empty(feature_dim: usize) -> Features {
+        Features {
+            samples: Vec::new(),
+            feature_dim,
+            values: Vec::new(),
+            labels: Vec::new(),
+            failed: Vec::new(),
+            wire_bytes: 0,
+        }
+    }
+}
+
 impl SampleClient {
     pub fn connect(addr: &str, key: &ClusterKey, timeout: Duration) -> Result<Self, ClientError> {
         let s = connect_role(addr, key, timeout, Role::Sample)?;

@@ -298,6 +298,23 @@ fn checksum_of(flat: &[f32]) -> u64 {
 }
 
 impl Worker<'_> {
+    /// The controller's word that the job failed, as this worker's error.
+    fn fail_if_failed(&self, state: &TrainJobState) -> Result<(), StageError> {
+        match state {
+            TrainJobState::Failed {
+                pipeline,
+                stage,
+                reason,
+            } => Err(StageError::JobFailed {
+                at: self.at.clone(),
+                pipeline: *pipeline,
+                stage: *stage,
+                reason: reason.clone(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
     fn run(&mut self) -> Outcome {
         let mut iteration = self.a.start_iteration;
         loop {
@@ -448,19 +465,7 @@ impl Worker<'_> {
             loss,
             u64::from(spec.batch),
         )?;
-        if let TrainJobState::Failed {
-            pipeline,
-            stage,
-            reason,
-        } = state
-        {
-            return Err(StageError::JobFailed {
-                at: self.at.clone(),
-                pipeline,
-                stage,
-                reason,
-            });
-        }
+        self.fail_if_failed(&state)?;
         if let Some(order) = drain.filter(|_| !stop) {
             if order.after_iteration <= done {
                 return self.drained(done, &order);
@@ -575,19 +580,7 @@ impl Worker<'_> {
             );
             checkpoint::free(self.config, &free);
         }
-        if let TrainJobState::Failed {
-            pipeline,
-            stage,
-            reason,
-        } = state
-        {
-            return Err(StageError::JobFailed {
-                at: self.at.clone(),
-                pipeline,
-                stage,
-                reason,
-            });
-        }
+        self.fail_if_failed(&state)?;
         Ok(())
     }
 
