@@ -36,6 +36,8 @@ use distmind_common::proto::{
     TimingMsg, BATCH_MEMBERS_MAX,
 };
 
+use super::gpus::{GpuState, Gpus, Resident};
+use super::sets::{IdMap, IdSet, ModelSet};
 use crate::policy::cost::{CostModel, ModelMeta, Priors};
 use crate::policy::distmind::{DistMindConfig, DistMindPolicy};
 use crate::policy::edf::{EdfQueue, Slot};
@@ -44,32 +46,6 @@ use crate::policy::{Balancer, Ewma, Gpu, Micros, PolicyKind, Where};
 
 /// A request's handle inside the dispatcher.
 pub type ReqId = u64;
-
-/// FxHash-style hashing for the dispatcher's own integer ids (request and
-/// model ids it assigns itself, so not attacker-chosen): SipHash is a
-/// measurable share of a routing decision.
-#[derive(Debug, Default, Clone, Copy)]
-struct IdHasher(u64);
-
-impl std::hash::Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(u64::from(b));
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x517c_c1b7_2722_0a95);
-    }
-    fn write_u32(&mut self, n: u32) {
-        self.write_u64(u64::from(n));
-    }
-}
-
-type IdMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<IdHasher>>;
-type IdSet<K> = HashSet<K, std::hash::BuildHasherDefault<IdHasher>>;
 
 /// Requests one GPU has outstanding at its runtime under the `slo` policy:
 /// enough to keep the device busy across a reply's round trip, few enough
@@ -289,51 +265,6 @@ struct Batch {
     released: bool,
 }
 
-/// A GPU's resident models, most recently used first, with a set beside
-/// the order: routing asks every GPU whether it holds the model, and a GPU
-/// with a large memory holds dozens.
-#[derive(Debug, Default)]
-struct Resident {
-    order: Vec<u32>,
-    set: IdSet<u32>,
-}
-
-impl Resident {
-    fn contains(&self, model: &u32) -> bool {
-        self.set.contains(model)
-    }
-
-    fn iter(&self) -> std::slice::Iter<'_, u32> {
-        self.order.iter()
-    }
-
-    fn replace(&mut self, order: Vec<u32>) {
-        self.set = order.iter().copied().collect();
-        self.order = order;
-    }
-
-    /// `model` becomes the most recently used; the least recently used
-    /// beyond `max` leave, and are returned.
-    fn touch(&mut self, model: u32, max: usize) -> Vec<u32> {
-        if self.set.contains(&model) {
-            if let Some(p) = self.order.iter().position(|&m| m == model) {
-                self.order.remove(p);
-            }
-        } else {
-            self.set.insert(model);
-        }
-        self.order.insert(0, model);
-        let gone: Vec<u32> = self
-            .order
-            .drain(max.max(1).min(self.order.len())..)
-            .collect();
-        for m in &gone {
-            self.set.remove(m);
-        }
-        gone
-    }
-}
-
 /// Model id -> the GPUs (indices) that hold it: the reverse of every GPU's
 /// resident set or assignment, so that routing a model it holds looks at
 /// its holders only.
@@ -362,57 +293,12 @@ impl Holders {
     }
 }
 
-#[derive(Debug)]
-struct GpuState {
-    gpu: Gpu,
-    role: GpuRole,
-    /// Resident model ids, most recently used first.
-    resident: Resident,
-    resident_max: usize,
-    /// Batches sent and not answered.
-    outstanding: u32,
-    busy_until: Micros,
-    /// Estimated device time of the outstanding batches and of a prefetch
-    /// in progress: on every answer the GPU is busy until now plus these.
-    work_out: Micros,
-    prefetch_work: Micros,
-    queue: EdfQueue<ReqId>,
-    /// Per model in `queue`: how many, and the latest deadline among them
-    /// (at least: removals leave it, so a joiner is never overestimated).
-    /// Stale after the queue is drained elsewhere: read only while the
-    /// queue is not empty, reset when it is.
-    queued_models: IdMap<u32, (u32, Micros)>,
-    /// Requests in `queue` with a priority above the default: only then
-    /// does planning look for one to run before the EDF head.
-    queued_ranked: u32,
-    training: Option<TrainingJob>,
-    /// A prefetch was sent and not yet confirmed by a snapshot.
-    prefetching: bool,
-    /// The model the `distmind` policy assigned it.
-    assigned: Option<u32>,
-    /// Its runtime's link is up (a copy of the host's flag, read per decision).
-    link_up: bool,
-    /// Its runtime refused the training job: ask again from then on.
-    train_retry_at: Option<Micros>,
-    /// When its last batch was answered with another still outstanding
-    /// (the device went straight on to it): the start of a reply-to-reply
-    /// interval, which measures what the device really spends per batch.
-    busy_since: Option<Micros>,
-    /// Device time per request beyond the cost model's service estimate,
-    /// from those intervals: the runtime's serial work around compute, and
-    /// on a CPU the cores that compute shares with the servers. Admission
-    /// counts it as service, or it would admit more than the device runs.
-    serial: Ewma,
-    /// `serial` rounded to µs, kept beside it: read by every admission.
-    serial_us: Micros,
-}
-
 #[derive(Debug, Default)]
 struct HostState {
     boot_id: u64,
     /// The last snapshot applied (each is applied once: replies are fresher).
     snapshot_seq: u64,
-    cached: IdSet<u32>,
+    cached: ModelSet,
     /// Models the last snapshot said are cached that the dispatcher had not
     /// been asked for yet (it learns models on first request): counted as
     /// cached when they are (a warm cache is warm from the first request).
@@ -441,7 +327,7 @@ pub struct Dispatcher {
     cfg: DispatchConfig,
     models: Vec<Model>,
     by_name: HashMap<String, u32>,
-    gpus: Vec<GpuState>,
+    gpus: Gpus,
     hosts: IdMap<u32, HostState>,
     cost: CostModel,
     distmind: DistMindPolicy,
@@ -511,10 +397,10 @@ impl Dispatcher {
         }
         Ok(Dispatcher {
             cost: CostModel::new(cfg.priors),
+            gpus: Gpus::new(cfg.policy == PolicyKind::DistMind),
             cfg,
             models: Vec::new(),
             by_name: HashMap::new(),
-            gpus: Vec::new(),
             hosts: IdMap::default(),
             distmind,
             pending: VecDeque::new(),
@@ -689,7 +575,7 @@ impl Dispatcher {
             names.iter().filter_map(|n| by.get(n).copied()).collect()
         };
         if !s.host_cached_truncated {
-            let cached: IdSet<u32> = ids(&s.host_cached, &self.by_name).into_iter().collect();
+            let cached: ModelSet = ids(&s.host_cached, &self.by_name).into_iter().collect();
             let unknown = s
                 .host_cached
                 .iter()
@@ -715,7 +601,7 @@ impl Dispatcher {
             if self.gpus[gi].outstanding == 0 {
                 self.resident_replace(gi, resident);
             }
-            let g = &mut self.gpus[gi];
+            let mut g = self.gpus.get_mut(gi);
             g.prefetching = false;
             g.prefetch_work = 0;
             g.training = d.training.as_ref().map(|_| TrainingJob {
@@ -731,9 +617,11 @@ impl Dispatcher {
             h.link_up = true;
             h.lost = None;
         }
-        for g in self.gpus.iter_mut().filter(|g| g.gpu.runtime == runtime) {
-            g.link_up = true;
-        }
+        self.gpus.for_each_mut(|g| {
+            if g.gpu.runtime == runtime {
+                g.link_up = true;
+            }
+        });
     }
 
     /// The runtime is gone (dead, restarted, its link broke), `why` says
@@ -754,7 +642,7 @@ impl Dispatcher {
                 continue;
             }
             self.resident_replace(gi, Vec::new());
-            let g = &mut self.gpus[gi];
+            let mut g = self.gpus.get_mut(gi);
             g.link_up = false;
             moved.extend(g.queue.drain());
             g.queued_models.clear();
@@ -858,7 +746,7 @@ impl Dispatcher {
             return None;
         }
         let mut lost = BTreeMap::new();
-        for g in &self.gpus {
+        for g in self.gpus.iter() {
             if g.link_up {
                 return None;
             }
@@ -910,7 +798,7 @@ impl Dispatcher {
         b.left = b.left.saturating_sub(1);
         if !b.released {
             b.released = true;
-            let g = &mut self.gpus[b.gi];
+            let mut g = self.gpus.get_mut(b.gi);
             g.outstanding = g.outstanding.saturating_sub(1);
             g.work_out = g.work_out.saturating_sub(b.service);
         }
@@ -1022,8 +910,7 @@ impl Dispatcher {
     }
 
     fn routable(&self, gi: usize) -> bool {
-        let g = &self.gpus[gi];
-        g.link_up && (self.cfg.policy != PolicyKind::DistMind || g.role == GpuRole::Inference)
+        self.gpus.routable(gi)
     }
 
     fn route(&mut self, now: Micros, id: ReqId, r: Req, out: &mut Vec<Action>) {
@@ -1068,14 +955,7 @@ impl Dispatcher {
     /// When GPU `gi` can start new work: after what it has outstanding and,
     /// when it trains and is otherwise idle, after one training iteration.
     fn free_at(&self, now: Micros, gi: usize) -> Micros {
-        let g = &self.gpus[gi];
-        let mut t = g.busy_until.max(now);
-        if g.outstanding == 0 && g.queue.is_empty() {
-            if let Some(job) = &g.training {
-                t += job.worst_case_delay();
-            }
-        }
-        t
+        self.gpus.lane(gi).free_at(now)
     }
 
     /// The `slo` policy: the GPU that finishes the request earliest among
@@ -1088,33 +968,44 @@ impl Dispatcher {
         let overhead = self.cost.overhead();
         let mut best: Option<(Micros, Where, usize, Micros)> = None;
         let mut earliest: Option<Micros> = None;
-        let least_service = est[Where::Resident as usize];
-        // Where the model is resident, from its holders: a short list
-        // scanned once per GPU instead of a set looked up per GPU.
+        // The model's holders first (a short list): the best of them bounds
+        // the rest, most of which the cheap bound then passes over, and an
+        // idle holder ends the search. Then every other GPU, in order, with
+        // its host's cache looked up once per runtime.
         let holders = self.resident_on.get(r.model);
-        for gi in 0..self.gpus.len() {
-            if !self.routable(gi) || self.gpus[gi].queue.is_full() {
+        let mut host: Option<(u32, bool)> = None;
+        let others = (0..self.gpus.len()).filter(|gi| !holders.contains(gi));
+        for (gi, held) in holders
+            .iter()
+            .map(|&gi| (gi, true))
+            .chain(others.map(|gi| (gi, false)))
+        {
+            // A lower bound of its finish here, from its lane alone: a GPU
+            // that cannot beat the best so far, or the deadline, is not
+            // looked at further (routing over many GPUs stays fast).
+            let lane = self.gpus.lane(gi);
+            if !lane.open {
                 continue;
             }
-            // A lower bound of its finish here, cheap: a GPU that cannot
-            // beat the best so far, or the deadline, is not looked at
-            // further (routing over many GPUs stays fast).
-            let free = self.free_at(now, gi);
-            let q = &self.gpus[gi].queue;
-            let ahead = if q.last_deadline().is_none_or(|d| d <= r.deadline) {
-                q.work()
-            } else {
-                0
-            };
-            let bound = free + overhead + ahead + least_service;
-            if bound > r.deadline || best.is_some_and(|(f, ..)| bound > f) {
-                earliest = Some(earliest.map_or(bound, |e: Micros| e.min(bound)));
-                continue;
-            }
-            let at = if holders.contains(&gi) {
+            let at = if held {
                 Where::Resident
             } else {
-                self.where_is_unheld(gi, r.model)
+                let cached = match host {
+                    Some((rt, cached)) if rt == lane.runtime => cached,
+                    _ => {
+                        let cached = self
+                            .hosts
+                            .get(&lane.runtime)
+                            .is_some_and(|h| h.cached.contains(&r.model));
+                        host = Some((lane.runtime, cached));
+                        cached
+                    }
+                };
+                if cached {
+                    Where::HostCached
+                } else {
+                    Where::Remote
+                }
             };
             // Counted whole even when it may join a queued batch of its
             // model: whether it does is decided when the batch is sent
@@ -1123,7 +1014,18 @@ impl Dispatcher {
             // the cpu executor, 3 requests admitted for every one run).
             // Batches that do form finish early, and every reply
             // re-anchors the GPU's free time, which admits the next ones.
-            let service = est[at as usize] + self.serial_us(gi);
+            let service = est[at as usize] + lane.serial_us;
+            let free = lane.free_at(now);
+            let ahead = if lane.last_deadline <= r.deadline {
+                lane.work
+            } else {
+                0
+            };
+            let bound = free + overhead + ahead + service;
+            if bound > r.deadline || best.is_some_and(|(f, ..)| bound > f) {
+                earliest = Some(earliest.map_or(bound, |e: Micros| e.min(bound)));
+                continue;
+            }
             let adm = self.gpus[gi]
                 .queue
                 .admit(free, r.deadline, service, overhead);
@@ -1194,7 +1096,7 @@ impl Dispatcher {
         let ranked = r.rank != u32::MAX;
         self.reqs.insert(id, r);
         self.bind_gpu(gi, model);
-        let g = &mut self.gpus[gi];
+        let mut g = self.gpus.get_mut(gi);
         if g.queue.is_empty() {
             g.queued_models.clear();
             g.queued_ranked = 0;
@@ -1205,6 +1107,7 @@ impl Dispatcher {
             .expect("admission skipped full queues");
         let q = g.queued_models.entry(model).or_insert((0, 0));
         *q = (q.0 + 1, q.1.max(deadline));
+        drop(g);
         self.expect_resident(gi, model);
         self.pump(now, gi, out);
     }
@@ -1281,7 +1184,7 @@ impl Dispatcher {
         let (_, finish, at, gi, service, victims) = best?;
         let name = self.models[r.model as usize].meta.name.clone();
         for slot in victims {
-            let (_, _, vid) = self.gpus[gi].queue.remove(slot).expect("listed above");
+            let (_, _, vid) = self.gpus.get_mut(gi).queue.remove(slot).expect("listed above");
             self.unqueue_model(gi, vid);
             let v = self.take(vid).expect("queued requests are alive");
             let message = format!(
@@ -1300,7 +1203,7 @@ impl Dispatcher {
 
     /// GPU `gi`'s resident set becomes `order` (most recently used first).
     fn resident_replace(&mut self, gi: usize, order: Vec<u32>) {
-        let old = std::mem::take(&mut self.gpus[gi].resident);
+        let old = std::mem::take(&mut self.gpus.get_mut(gi).resident);
         let mut new = Resident::default();
         new.replace(order);
         for &m in old.iter() {
@@ -1313,7 +1216,7 @@ impl Dispatcher {
                 self.resident_on.add(m, gi);
             }
         }
-        self.gpus[gi].resident = new;
+        self.gpus.get_mut(gi).resident = new;
     }
 
     /// Records that `model` will be resident on GPU `gi` once the request
@@ -1321,14 +1224,17 @@ impl Dispatcher {
     /// resident model is served without the host cache); replies correct
     /// it.
     fn expect_resident(&mut self, gi: usize, model: u32) {
-        let g = &mut self.gpus[gi];
+        let mut g = self.gpus.get_mut(gi);
         let fresh = !g.resident.contains(&model);
-        for gone in g.resident.touch(model, g.resident_max) {
+        let max = g.resident_max;
+        let runtime = g.gpu.runtime;
+        let gone = g.resident.touch(model, max);
+        drop(g);
+        for gone in gone {
             self.resident_on.remove(gone, gi);
         }
         if fresh {
             self.resident_on.add(model, gi);
-            let runtime = self.gpus[gi].gpu.runtime;
             if let Some(h) = self.hosts.get_mut(&runtime) {
                 h.cached.insert(model);
             }
@@ -1353,7 +1259,7 @@ impl Dispatcher {
         else {
             return;
         };
-        let g = &mut self.gpus[gi];
+        let mut g = self.gpus.get_mut(gi);
         g.queued_ranked = g.queued_ranked.saturating_sub(u32::from(ranked));
         let q = &mut g.queued_models;
         if let Some(e) = q.get_mut(&model) {
@@ -1375,7 +1281,7 @@ impl Dispatcher {
                 // (Estimates of the work ahead of it are estimates: one
                 // that may still make it goes, and the runtime drops it if
                 // its budget runs out in the device's queue.)
-                self.gpus[gi].queue.remove(slot);
+                self.gpus.get_mut(gi).queue.remove(slot);
                 self.unqueue_model(gi, id);
                 let r = self.take(id).expect("queued requests are alive");
                 let message = format!(
@@ -1390,7 +1296,8 @@ impl Dispatcher {
                 .members
                 .iter()
                 .map(|&slot| {
-                    self.gpus[gi]
+                    self.gpus
+                        .get_mut(gi)
                         .queue
                         .remove(slot)
                         .expect("planned from the queue")
@@ -1643,11 +1550,12 @@ impl Dispatcher {
                 });
             }
         }
-        let g = &mut self.gpus[gi];
+        let mut g = self.gpus.get_mut(gi);
         g.busy_until = g.busy_until.max(now) + service;
         g.work_out += service;
         g.outstanding += 1;
         let gpu = g.gpu;
+        drop(g);
         let n = ids.len() as u32;
         let base = service.saturating_sub(u64::from(n) * self.serial_us(gi));
         self.batches.insert(
@@ -1801,7 +1709,7 @@ impl Dispatcher {
         let used: u64 = h
             .cached
             .iter()
-            .map(|&m| self.models[m as usize].meta.bytes)
+            .map(|m| self.models[m as usize].meta.bytes)
             .sum();
         if used + need <= h.cache_bytes {
             return;
@@ -1809,7 +1717,6 @@ impl Dispatcher {
         let mut victims: Vec<u32> = h
             .cached
             .iter()
-            .copied()
             .filter(|&m| !self.active.contains_key(&(runtime, m)))
             .collect();
         match self.cfg.balancer {
@@ -1857,7 +1764,7 @@ impl Dispatcher {
         let r = self.take(req)?;
         let gi = r.gpu?;
         if let Some((base, n)) = answered {
-            let g = &mut self.gpus[gi];
+            let mut g = self.gpus.get_mut(gi);
             if let Some(since) = g.busy_since {
                 // Capped: one stall (a page fault storm, a descheduled
                 // server) must not shut admission for a while.
@@ -2047,8 +1954,10 @@ impl Dispatcher {
             let retry = a.role == GpuRole::Training
                 && self.gpus[gi].train_retry_at.is_some_and(|t| now >= t);
             if self.gpus[gi].role != a.role || retry {
-                self.gpus[gi].role = a.role;
-                self.gpus[gi].train_retry_at = None;
+                let mut g = self.gpus.get_mut(gi);
+                g.role = a.role;
+                g.train_retry_at = None;
+                drop(g);
                 let job = match a.role {
                     GpuRole::Training => train.clone(),
                     GpuRole::Inference => None,
@@ -2067,7 +1976,7 @@ impl Dispatcher {
             if let Some(m) = assigned {
                 self.assigned_to.add(m, gi);
             }
-            self.gpus[gi].assigned = assigned;
+            self.gpus.get_mut(gi).assigned = assigned;
             if a.role == GpuRole::Inference {
                 if let Some(m) = a.model {
                     let m = m as u32;
@@ -2097,21 +2006,22 @@ impl Dispatcher {
         let Some(train) = self.train_model().map(str::to_string) else {
             return;
         };
-        for g in &mut self.gpus {
+        let (hosts, started) = (&self.hosts, &mut self.training_started);
+        self.gpus.for_each_mut(|g| {
             if g.train_retry_at.is_some_and(|t| now >= t) {
                 g.train_retry_at = None;
-                self.training_started.remove(&g.gpu);
+                started.remove(&g.gpu);
             }
             if g.train_retry_at.is_none()
-                && self.hosts.get(&g.gpu.runtime).is_some_and(|h| h.link_up)
-                && self.training_started.insert(g.gpu)
+                && hosts.get(&g.gpu.runtime).is_some_and(|h| h.link_up)
+                && started.insert(g.gpu)
             {
                 out.push(Action::Train {
                     gpu: g.gpu,
                     model: Some(train.clone()),
                 });
             }
-        }
+        });
     }
 
     /// `slo` demand-driven placement: an idle GPU prefetches the most
@@ -2175,7 +2085,7 @@ impl Dispatcher {
             .cost
             .estimate(model, meta, at)
             .saturating_sub(self.cost.estimate(model, meta, Where::Resident));
-        let g = &mut self.gpus[gi];
+        let mut g = self.gpus.get_mut(gi);
         g.prefetching = true;
         g.prefetch_work = load;
         g.busy_until = g.busy_until.max(now) + load;
@@ -2186,8 +2096,8 @@ impl Dispatcher {
     /// while the policy still wants it to train.
     pub fn train_failed(&mut self, now: Micros, gpu: Gpu) {
         let retry_us = (TRAIN_RETRY_US as f64 * self.cfg.time_dilation) as Micros;
-        if let Some(g) = self.gpus.iter_mut().find(|g| g.gpu == gpu) {
-            g.train_retry_at = Some(now + retry_us);
+        if let Some(gi) = self.gpus.iter().position(|g| g.gpu == gpu) {
+            self.gpus.get_mut(gi).train_retry_at = Some(now + retry_us);
         }
     }
 
@@ -2217,10 +2127,11 @@ impl Dispatcher {
     /// and is busy only with what it has outstanding.
     pub fn prefetch_done(&mut self, now: Micros, gpu: Gpu, resident: Option<&[String]>) {
         if let Some(gi) = self.gpus.iter().position(|g| g.gpu == gpu) {
-            let g = &mut self.gpus[gi];
+            let mut g = self.gpus.get_mut(gi);
             g.prefetching = false;
             g.prefetch_work = 0;
             g.busy_until = now + g.work_out;
+            drop(g);
             if let Some(names) = resident {
                 let ids = names
                     .iter()

@@ -1649,3 +1649,60 @@ fn a_higher_priority_request_takes_the_place_of_a_lower_one_only() {
     assert_eq!(failed(&out), vec![(h, ErrorCode::Rejected)]);
     assert_eq!(d.queued(), 2);
 }
+
+/// Every lane equals what its GPU's state says through a busy run:
+/// batches, completions out of order, training, a lost runtime and its
+/// return (routing's cheap bound reads lanes only).
+#[test]
+fn every_lane_follows_its_gpu_through_a_busy_run() {
+    let mut c = cfg(PolicyKind::Slo);
+    c.batch_max = 4;
+    let mut d = Dispatcher::new(c).unwrap();
+    let mut out = Vec::new();
+    for r in 0..3 {
+        d.runtime_seen(0, r, 1, &[0, 1], 1 << 30, 4, None, &mut out);
+        d.link_up(r);
+    }
+    let models: Vec<u32> = (0..6).map(|m| model(&mut d, &format!("m{m}"))).collect();
+    use rand::SeedableRng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+    let mut live: Vec<ReqId> = Vec::new();
+    let t = timing(ServePath::DeviceResident, 10.0);
+    let mut batched = 0;
+    for step in 0..2_000u64 {
+        let now = step * MS;
+        use rand::Rng;
+        match rng.gen_range(0..10) {
+            0..=5 => {
+                let m = models[rng.gen_range(0..models.len())];
+                d.submit(now, m, Some(rng.gen_range(15.0..300.0)), &mut out);
+            }
+            6..=8 if !live.is_empty() => {
+                let id = live.swap_remove(rng.gen_range(0..live.len()));
+                d.complete(now, id, &c_of(&t, &[]), &mut out);
+            }
+            _ if step == 900 => d.runtime_down(now, 1, "killed in the test", &mut out),
+            _ if step == 1_400 => {
+                d.runtime_seen(now, 1, 2, &[0, 1], 1 << 30, 4, None, &mut out);
+                d.link_up(1);
+            }
+            _ => d.tick(now, &mut out),
+        }
+        for a in out.drain(..) {
+            if let Action::Send { req, batch, gpu, .. } = a {
+                if gpu.runtime == 1 && (900..1_400).contains(&step) {
+                    panic!("sent to runtime 1 while it was down");
+                }
+                live.push(req);
+                live.extend(batch.iter().map(|m| m.req));
+                batched += usize::from(!batch.is_empty());
+            }
+        }
+        assert!(d.gpus.lanes_match_state(), "a lane went stale at step {step}");
+    }
+    let c = d.counters();
+    assert!(
+        c.sent > 500 && batched > 10 && c.completed > 500,
+        "the run was not busy: {c:?}, {batched} batches"
+    );
+}

@@ -4,10 +4,14 @@
 //! * [`core`]: the decisions, pure (time passed in, actions out).
 //! * [`net`]: the client port, one link per runtime, the tick task.
 //! * [`outbox`]: bytes for one socket, written by the task that made them.
+//! * `gpus`: the view of each GPU and the packed lanes routing scans;
+//!   `sets`: sets and maps of the dispatcher's own ids.
 
 pub mod core;
+mod gpus;
 pub mod metrics;
 pub mod net;
 pub mod outbox;
+mod sets;
 
 pub use self::core::{Action, Completion, DispatchConfig, DispatchCounters, Dispatcher, ReqId};
