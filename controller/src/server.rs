@@ -106,8 +106,6 @@ pub enum ControllerError {
         #[source]
         source: std::io::Error,
     },
-    #[error("cannot start the dispatcher's thread: {0}")]
-    DispatcherThread(#[source] std::io::Error),
     #[error("accepting connections on {addr} failed: {source}")]
     Accept {
         addr: SocketAddr,
@@ -317,8 +315,7 @@ impl Controller {
                 self.dispatch_metrics.clone(),
                 &mut tasks,
                 stop_rx.clone(),
-            )
-            .map_err(ControllerError::DispatcherThread)?;
+            );
             // The protocol front ends reach the same dispatcher.
             let frontend =
                 Frontend::new(net.handle(), self.shared.state.clone(), self.api_key.take());

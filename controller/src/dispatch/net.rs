@@ -6,9 +6,6 @@
 //!        client socket <-------(write)------ core task <--Event::Reply-- link reader task
 //! ```
 //!
-//! * All of these run on the dispatcher's own thread (a single-threaded
-//!   async runtime, see [`DispatchNet`]); the Open Inference Protocol front
-//!   ends reach it from the controller's pool through a channel.
 //! * The core task is the only owner of the dispatcher state: no locks on
 //!   the decision path. It holds each request's input bytes and where its
 //!   reply goes until the request is sent or answered.
@@ -162,28 +159,12 @@ impl Drop for Link {
 }
 
 /// The dispatcher's tasks; see the module docs.
-///
-/// They run on a thread of their own, on a single-threaded async runtime:
-/// the core task, the client connections and the runtime links. A request
-/// then crosses from a reader task to the core task by a wake on the same
-/// thread, not by waking another thread of a shared pool (`distmind bench
-/// dispatch` on 2 cores, 4 runs each: the time the dispatcher adds to a
-/// request at p50 fell from 114-121 µs to 63-99 µs; a bare relay adds
-/// 49-69 µs). One thread is what the decisions had anyway: the core task
-/// owns them.
 pub struct DispatchNet {
     events: mpsc::Sender<Event>,
-    /// The dispatcher thread's runtime.
-    rt: tokio::runtime::Handle,
-    /// Held by every top-level task on that runtime: the thread runs until
-    /// the last is dropped.
-    alive: mpsc::Sender<()>,
 }
 
 impl DispatchNet {
-    /// Starts the dispatcher's thread and its core task; `serve_clients`
-    /// then accepts on the client port. `tasks` gets a task that ends when
-    /// the core task does (after `stop`, once it has answered everything).
+    /// Starts the core task; `serve_clients` then accepts on the client port.
     pub fn start(
         dispatcher: Dispatcher,
         state: Shared,
@@ -191,18 +172,7 @@ impl DispatchNet {
         metrics: Arc<DispatchMetrics>,
         tasks: &mut JoinSet<()>,
         stop: watch::Receiver<bool>,
-    ) -> std::io::Result<DispatchNet> {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?;
-        let handle = rt.handle().clone();
-        let (alive, mut all_gone) = mpsc::channel::<()>(1);
-        std::thread::Builder::new()
-            .name("dispatcher".into())
-            .spawn(move || {
-                // Nothing is ever sent: recv ends when every holder is gone.
-                rt.block_on(async move { all_gone.recv().await });
-            })?;
+    ) -> DispatchNet {
         let (tx, rx) = mpsc::channel(EVENTS_MAX);
         let core = CoreTask {
             d: dispatcher,
@@ -220,19 +190,8 @@ impl DispatchNet {
             actions: Vec::new(),
             dirty: Vec::new(),
         };
-        let core_alive = alive.clone();
-        let core = handle.spawn(async move {
-            core.run(rx, stop).await;
-            drop(core_alive);
-        });
-        tasks.spawn(async move {
-            let _ = core.await;
-        });
-        Ok(DispatchNet {
-            events: tx,
-            rt: handle,
-            alive,
-        })
+        tasks.spawn(core.run(rx, stop));
+        DispatchNet { events: tx }
     }
 
     /// A handle for in-process front ends (the Open Inference Protocol
@@ -246,75 +205,50 @@ impl DispatchNet {
         }
     }
 
-    /// Accepts client connections until `stop`, on the dispatcher's
-    /// thread.
+    /// Accepts client connections until `stop`.
     pub async fn serve_clients(
         &self,
         listener: tokio::net::TcpListener,
         key: ClusterKey,
-        stop: watch::Receiver<bool>,
+        mut stop: watch::Receiver<bool>,
     ) {
-        let events = self.events.clone();
-        let alive = self.alive.clone();
-        let accept = self.rt.spawn(async move {
-            // Registered with this thread's runtime, which polls it.
-            match listener
-                .into_std()
-                .and_then(tokio::net::TcpListener::from_std)
-            {
-                Ok(l) => accept_clients(l, events, key, stop).await,
-                Err(e) => log::error!("dispatcher: cannot take over the client port: {e}"),
-            }
-            drop(alive);
-        });
-        let _ = accept.await;
-    }
-}
-
-/// The dispatcher's accept loop: a task per client connection, at most
-/// [`CLIENT_CONNECTIONS_MAX`].
-async fn accept_clients(
-    listener: tokio::net::TcpListener,
-    events: mpsc::Sender<Event>,
-    key: ClusterKey,
-    mut stop: watch::Receiver<bool>,
-) {
-    let limit = Arc::new(Semaphore::new(CLIENT_CONNECTIONS_MAX));
-    let mut conns = JoinSet::new();
-    let mut refusing = false;
-    let conn_stop = stop.clone();
-    loop {
-        while conns.try_join_next().is_some() {}
-        let accepted = tokio::select! {
-            _ = stop.wait_for(|s| *s) => break,
-            accepted = listener.accept() => accepted,
-        };
-        match accepted {
-            Ok((stream, peer)) => match limit.clone().try_acquire_owned() {
-                Ok(permit) => {
-                    refusing = false;
-                    let events = events.clone();
-                    let key = key.clone();
-                    let stop = conn_stop.clone();
-                    conns.spawn(async move {
-                        client_conn(stream, peer, key, events, stop).await;
-                        drop(permit);
-                    });
-                }
-                Err(_) => {
-                    if !refusing {
-                        log::warn!("refusing client {peer}: {CLIENT_CONNECTIONS_MAX} connections open (the bound)");
-                        refusing = true;
+        let limit = Arc::new(Semaphore::new(CLIENT_CONNECTIONS_MAX));
+        let mut conns = JoinSet::new();
+        let mut refusing = false;
+        let conn_stop = stop.clone();
+        loop {
+            while conns.try_join_next().is_some() {}
+            let accepted = tokio::select! {
+                _ = stop.wait_for(|s| *s) => break,
+                accepted = listener.accept() => accepted,
+            };
+            match accepted {
+                Ok((stream, peer)) => match limit.clone().try_acquire_owned() {
+                    Ok(permit) => {
+                        refusing = false;
+                        let events = self.events.clone();
+                        let key = key.clone();
+                        let stop = conn_stop.clone();
+                        conns.spawn(async move {
+                            client_conn(stream, peer, key, events, stop).await;
+                            drop(permit);
+                        });
                     }
+                    Err(_) => {
+                        if !refusing {
+                            log::warn!("refusing client {peer}: {CLIENT_CONNECTIONS_MAX} connections open (the bound)");
+                            refusing = true;
+                        }
+                    }
+                },
+                Err(e) => {
+                    log::warn!("dispatcher accept failed: {e}; retrying in 50 ms");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
                 }
-            },
-            Err(e) => {
-                log::warn!("dispatcher accept failed: {e}; retrying in 50 ms");
-                tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
+        conns.shutdown().await;
     }
-    conns.shutdown().await;
 }
 
 /// Requests all clones of one [`DispatchHandle`] may have outstanding;

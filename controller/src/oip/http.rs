@@ -875,8 +875,7 @@ mod tests {
             Arc::new(DispatchMetrics::new()),
             &mut tasks,
             stop.clone(),
-        )
-        .unwrap();
+        );
         let fe = Frontend::new(net.handle(), state, Some("sesame".into()));
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
