@@ -1184,7 +1184,12 @@ impl Dispatcher {
         let (_, finish, at, gi, service, victims) = best?;
         let name = self.models[r.model as usize].meta.name.clone();
         for slot in victims {
-            let (_, _, vid) = self.gpus.get_mut(gi).queue.remove(slot).expect("listed above");
+            let (_, _, vid) = self
+                .gpus
+                .get_mut(gi)
+                .queue
+                .remove(slot)
+                .expect("listed above");
             self.unqueue_model(gi, vid);
             let v = self.take(vid).expect("queued requests are alive");
             let message = format!(

@@ -1689,7 +1689,10 @@ fn every_lane_follows_its_gpu_through_a_busy_run() {
             _ => d.tick(now, &mut out),
         }
         for a in out.drain(..) {
-            if let Action::Send { req, batch, gpu, .. } = a {
+            if let Action::Send {
+                req, batch, gpu, ..
+            } = a
+            {
                 if gpu.runtime == 1 && (900..1_400).contains(&step) {
                     panic!("sent to runtime 1 while it was down");
                 }
@@ -1698,7 +1701,10 @@ fn every_lane_follows_its_gpu_through_a_busy_run() {
                 batched += usize::from(!batch.is_empty());
             }
         }
-        assert!(d.gpus.lanes_match_state(), "a lane went stale at step {step}");
+        assert!(
+            d.gpus.lanes_match_state(),
+            "a lane went stale at step {step}"
+        );
     }
     let c = d.counters();
     assert!(

@@ -42,7 +42,9 @@ pub(super) struct ModelSet {
 impl ModelSet {
     pub(super) fn contains(&self, model: &u32) -> bool {
         let m = *model as usize;
-        self.words.get(m / 64).is_some_and(|w| w >> (m % 64) & 1 == 1)
+        self.words
+            .get(m / 64)
+            .is_some_and(|w| w >> (m % 64) & 1 == 1)
     }
 
     /// Adds `model`; false if it was there.
