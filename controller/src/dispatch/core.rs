@@ -898,9 +898,14 @@ impl Dispatcher {
 
     /// [`Self::where_is`] of a model GPU `gi` does not hold.
     fn where_is_unheld(&self, gi: usize, model: u32) -> Where {
+        self.where_on_host(self.gpus[gi].gpu.runtime, model)
+    }
+
+    /// Where a GPU of `runtime` that does not hold `model` finds it.
+    fn where_on_host(&self, runtime: u32, model: u32) -> Where {
         if self
             .hosts
-            .get(&self.gpus[gi].gpu.runtime)
+            .get(&runtime)
             .is_some_and(|h| h.cached.contains(&model))
         {
             Where::HostCached
@@ -973,7 +978,7 @@ impl Dispatcher {
         // idle holder ends the search. Then every other GPU, in order, with
         // its host's cache looked up once per runtime.
         let holders = self.resident_on.get(r.model);
-        let mut host: Option<(u32, bool)> = None;
+        let mut host: Option<(u32, Where)> = None;
         let others = (0..self.gpus.len()).filter(|gi| !holders.contains(gi));
         for (gi, held) in holders
             .iter()
@@ -987,24 +992,13 @@ impl Dispatcher {
             if !lane.open {
                 continue;
             }
-            let at = if held {
-                Where::Resident
-            } else {
-                let cached = match host {
-                    Some((rt, cached)) if rt == lane.runtime => cached,
-                    _ => {
-                        let cached = self
-                            .hosts
-                            .get(&lane.runtime)
-                            .is_some_and(|h| h.cached.contains(&r.model));
-                        host = Some((lane.runtime, cached));
-                        cached
-                    }
-                };
-                if cached {
-                    Where::HostCached
-                } else {
-                    Where::Remote
+            let at = match host {
+                _ if held => Where::Resident,
+                Some((rt, at)) if rt == lane.runtime => at,
+                _ => {
+                    let at = self.where_on_host(lane.runtime, r.model);
+                    host = Some((lane.runtime, at));
+                    at
                 }
             };
             // Counted whole even when it may join a queued batch of its

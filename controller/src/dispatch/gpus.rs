@@ -5,7 +5,7 @@
 //! [`GpuState`] (a few hundred bytes each, its EDF queue a B-tree
 //! elsewhere), that scan was half of a decision's time in a profile of
 //! `distmind bench dispatch` (64 GPUs), spread over loads of scattered
-//! fields. Each GPU's [`Lane`] holds, in 56 bytes of one array, what the
+//! fields. Each GPU's [`Lane`] holds, in 48 bytes of one array, what the
 //! scan's cheap bound needs; the full state is read only for the GPUs the
 //! bound does not rule out (with the bound from each GPU's exact service
 //! time, decisions/s rose 1.5x).
@@ -135,6 +135,9 @@ pub(super) struct Lane {
     /// Its measured serial time per request ([`GpuState::serial_us`]).
     pub(super) serial_us: Micros,
 }
+
+// The size the module docs give.
+const _: () = assert!(std::mem::size_of::<Lane>() == 48);
 
 impl Lane {
     pub(super) fn of(g: &GpuState, distmind_policy: bool) -> Lane {
