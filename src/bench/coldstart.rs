@@ -455,7 +455,6 @@ impl Bench<'_> {
     }
 }
 
-/// One line per group: host-ready, uploaded, gate opened, first layer start (ms).
 /// The shortest a pipeline of `groups` equal groups through stages taking
 /// `stages` (ms, whole model each) can take: the slowest stage, plus one
 /// group's worth of every other stage (filling and draining the pipeline).
@@ -523,6 +522,7 @@ fn group_compute_shares(
     (total > 0.0).then(|| per_group.iter().map(|t| t / total).collect())
 }
 
+/// One line per group: host-ready, uploaded, gate opened, first layer start (ms).
 fn print_trace(m: &distmind_models::Manifest, tr: &distmind_runtime::pipeline::MergedTrace) {
     let f = |d: Option<Duration>| d.map_or("-".to_string(), |d| format!("{:.1}", ms(d)));
     println!(

@@ -1,17 +1,24 @@
 //! The `cpu` executor: candle on the CPU, real numbers.
 //!
-//! * [`CpuArena`]: one [`HostBuffer`] in the manifest's packed layout. Once
-//!   a program is compiled against the arena, an upload converts the group's
-//!   bytes straight into the form the kernels want (candle tensors,
-//!   per-channel tables) instead of copying them: that conversion is the
-//!   CPU's share of an upload (what the copy engine does on a GPU), so it
-//!   runs in the upload stage, overlapping the fetch of later groups, and
-//!   compute finds every gated layer ready. Before any program (`distmind
-//!   infer` uploads first) an upload is a memcpy into the buffer.
+//! * [`CpuArena`]: the cpu's device memory for one model. An upload writes
+//!   a group's bytes (widened, for half precision) into that group's own f32
+//!   storage, the storage the kernels' tensors view: a layer's weights are
+//!   views into it, never copies. When a program is compiled against the
+//!   arena, the upload also prepares the group's layers (views, batch norm's
+//!   folded tables), so compute finds every gated layer ready; a group
+//!   uploaded before any program (`distmind infer` uploads first) is
+//!   prepared the first time a run reaches it, after `gate(group)` returned.
+//!   The upload is the CPU's share of an upload (what the copy engine does
+//!   on a GPU): it runs in the upload stage, overlapping the fetch of later
+//!   groups.
+//! * Group memory comes from the executor's pool of freed group memory, as
+//!   a GPU framework's caching allocator hands out device memory: a copy
+//!   into fresh pages costs several times a copy into pages already
+//!   faulted in, and that cost would sit on the critical path of every
+//!   cold start (`bench coldstart --executor cpu`'s upload stage for GPT-2
+//!   on a 2-core VM: 461 ms into fresh tensors, 82 ms into pooled memory).
 //! * [`CpuProgram`]: interprets `manifest.layers` in order with the params
-//!   its arena's uploads prepared; a layer of a group uploaded into the
-//!   buffer is prepared the first time a run reaches it, after
-//!   `gate(group)` returned. Prepared params are kept for later runs:
+//!   its arena's uploads prepared. Prepared params are kept for later runs:
 //!   params never change once uploaded, and a program lives as long as its
 //!   arena.
 //! * Activations are dropped right after their last reader ran (last uses are
@@ -21,8 +28,10 @@
 //! Op semantics are `models/OPS.md`'s (torchvision / Hugging Face in eval
 //! mode); the kernels live in [`ops`] and [`attention`].
 //!
-//! **Architecture invariant:** the arena is read only in `CpuArena::read_f32`,
-//! and only for a range inside a group whose gate returned in this run.
+//! **Architecture invariants:** no view of a group's memory exists before
+//! that group's upload returned; no group memory goes back to the pool while
+//! a program's params may still view it (only an arena whose params nobody
+//! else holds gives its memory back, on drop).
 
 mod attention;
 mod ops;
@@ -33,10 +42,9 @@ mod tests;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use candle_core::{Device, Tensor};
-use distmind_models::dtype::{widen_to_le_bytes, widen_to_vec};
+use candle_core::{CpuStorage, Device, InplaceOp1, Layout, Tensor};
+use distmind_models::dtype::widen;
 use distmind_models::{Layer, Manifest, ParamDtype};
-use distmind_transport::memory::{HostBuffer, HugePages};
 
 use super::plan::{self, ParamLoc};
 use super::{
@@ -47,42 +55,41 @@ use params::Prepared;
 /// The candle CPU backend behind [`Executor`].
 #[derive(Debug, Default)]
 pub struct CpuExecutor {
-    pool: Arc<Mutex<ArenaPool>>,
+    pool: Arc<Mutex<MemPool>>,
 }
 
-/// Most bytes of freed arena memory kept for reuse.
+/// Most bytes of freed group memory kept for reuse, per executor.
 pub const ARENA_POOL_BYTES_MAX: u64 = 8 << 30;
 
-/// Memory of dropped arenas, kept for the next ones: faulting in fresh pages
-/// costs about ten times a copy on the machines we run on, and would sit on
-/// the critical path of every cold start (a caching allocator, as GPU
-/// frameworks keep one). Bounded by [`ARENA_POOL_BYTES_MAX`].
+/// Freed group memory (1-D f32 tensors that nothing else views), kept for
+/// the next uploads. Bounded by [`ARENA_POOL_BYTES_MAX`].
 #[derive(Debug, Default)]
-struct ArenaPool {
-    free: Vec<HostBuffer>,
+struct MemPool {
+    free: Vec<Tensor>,
     bytes: u64,
 }
 
-impl ArenaPool {
-    /// The smallest pooled buffer that holds `bytes` without wasting more
-    /// than half of itself.
-    fn take(&mut self, bytes: u64) -> Option<HostBuffer> {
-        let fits = |b: &HostBuffer| {
-            let len = b.len() as u64;
-            len >= bytes && len <= bytes.saturating_mul(2)
+impl MemPool {
+    /// The shortest pooled storage of at least `elems` f32 values that
+    /// wastes at most half of itself.
+    fn take(&mut self, elems: usize) -> Option<Tensor> {
+        let fits = |t: &Tensor| {
+            let len = t.elem_count();
+            len >= elems && len <= elems.saturating_mul(2)
         };
         let i = (0..self.free.len())
             .filter(|&i| fits(&self.free[i]))
-            .min_by_key(|&i| self.free[i].len())?;
-        let buf = self.free.swap_remove(i);
-        self.bytes -= buf.len() as u64;
-        Some(buf)
+            .min_by_key(|&i| self.free[i].elem_count())?;
+        let t = self.free.swap_remove(i);
+        self.bytes -= 4 * t.elem_count() as u64;
+        Some(t)
     }
 
-    fn give(&mut self, buf: HostBuffer) {
-        if self.bytes + buf.len() as u64 <= ARENA_POOL_BYTES_MAX {
-            self.bytes += buf.len() as u64;
-            self.free.push(buf);
+    fn give(&mut self, storage: Tensor) {
+        let bytes = 4 * storage.elem_count() as u64;
+        if self.bytes + bytes <= ARENA_POOL_BYTES_MAX {
+            self.bytes += bytes;
+            self.free.push(storage);
         }
     }
 }
@@ -105,21 +112,13 @@ impl Executor for CpuExecutor {
         )
     }
 
-    /// A new cpu executor: its own arena pool.
+    /// A new cpu executor: its own memory pool.
     fn for_device(&self, _ordinal: u32) -> Result<Arc<dyn Executor>, ExecError> {
         Ok(Arc::new(CpuExecutor::new()))
     }
 
     fn alloc_arena(&self, bytes: u64) -> Result<Arc<dyn Arena>, ExecError> {
-        let pooled = self
-            .pool
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take(bytes);
-        let mut arena = match pooled {
-            Some(buf) => CpuArena::with_buffer(buf, bytes),
-            None => CpuArena::new(bytes)?,
-        };
+        let mut arena = CpuArena::new(bytes)?;
         arena.pool = Some(self.pool.clone());
         Ok(Arc::new(arena))
     }
@@ -140,91 +139,178 @@ impl Executor for CpuExecutor {
     }
 }
 
-/// One model's parameters in host memory, in the packed layout.
+/// One uploaded group's memory.
+#[derive(Debug)]
+struct GroupMem {
+    /// Arena (device) offset of its first byte.
+    offset: u64,
+    /// Device bytes uploaded.
+    len: u64,
+    /// 1-D f32 values; longer than `len / 4` when it came from the pool.
+    storage: Tensor,
+}
+
+impl GroupMem {
+    /// A view of `loc`'s values (1-D), which must lie inside this group.
+    fn view(&self, group: usize, loc: &ParamLoc) -> Result<Tensor, ExecError> {
+        let start = loc.offset.checked_sub(self.offset);
+        let inside = start.is_some_and(|s| {
+            s.is_multiple_of(4)
+                && loc.nbytes.is_multiple_of(4)
+                && s.checked_add(loc.nbytes).is_some_and(|e| e <= self.len)
+        });
+        let (Some(start), true) = (start, inside) else {
+            return Err(ExecError::Gate {
+                group,
+                why: format!(
+                    "param {} ({} bytes at arena offset {}) is not whole f32 values inside \
+                     the {} bytes uploaded at offset {}",
+                    loc.name, loc.nbytes, loc.offset, self.len, self.offset
+                ),
+            });
+        };
+        self.storage
+            .narrow(0, start as usize / 4, loc.nbytes as usize / 4)
+            .map_err(|e| ExecError::Gate {
+                group,
+                why: format!("param {}: {e}", loc.name),
+            })
+    }
+}
+
+/// Writes a group's stored bytes, widened to f32, into the storage range a
+/// tensor views: the one write to group memory.
+struct Write<'a> {
+    stored: ParamDtype,
+    bytes: &'a [u8],
+}
+
+impl InplaceOp1 for Write<'_> {
+    fn name(&self) -> &'static str {
+        "upload"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let CpuStorage::F32(values) = storage else {
+            candle_core::bail!("group memory is not f32");
+        };
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            candle_core::bail!("group memory is not contiguous");
+        };
+        widen(self.stored, self.bytes, &mut values[start..end]);
+        Ok(())
+    }
+}
+
+/// `elems` zeroed f32 values, or an error when the allocator has no room
+/// (instead of the abort a failed `vec!` is). Fresh pages are zeroed by
+/// the kernel when first touched, so this costs no pass over them.
+fn zeroed_f32(elems: usize) -> Result<Vec<f32>, ExecError> {
+    let bytes = elems as u64 * 4;
+    let layout = std::alloc::Layout::array::<f32>(elems).map_err(|_| ExecError::Alloc {
+        bytes,
+        why: "larger than the address space".into(),
+    })?;
+    if elems == 0 {
+        return Ok(Vec::new());
+    }
+    #[allow(unsafe_code)]
+    // SAFETY: `layout` is non-zero-sized (checked); a non-null pointer from
+    // `alloc_zeroed` with the layout of `[f32; elems]` is exactly what
+    // `Vec::from_raw_parts` takes with capacity and length `elems`, and
+    // all-zero bytes are valid f32 values (0.0).
+    unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout).cast::<f32>();
+        if ptr.is_null() {
+            return Err(ExecError::Alloc {
+                bytes,
+                why: "out of memory".into(),
+            });
+        }
+        Ok(Vec::from_raw_parts(ptr, elems, elems))
+    }
+}
+
+/// One model's parameters on the cpu device: per group, its memory.
 #[derive(Debug)]
 pub struct CpuArena {
-    /// `Some` until dropped; may be longer than `len` when it came from the pool.
-    buf: Option<HostBuffer>,
     len: u64,
-    /// Where the buffer goes back on drop (arenas from an executor).
-    pool: Option<Arc<Mutex<ArenaPool>>>,
+    /// Where group memory comes from and goes back to (arenas from an
+    /// executor).
+    pool: Option<Arc<Mutex<MemPool>>>,
     /// The params of the program compiled against this arena, which
     /// `upload` prepares group by group (`None` before any program).
     params: Mutex<Option<Arc<LayerParams>>>,
-    /// Per group: its last upload went into `buf` (no program was attached
-    /// then), so a program may prepare it from there.
-    held: Mutex<Vec<bool>>,
+    /// Per group: its memory, once uploaded.
+    groups: Mutex<Vec<Option<GroupMem>>>,
 }
 
 impl Drop for CpuArena {
     fn drop(&mut self) {
-        if let (Some(buf), Some(pool)) = (self.buf.take(), &self.pool) {
-            pool.lock().unwrap_or_else(|e| e.into_inner()).give(buf);
+        // Views of group memory live only in the params (and, during a
+        // run, in the program that holds this arena): once the params are
+        // ours alone, dropping them drops every view.
+        let params = self
+            .params
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        let sole = params.is_none_or(|p| Arc::strong_count(&p) == 1);
+        let Some(pool) = self.pool.as_ref().filter(|_| sole) else {
+            return;
+        };
+        let groups = std::mem::take(self.groups.get_mut().unwrap_or_else(|e| e.into_inner()));
+        let mut pool = pool.lock().unwrap_or_else(|e| e.into_inner());
+        for g in groups.into_iter().flatten() {
+            pool.give(g.storage);
         }
     }
 }
 
 impl CpuArena {
     pub fn new(bytes: u64) -> Result<Self, ExecError> {
-        let alloc_err = |why: String| ExecError::Alloc { bytes, why };
-        let len = usize::try_from(bytes)
-            .map_err(|_| alloc_err("larger than the address space".into()))?;
-        let buf = HostBuffer::new(len, HugePages::No).map_err(|e| alloc_err(e.to_string()))?;
-        Ok(CpuArena::with_buffer(buf, bytes))
-    }
-
-    fn with_buffer(buf: HostBuffer, len: u64) -> Self {
-        CpuArena {
-            buf: Some(buf),
-            len,
+        if usize::try_from(bytes).is_err() {
+            return Err(ExecError::Alloc {
+                bytes,
+                why: "larger than the address space".into(),
+            });
+        }
+        Ok(CpuArena {
+            len: bytes,
             pool: None,
             params: Mutex::new(None),
-            held: Mutex::new(Vec::new()),
-        }
+            groups: Mutex::new(Vec::new()),
+        })
     }
 
-    fn buf(&self) -> &HostBuffer {
-        self.buf
+    /// Storage for `elems` f32 values: pooled when the pool has some.
+    fn storage(&self, elems: usize) -> Result<Tensor, ExecError> {
+        let pooled = self
+            .pool
             .as_ref()
-            .expect("an arena has its buffer until it is dropped")
-    }
-
-    fn check_range(&self, offset: u64, len: u64) -> Result<std::ops::Range<usize>, ExecError> {
-        let arena = self.len;
-        match offset.checked_add(len) {
-            Some(end) if end <= arena => Ok(offset as usize..end as usize),
-            _ => Err(ExecError::UploadOutOfRange { offset, len, arena }),
+            .and_then(|p| p.lock().unwrap_or_else(|e| e.into_inner()).take(elems));
+        match pooled {
+            Some(t) => Ok(t),
+            None => {
+                let values = zeroed_f32(elems)?;
+                Tensor::from_vec(values, elems, &Device::Cpu).map_err(|e| ExecError::Alloc {
+                    bytes: elems as u64 * 4,
+                    why: e.to_string(),
+                })
+            }
         }
     }
 
-    /// Copies `len` bytes at `offset` out of the arena, as little-endian f32.
-    ///
-    /// Callers read only inside a group whose `gate` returned in the current
-    /// run, i.e. whose upload completed (see the safety comment).
-    fn read_f32(&self, offset: u64, len: u64) -> Result<Vec<f32>, ExecError> {
-        let range = self.check_range(offset, len)?;
-        #[allow(unsafe_code)]
-        // SAFETY: the range is inside the buffer (checked above and again by
-        // `slice`). It belongs to one group, and the program reads a group only
-        // after `gate(group)` returned, which the runtime calls only once that
-        // group's `upload` finished; a group is uploaded once, by one thread at
-        // a time, so no write to these bytes is in flight while we read them.
-        let bytes = unsafe { self.buf().slice(range) };
-        Ok(f32_from_le(bytes))
-    }
-
-    /// Whether group `group`'s last upload went into the buffer.
-    fn holds(&self, group: usize) -> bool {
-        let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        held.get(group).copied().unwrap_or(false)
-    }
-
-    fn set_held(&self, group: usize, held: bool) {
-        let mut h = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        if h.len() <= group {
-            h.resize(group + 1, false);
+    /// A view of `loc`'s values in group `group`'s memory.
+    fn view(&self, group: usize, loc: &ParamLoc) -> Result<Tensor, ExecError> {
+        let groups = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+        match groups.get(group).and_then(Option::as_ref) {
+            Some(mem) => mem.view(group, loc),
+            None => Err(ExecError::Gate {
+                group,
+                why: "never uploaded".into(),
+            }),
         }
-        h[group] = held;
     }
 }
 
@@ -233,8 +319,8 @@ impl Arena for CpuArena {
         self.len
     }
 
-    /// Synchronous: the bytes are converted (widened, for half precision)
-    /// when it returns.
+    /// Synchronous: the bytes are in the group's memory (widened, for half
+    /// precision) when it returns.
     #[allow(unsafe_code)]
     unsafe fn upload_async(
         &self,
@@ -244,28 +330,44 @@ impl Arena for CpuArena {
         bytes: &[u8],
     ) -> Result<(), ExecError> {
         let range = super::device_range(group, offset, stored, bytes, self.len)?;
-        let range = range.start as usize..range.end as usize;
+        let len = range.end - range.start;
+        if !len.is_multiple_of(4) {
+            return Err(ExecError::Gate {
+                group,
+                why: format!("{len} bytes are not whole f32 values"),
+            });
+        }
+        let elems = (len / 4) as usize;
+        let storage = self.storage(elems)?;
+        let write = Write { stored, bytes };
+        storage
+            .narrow(0, 0, elems)
+            .and_then(|dst| dst.inplace_op1(&write))
+            .map_err(|e| ExecError::Gate {
+                group,
+                why: format!("upload: {e}"),
+            })?;
+        let mem = GroupMem {
+            offset,
+            len,
+            storage,
+        };
         let params = self
             .params
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
-        if let Some(p) = params {
-            // The program reads only prepared params: converting straight
-            // from the host bytes is the whole upload (one pass over them).
-            self.set_held(group, false);
-            return p.prepare_group(group, offset, stored, bytes);
+        // Prepared from this upload's memory, so a second upload of the
+        // group replaces what the first prepared.
+        if let Some(p) = &params {
+            p.prepare_group(group, &mem)?;
         }
-        // SAFETY: in bounds (checked). The range is one group's, uploaded by
-        // one thread at a time (the `Arena::upload_async` contract), and no
-        // program reads a group before its gate, which opens after this copy
-        // returned.
-        let dst = unsafe { self.buf().slice_mut(range) };
-        match stored {
-            ParamDtype::F32 => dst.copy_from_slice(bytes),
-            _ => widen_to_le_bytes(stored, bytes, dst),
+        let mut groups = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+        if groups.len() <= group {
+            groups.resize_with(group + 1, || None);
         }
-        self.set_held(group, true);
+        // The memory it replaces may still be viewed: it is dropped, not pooled.
+        groups[group] = Some(mem);
         Ok(())
     }
 }
@@ -308,62 +410,29 @@ impl LayerParams {
         self.prepared[i].lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Layer `i`'s params, prepared from the arena's buffer now unless an
-    /// upload or an earlier run did. The caller guarantees no upload writes
-    /// the layer's group meanwhile (its gate returned).
+    /// Layer `i`'s params, prepared now from its group's memory unless an
+    /// upload or an earlier run did. The caller guarantees the group's
+    /// upload returned (its gate did).
     fn get_or_prepare(&self, arena: &CpuArena, i: usize) -> Result<Arc<Prepared>, ExecError> {
         if let Some(p) = self.slot(i).as_ref() {
             return Ok(p.clone());
         }
-        let group = self.layers[i].group;
-        if !group.is_some_and(|g| arena.holds(g)) {
+        let Some(group) = self.layers[i].group else {
             return Err(plan::layer_error(
                 &self.model,
                 &self.layers[i],
-                format!(
-                    "its group {group:?} is not in the arena (never uploaded, or uploaded \
-                     straight into the params of another program)"
-                ),
+                "has params but no group".into(),
             ));
-        }
-        let p = Arc::new(self.prepare(i, |loc| arena.read_f32(loc.offset, loc.nbytes))?);
+        };
+        let p = Arc::new(self.prepare(i, |loc| arena.view(group, loc))?);
         *self.slot(i) = Some(p.clone());
         Ok(p)
     }
 
-    /// Prepares every layer of `group` from `bytes`, the group's stored
-    /// bytes (values of `stored`), which go to arena offset `offset` (an
-    /// upload: a second one replaces what the first prepared).
-    fn prepare_group(
-        &self,
-        group: usize,
-        offset: u64,
-        stored: ParamDtype,
-        bytes: &[u8],
-    ) -> Result<(), ExecError> {
-        // Device offsets and sizes are the stored ones times this.
-        let factor = stored.widen_factor() as usize;
+    /// Prepares every layer of `group` from `mem`, the group's memory.
+    fn prepare_group(&self, group: usize, mem: &GroupMem) -> Result<(), ExecError> {
         for &i in self.by_group.get(group).map_or(&[][..], Vec::as_slice) {
-            let p = self.prepare(i, |loc| {
-                let start = loc.offset.checked_sub(offset).map(|s| s as usize / factor);
-                let end = start.and_then(|s| s.checked_add(loc.nbytes as usize / factor));
-                match (start, end) {
-                    (Some(s), Some(e)) if e <= bytes.len() => {
-                        Ok(widen_to_vec(stored, &bytes[s..e]))
-                    }
-                    _ => Err(ExecError::Gate {
-                        group,
-                        why: format!(
-                            "param {} ({} bytes at arena offset {}) is outside the {} {stored} \
-                             bytes uploaded at offset {offset}",
-                            loc.name,
-                            loc.nbytes,
-                            loc.offset,
-                            bytes.len()
-                        ),
-                    }),
-                }
-            })?;
+            let p = self.prepare(i, |loc| mem.view(group, loc))?;
             *self.slot(i) = Some(Arc::new(p));
         }
         Ok(())
@@ -372,7 +441,7 @@ impl LayerParams {
     fn prepare(
         &self,
         i: usize,
-        mut values: impl FnMut(&ParamLoc) -> Result<Vec<f32>, ExecError>,
+        mut values: impl FnMut(&ParamLoc) -> Result<Tensor, ExecError>,
     ) -> Result<Prepared, ExecError> {
         let mut raw = Vec::with_capacity(self.locs[i].len());
         for loc in &self.locs[i] {
@@ -381,14 +450,6 @@ impl LayerParams {
         params::prepare(&self.layers[i].op, raw)
             .map_err(|e| plan::layer_error(&self.model, &self.layers[i], e.to_string()))
     }
-}
-
-/// Little-endian f32 values of `bytes` (a multiple of 4 long).
-fn f32_from_le(bytes: &[u8]) -> Vec<f32> {
-    bytes
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect()
 }
 
 /// A model compiled for the CPU against one arena.

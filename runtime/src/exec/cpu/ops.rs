@@ -100,7 +100,10 @@ pub(super) fn apply(op: &Op, args: &[Tensor], params: Option<&Prepared>) -> Resu
                 dim,
                 ids,
             }),
-        ) => embedding(arity(1)?, weight, *num, *dim, *ids),
+        ) => {
+            let ids_in = arity(1)?;
+            with_f32(weight, |w| embedding(ids_in, w, *num, *dim, *ids))
+        }
         (&Op::LayerNorm { .. }, Some(Prepared::LayerNorm { weight, bias, eps })) => {
             layer_norm(arity(1)?, weight, bias, *eps)
         }

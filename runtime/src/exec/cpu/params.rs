@@ -1,8 +1,9 @@
-//! A layer's params in the form its kernel wants, built once from the arena
-//! bytes and kept by the program for every later run.
+//! A layer's params in the form its kernel wants, built once from views of
+//! the arena's group memory and kept by the program for every later run:
+//! weights stay views (no copy); only per-channel tables are computed.
 
 use crate::exec::plan::param_count;
-use candle_core::{bail, Device, Result, Tensor};
+use candle_core::{bail, DType, Result, Tensor};
 use distmind_models::graph::EmbeddingIds;
 use distmind_models::Op;
 
@@ -29,7 +30,7 @@ pub(super) enum Prepared {
     },
     Embedding {
         /// `[num, dim]`, row-major.
-        weight: Vec<f32>,
+        weight: Tensor,
         num: usize,
         dim: usize,
         ids: EmbeddingIds,
@@ -41,8 +42,9 @@ pub(super) enum Prepared {
     },
 }
 
-/// One raw param: its name, shape and values, in op order.
-pub(super) type RawParam<'a> = (&'a str, &'a [usize], Vec<f32>);
+/// One raw param: its name, shape and values (a 1-D f32 tensor, usually a
+/// view of group memory), in op order.
+pub(super) type RawParam<'a> = (&'a str, &'a [usize], Tensor);
 
 /// Checks the params' count and shapes against `op`'s attributes, then
 /// prepares them.
@@ -81,10 +83,11 @@ pub(super) fn prepare(op: &Op, params: Vec<RawParam<'_>>) -> Result<Prepared> {
             for p in [&w, &b, &mean, &var] {
                 expect_shape(p, &[num_features])?;
             }
+            let [w, b, mean, var] = [values(w)?, values(b)?, values(mean)?, values(var)?];
             let (scale, shift) = (0..num_features)
                 .map(|c| {
-                    let scale = f64::from(w.2[c]) / (f64::from(var.2[c]) + eps).sqrt();
-                    let shift = f64::from(b.2[c]) - f64::from(mean.2[c]) * scale;
+                    let scale = f64::from(w[c]) / (f64::from(var[c]) + eps).sqrt();
+                    let shift = f64::from(b[c]) - f64::from(mean[c]) * scale;
                     (scale as f32, shift as f32)
                 })
                 .unzip();
@@ -121,7 +124,7 @@ pub(super) fn prepare(op: &Op, params: Vec<RawParam<'_>>) -> Result<Prepared> {
             let w = next();
             expect_shape(&w, &[num_embeddings, embedding_dim])?;
             Ok(Prepared::Embedding {
-                weight: w.2,
+                weight: tensor(w)?,
                 num: num_embeddings,
                 dim: embedding_dim,
                 ids,
@@ -135,8 +138,8 @@ pub(super) fn prepare(op: &Op, params: Vec<RawParam<'_>>) -> Result<Prepared> {
             expect_shape(&w, &[normalized_size])?;
             expect_shape(&b, &[normalized_size])?;
             Ok(Prepared::LayerNorm {
-                weight: w.2,
-                bias: b.2,
+                weight: values(w)?,
+                bias: values(b)?,
                 eps,
             })
         }
@@ -155,6 +158,28 @@ fn expect_shape(param: &RawParam<'_>, want: &[usize]) -> Result<()> {
     Ok(())
 }
 
+/// The param at its shape: a view, no copy.
 fn tensor(param: RawParam<'_>) -> Result<Tensor> {
-    Tensor::from_vec(param.2, param.1, &Device::Cpu)
+    check_len(&param)?;
+    param.2.reshape(param.1)
+}
+
+/// The param's values, copied (for small per-channel params).
+fn values(param: RawParam<'_>) -> Result<Vec<f32>> {
+    check_len(&param)?;
+    param.2.to_vec1::<f32>()
+}
+
+fn check_len(param: &RawParam<'_>) -> Result<()> {
+    let want: usize = param.1.iter().product();
+    if param.2.dims() != [want] || param.2.dtype() != DType::F32 {
+        bail!(
+            "param {} holds {:?} {:?} values, its shape {:?} wants {want} f32",
+            param.0,
+            param.2.dtype(),
+            param.2.dims(),
+            param.1
+        );
+    }
+    Ok(())
 }

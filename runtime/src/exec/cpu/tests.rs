@@ -64,7 +64,10 @@ fn conv_op(
 
 /// Runs `op` with raw params given as (shape, values).
 fn run(op: &Op, args: &[Tensor], params: &[(&[usize], Vec<f32>)]) -> candle_core::Result<Tensor> {
-    let raw = params.iter().map(|(s, v)| ("p", *s, v.clone())).collect();
+    let raw = params
+        .iter()
+        .map(|(s, v)| ("p", *s, Tensor::new(v.as_slice(), &Device::Cpu).unwrap()))
+        .collect();
     let prepared = if params.is_empty() {
         None
     } else {
@@ -548,4 +551,134 @@ fn activations_are_freed_after_their_last_reader() {
     ];
     let frees = crate::exec::plan::frees_after(&layers, &[3]);
     assert_eq!(frees, vec![vec![], vec![], vec![0, 1], vec![], vec![2, 4]]);
+}
+
+/// Two variants of a tiny model (different weights, the same layout) and an
+/// input for them.
+fn two_variants(dir: &std::path::Path) -> (Vec<distmind_models::Package>, crate::exec::HostTensor) {
+    use distmind_models::{generate, Family, GenOptions, Package, Scale};
+    let dirs = generate(&GenOptions {
+        scale: Scale::Tiny,
+        variants: 2,
+        group_bytes: 16 << 10,
+        ..GenOptions::new(Family::BertBase, dir)
+    })
+    .unwrap();
+    let pkgs: Vec<Package> = dirs.iter().map(|d| Package::open(d).unwrap()).collect();
+    let shape = pkgs[0].manifest.inputs[0].shape.clone();
+    let n: usize = shape.iter().product();
+    let ids = (0..n as i64).map(|i| (i * 7) % 50).collect();
+    (pkgs, crate::exec::HostTensor::i64(shape, ids))
+}
+
+/// Uploads every group of `pkg` into a new arena of `exec`, with the
+/// program compiled first (uploads prepare the params) or after.
+fn load(
+    exec: &super::CpuExecutor,
+    pkg: &distmind_models::Package,
+    program_first: bool,
+) -> (
+    std::sync::Arc<dyn crate::exec::Arena>,
+    Box<dyn crate::exec::Program>,
+) {
+    use crate::exec::Executor;
+    let m = &pkg.manifest;
+    let arena = exec.alloc_arena(m.stored_bytes).unwrap();
+    let program = program_first.then(|| exec.program(m, arena.clone()).unwrap());
+    for g in &m.groups {
+        arena
+            .upload(g.index, g.offset, &pkg.group_bytes(g.index).unwrap())
+            .unwrap();
+    }
+    let program = program.unwrap_or_else(|| exec.program(m, arena.clone()).unwrap());
+    (arena, program)
+}
+
+fn outputs(
+    program: &mut Box<dyn crate::exec::Program>,
+    input: &crate::exec::HostTensor,
+) -> Vec<f32> {
+    let out = program
+        .run(
+            std::slice::from_ref(input),
+            &mut crate::exec::all_ready,
+            &mut Vec::new(),
+        )
+        .unwrap();
+    match &out[0].data {
+        crate::exec::TensorData::F32(v) => v.clone(),
+        other => panic!("f32 output expected, got {other:?}"),
+    }
+}
+
+fn pooled_bytes(exec: &super::CpuExecutor) -> u64 {
+    exec.pool.lock().unwrap().bytes
+}
+
+#[test]
+fn group_memory_is_reused_only_once_nothing_views_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (pkgs, input) = two_variants(dir.path());
+    // Each variant's outputs on a fresh executor, whose memory is all new.
+    let want: Vec<Vec<f32>> = pkgs
+        .iter()
+        .map(|p| outputs(&mut load(&super::CpuExecutor::new(), p, true).1, &input))
+        .collect();
+    assert_ne!(
+        want[0], want[1],
+        "the variants must differ for this test to mean anything"
+    );
+
+    let exec = super::CpuExecutor::new();
+    for program_first in [true, false] {
+        let (arena, mut program) = load(&exec, &pkgs[0], program_first);
+        assert_eq!(outputs(&mut program, &input), want[0]);
+        drop((arena, program));
+        let pooled = pooled_bytes(&exec);
+        assert!(
+            pooled >= pkgs[0].manifest.stored_bytes,
+            "{pooled} bytes pooled"
+        );
+
+        // The second variant reuses every group's memory and computes its
+        // own outputs from it, not the first one's.
+        let (arena, mut program) = load(&exec, &pkgs[1], program_first);
+        assert_eq!(pooled_bytes(&exec), 0);
+        assert_eq!(outputs(&mut program, &input), want[1]);
+
+        // Views still held elsewhere: the memory is not pooled.
+        let cpu = crate::exec::downcast_arena::<super::CpuArena>(arena.clone()).unwrap();
+        let params = cpu.params.lock().unwrap().clone();
+        assert!(params.is_some());
+        drop((cpu, arena, program));
+        assert_eq!(pooled_bytes(&exec), 0);
+        drop(params);
+    }
+}
+
+#[test]
+fn group_memory_views_refuse_a_param_outside_the_upload() {
+    use super::{GroupMem, Tensor};
+    use crate::exec::plan::ParamLoc;
+    let mem = GroupMem {
+        offset: 1024,
+        len: 64,
+        storage: Tensor::new(&[0f32; 32], &candle_core::Device::Cpu).unwrap(),
+    };
+    let loc = |offset, nbytes| ParamLoc {
+        name: "w".into(),
+        offset,
+        nbytes,
+        shape: vec![nbytes as usize / 4],
+    };
+    assert_eq!(mem.view(3, &loc(1024 + 16, 48)).unwrap().dims(), [12]);
+    for bad in [
+        loc(1000, 16),
+        loc(1024 + 16, 52),
+        loc(1026, 8),
+        loc(1024, 6),
+    ] {
+        let e = mem.view(3, &bad).unwrap_err().to_string();
+        assert!(e.contains("group 3") && e.contains("param w"), "{e}");
+    }
 }
