@@ -23,20 +23,6 @@ use distmind_controller::ControllerClient;
 use distmind_models::Package;
 use support::*;
 
-/// `distmind train <args> --settings S --controller C`.
-fn train(controller: &str, args: &[&str]) -> (bool, String, String) {
-    let s = settings_dir();
-    let mut all = vec!["train"];
-    all.extend_from_slice(args);
-    all.extend_from_slice(&[
-        "--settings",
-        s.to_str().unwrap(),
-        "--controller",
-        controller,
-    ]);
-    run(&all)
-}
-
 fn spec_json(name: &str, model: &str, extra: &str) -> String {
     format!(
         r#"{{"name": "{name}", "model": "{model}", "optimizer": {{"sgd": {{"lr": 0.05, "momentum": 0.9}}}},
@@ -70,7 +56,7 @@ fn jobs_run_on_the_gpu_servers_and_refuse_bad_specs() {
     // A good spec: placed on the runtime's two devices at once, and the
     // controller sends their TrainStage.
     let good = write(tmp.path(), "good.json", &spec_json("tiny", &model, ""));
-    let (ok, stdout, stderr) = train(&controller.addr, &["submit", "--spec", &good]);
+    let (ok, stdout, stderr) = train_cli(&controller.addr, &["submit", "--spec", &good]);
     assert!(ok, "submit failed: {stderr}");
     let id = stdout
         .lines()
@@ -81,7 +67,7 @@ fn jobs_run_on_the_gpu_servers_and_refuse_bad_specs() {
     assert_eq!(id, "tiny-1");
     assert!(stdout.contains("tiny-1  placing"), "{stdout}");
     // Placing, or failed already (see below).
-    let (ok, stdout, stderr) = train(&controller.addr, &["status"]);
+    let (ok, stdout, stderr) = train_cli(&controller.addr, &["status"]);
     assert!(ok, "{stderr}");
     assert!(
         stdout.starts_with("tiny-1  ")
@@ -126,7 +112,7 @@ fn jobs_run_on_the_gpu_servers_and_refuse_bad_specs() {
     ];
     for (file, text, says) in &cases {
         let path = write(tmp.path(), file, text);
-        let (ok, stdout, stderr) = train(&controller.addr, &["submit", "--spec", &path]);
+        let (ok, stdout, stderr) = train_cli(&controller.addr, &["submit", "--spec", &path]);
         assert!(!ok, "{file} was accepted: {stdout}");
         assert!(stderr.contains(says.as_str()), "{file}: {stderr}");
     }
@@ -157,15 +143,15 @@ fn jobs_run_on_the_gpu_servers_and_refuse_bad_specs() {
     // executor, report, and the job finishes.
     let done = wait_job(&mut c, &id, |s| s.is_terminal());
     assert!(done.state == TrainJobState::Finished, "{done:?}");
-    let (ok, stdout, stderr) = train(&controller.addr, &["status", "--job", &id]);
+    let (ok, stdout, stderr) = train_cli(&controller.addr, &["status", "--job", &id]);
     assert!(ok, "{stderr}");
     assert!(stdout.contains("tiny-1  finished"), "{stdout}");
-    let (ok, _, stderr) = train(&controller.addr, &["stop", "--job", &id]);
+    let (ok, _, stderr) = train_cli(&controller.addr, &["stop", "--job", &id]);
     assert!(
         !ok && stderr.contains("job tiny-1 is finished: cannot stop"),
         "{stderr}"
     );
-    let (ok, _, stderr) = train(&controller.addr, &["status", "--job", "nope-7"]);
+    let (ok, _, stderr) = train_cli(&controller.addr, &["status", "--job", "nope-7"]);
     assert!(
         !ok && stderr.contains("no training job \"nope-7\""),
         "{stderr}"
@@ -211,15 +197,15 @@ fn dynpipe_repartitions_a_running_job_through_a_checkpoint() {
         r#""batch": 6, "microbatches": 3"#,
     );
     let path = write(tmp.path(), "dyn.json", &spec);
-    let (ok, stdout, stderr) = train(&controller.addr, &["submit", "--spec", &path]);
+    let (ok, stdout, stderr) = train_cli(&controller.addr, &["submit", "--spec", &path]);
     assert!(ok, "submit failed: {stderr}");
     assert!(stdout.starts_with("submitted dyn-1"), "{stdout}");
-    let first = status(&mut c, "dyn-1").partition;
+    let first = train_status(&mut c, "dyn-1").partition;
 
     let deadline = Instant::now() + Duration::from_secs(90);
     let mut saw_repartitioning = false;
     let done = loop {
-        let st = status(&mut c, "dyn-1");
+        let st = train_status(&mut c, "dyn-1");
         saw_repartitioning |= st.state == TrainJobState::Repartitioning;
         if st.state.is_terminal() {
             break st;
@@ -252,7 +238,7 @@ fn dynpipe_repartitions_a_running_job_through_a_checkpoint() {
     for s in &done.stages {
         assert_eq!(s.iteration, Some(12), "{s:?}");
     }
-    let (ok, stdout, stderr) = train(&controller.addr, &["status", "--job", "dyn-1"]);
+    let (ok, stdout, stderr) = train_cli(&controller.addr, &["status", "--job", "dyn-1"]);
     assert!(ok, "{stderr}");
     assert!(
         stdout.contains(&format!("partition {:?} (generation 1)", d.new_partition))
@@ -269,24 +255,12 @@ fn wait_job(
 ) -> TrainJobStatus {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let st = status(c, id);
+        let st = train_status(c, id);
         if done(&st.state) {
             return st;
         }
         assert!(Instant::now() < deadline, "job {id} stays {:?}", st);
         std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn status(c: &mut ControllerClient, id: &str) -> TrainJobStatus {
-    match c
-        .request(&ControllerRequest::TrainStatus {
-            job: Some(id.to_string()),
-        })
-        .unwrap()
-    {
-        ControllerReply::TrainJobs { mut jobs } => jobs.pop().unwrap(),
-        r => panic!("{r:?}"),
     }
 }
 
@@ -596,7 +570,7 @@ fn stage_workers_start_in_two_steps_and_sync_in_groups() {
     // one and takes its own place in the group.
     let waiting = |c: &mut ControllerClient, n: u32| {
         let deadline = Instant::now() + Duration::from_secs(30);
-        while status(c, &id).group_asks_waiting != n {
+        while train_status(c, &id).group_asks_waiting != n {
             assert!(Instant::now() < deadline, "{n} asks never waited");
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -640,7 +614,7 @@ fn stage_workers_start_in_two_steps_and_sync_in_groups() {
             r => panic!("{r:?}"),
         }
     }
-    let (ok, stdout, stderr) = train(&controller.addr, &["status", "--job", &id]);
+    let (ok, stdout, stderr) = train_cli(&controller.addr, &["status", "--job", &id]);
     assert!(ok, "{stderr}");
     assert!(
         stdout.contains("ar-1  running") && stdout.contains("iteration 1/3"),
@@ -652,7 +626,7 @@ fn stage_workers_start_in_two_steps_and_sync_in_groups() {
     // told by its GPU server.
     let parked = ask_group(&controller.addr, &id, 0, 1, 2);
     waiting(&mut c, 1);
-    let (ok, stdout, stderr) = train(&controller.addr, &["stop", "--job", &id]);
+    let (ok, stdout, stderr) = train_cli(&controller.addr, &["stop", "--job", &id]);
     assert!(ok, "{stderr}");
     assert!(stdout.starts_with("ar-1: stop"), "{stdout}");
     assert_eq!(parked.join().unwrap(), (vec![], true));
@@ -686,7 +660,7 @@ fn stage_workers_start_in_two_steps_and_sync_in_groups() {
     for a in asks {
         assert_eq!(a.join().unwrap(), (vec![0, 1], false));
     }
-    let (ok, _, stderr) = train(&controller.addr, &["stop", "--job", &id]);
+    let (ok, _, stderr) = train_cli(&controller.addr, &["stop", "--job", &id]);
     assert!(ok, "{stderr}");
 }
 

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use distmind_common::proto::{ControllerReply, ControllerRequest, TrainJobState, TrainJobStatus};
+use distmind_common::proto::{TrainJobState, TrainJobStatus};
 use distmind_controller::ControllerClient;
 use distmind_memserver::MemserverClient;
 use distmind_models::Package;
@@ -115,30 +115,9 @@ impl Trace {
     }
 }
 
-fn status(c: &mut ControllerClient, id: &str) -> TrainJobStatus {
-    match c
-        .request(&ControllerRequest::TrainStatus {
-            job: Some(id.to_string()),
-        })
-        .unwrap()
-    {
-        ControllerReply::TrainJobs { mut jobs } => jobs.pop().unwrap(),
-        r => panic!("{r:?}"),
-    }
-}
-
 /// `distmind train <args>` against the cluster's controller.
 fn train(c: &Cluster, args: &[&str]) -> (bool, String, String) {
-    let s = settings_dir();
-    let mut all = vec!["train"];
-    all.extend_from_slice(args);
-    all.extend_from_slice(&[
-        "--settings",
-        s.to_str().unwrap(),
-        "--controller",
-        &c.controller.addr,
-    ]);
-    run(&all)
+    train_cli(&c.controller.addr, args)
 }
 
 /// Submits `spec` (with `extra` flags) and returns its job id.
@@ -164,7 +143,7 @@ fn submit(c: &Cluster, spec: &str, extra: &[&str]) -> String {
 fn watch(c: &mut Cluster, id: &str, started: Instant, limit: Duration) -> Trace {
     let mut losses = [BTreeMap::new(), BTreeMap::new()];
     loop {
-        let st = status(&mut c.client, id);
+        let st = train_status(&mut c.client, id);
         for s in &st.stages {
             if let (Some(it), Some(loss)) = (s.iteration, s.loss) {
                 losses[s.pipeline as usize].insert(it, loss);
@@ -275,7 +254,7 @@ fn a_killed_gpu_server_fails_its_jobs_naming_it_and_its_last_checkpoint_and_noth
     // Running, with reports coming in, and a periodic checkpoint in the
     // catalog that replaced two earlier ones.
     loop {
-        let st = status(&mut c.client, &id);
+        let st = train_status(&mut c.client, &id);
         let ckpt = st.last_checkpoint.as_ref().map_or(0, |l| l.iteration);
         if st.stages.iter().all(|s| s.iteration.unwrap_or(0) >= 2) && ckpt >= 6 {
             break;
@@ -341,7 +320,7 @@ fn a_killed_gpu_server_fails_its_jobs_naming_it_and_its_last_checkpoint_and_noth
         std::thread::sleep(Duration::from_millis(50));
     }
     let waiting = submit(&c, &spec("next", &gpt, "preduce", 8, 4, 0.01, 10), &[]);
-    let st = status(&mut c.client, &waiting);
+    let st = train_status(&mut c.client, &waiting);
     assert_eq!(st.state, TrainJobState::Pending, "{st:?}");
     let (ok, _, stderr) = train(&c, &["stop", "--job", &waiting]);
     assert!(ok, "{stderr}");
@@ -439,7 +418,7 @@ fn a_stage_slowed_3x_at_iteration_120_is_repartitioned_once_and_the_job_runs_fas
     // When every worker had completed each iteration, as seen by polling.
     let mut seen: BTreeMap<u64, Instant> = BTreeMap::new();
     let st = loop {
-        let st = status(&mut c.client, &id);
+        let st = train_status(&mut c.client, &id);
         let done = st.stages.iter().map(|s| s.iteration.unwrap_or(0)).min();
         seen.entry(done.unwrap_or(0)).or_insert_with(Instant::now);
         if st.state.is_terminal() {

@@ -34,7 +34,9 @@ if [ -z "${SIM_ONLY:-}" ]; then
     pids=()
     cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$tmp"; }
     trap cleanup EXIT
-    # `distmind <service>` in the background; waits for its readiness line.
+    # `distmind <service>` in the background, its pid kept for cleanup (so
+    # never call it inside $(...), a subshell); waits for its readiness line
+    # and writes the address it listens on to $tmp/<name>.addr.
     service() {
         local name="$1"; shift
         "$BIN" --log-level warn "$@" >"$tmp/$name.out" 2>"$tmp/$name.err" &
@@ -43,10 +45,16 @@ if [ -z "${SIM_ONLY:-}" ]; then
             grep -q "listening on" "$tmp/$name.out" 2>/dev/null && break
             sleep 0.1
         done
-        awk '/listening on/ { print $NF; exit }' "$tmp/$name.out"
+        awk '/listening on/ { print $NF; exit }' "$tmp/$name.out" >"$tmp/$name.addr"
+        if [ ! -s "$tmp/$name.addr" ]; then
+            echo "$name did not start within 10 s; its stderr:" >&2
+            cat "$tmp/$name.err" >&2
+            exit 1
+        fi
     }
-    ctl=$(service controller controller --settings "$SETTINGS" --listen 127.0.0.1:0 --client-listen 127.0.0.1:0 --no-dispatcher)
-    service memserver memserver --settings "$SETTINGS" --listen 127.0.0.1:0 --capacity 64MiB --controller "$ctl" >/dev/null
+    service controller controller --settings "$SETTINGS" --listen 127.0.0.1:0 --client-listen 127.0.0.1:0 --no-dispatcher
+    ctl=$(cat "$tmp/controller.addr")
+    service memserver memserver --settings "$SETTINGS" --listen 127.0.0.1:0 --capacity 64MiB --controller "$ctl"
     models=()
     for f in gpt2 resnet152; do
         "$BIN" --log-level warn model gen --family "$f" --scale tiny --variants 1 --group-bytes 65536 --out "$tmp/pk-$f" >/dev/null
@@ -54,7 +62,7 @@ if [ -z "${SIM_ONLY:-}" ]; then
         models+=("$(ls "$tmp/pk-$f")")
     done
     service runtime runtime --settings "$SETTINGS" --listen 127.0.0.1:0 --controller "$ctl" \
-        --executor cpu --devices 0,1,2,3,4,5 --cache 64MiB >/dev/null
+        --executor cpu --devices 0,1,2,3,4,5 --cache 64MiB
     sleep 1
     spec() { # name model sync batch microbatches lr iterations
         cat >"$tmp/$1.json" <<JSON

@@ -15,7 +15,7 @@
 //!   input element once; concat, flatten, select and embedding lookups
 //!   compute nothing.
 //!
-//! `runtime::profile::estimate` counts the same way (and adds bytes).
+//! `runtime::profile::estimate` takes its FLOPs from here (and adds bytes).
 //! Backward passes are not counted: a layer's backward is commonly taken as
 //! about twice its forward, which keeps the proportions between layers.
 

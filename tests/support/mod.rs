@@ -190,6 +190,34 @@ pub fn run(args: &[&str]) -> (bool, String, String) {
     )
 }
 
+/// `distmind train <args> --settings <shipped> --controller <controller>`.
+pub fn train_cli(controller: &str, args: &[&str]) -> (bool, String, String) {
+    let s = settings_dir();
+    let mut all = vec!["train"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&[
+        "--settings",
+        s.to_str().unwrap(),
+        "--controller",
+        controller,
+    ]);
+    run(&all)
+}
+
+/// The controller's status of training job `id`.
+pub fn train_status(c: &mut ControllerClient, id: &str) -> distmind_common::proto::TrainJobStatus {
+    use distmind_common::proto::{ControllerReply, ControllerRequest};
+    match c
+        .request(&ControllerRequest::TrainStatus {
+            job: Some(id.to_string()),
+        })
+        .unwrap()
+    {
+        ControllerReply::TrainJobs { mut jobs } => jobs.pop().unwrap(),
+        r => panic!("{r:?}"),
+    }
+}
+
 /// Generates tiny packages with the real CLI; returns their directories.
 pub fn gen_tiny(out: &Path, family: &str, variants: usize, group_bytes: u64) -> Vec<PathBuf> {
     let (ok, stdout, stderr) = run(&[

@@ -9,26 +9,12 @@
 
 use std::collections::HashMap;
 
-use distmind_models::graph::{EmbeddingIds, GeluApprox};
+use distmind_models::flops::layer_flops;
+use distmind_models::graph::EmbeddingIds;
 use distmind_models::shape::{self, Shape};
 use distmind_models::{Family, Layer, ModelConfig, Op, Scale};
 
 use super::{model_key, LayerProfile, ModelProfile, Peaks, Profile, Source};
-
-/// FLOPs per element of the ops that are not matrix products (rough counts;
-/// these ops are memory-bound at H200 rates, so the exact numbers barely
-/// matter).
-const RELU_FLOPS: u64 = 1;
-const ADD_FLOPS: u64 = 1;
-/// Inference BatchNorm folded into a per-channel scale and shift.
-const BATCH_NORM_FLOPS: u64 = 2;
-/// Mean, variance, normalise, scale, shift.
-const LAYER_NORM_FLOPS: u64 = 8;
-const TANH_FLOPS: u64 = 4;
-const GELU_ERF_FLOPS: u64 = 8;
-const GELU_TANH_FLOPS: u64 = 10;
-/// Per attention score: scale, max, subtract, exp, sum, divide.
-const SOFTMAX_FLOPS: u64 = 6;
 
 /// The part of every estimated profile's `method` that does not depend on
 /// the GPU (a macro so that `concat!` can build the constants below).
@@ -197,86 +183,34 @@ struct Cost {
     bytes: u64,
 }
 
-/// FLOPs and bytes of one layer (see [`ESTIMATED_METHOD`]).
+/// FLOPs and bytes of one layer (see [`ESTIMATED_METHOD`]): the FLOPs as
+/// [`distmind_models::flops`] counts them, the bytes here.
 fn layer_cost(layer: &Layer, ins: &[Shape], out: &Shape, param_bytes: u64) -> Cost {
-    let out_n = numel(&out.dims);
+    let flops = layer_flops(layer, ins, out);
     let in_bytes: u64 = ins.iter().map(bytes_of).sum();
-    // The default: inputs read once, params read once, output written once.
-    let streamed = in_bytes + param_bytes + bytes_of(out);
-    let vector = |per_element: u64| Cost {
-        matrix_flops: 0,
-        vector_flops: per_element * out_n,
-        bytes: streamed,
-    };
-    match &layer.op {
-        Op::Conv2d {
-            in_channels,
-            kernel,
-            bias,
-            ..
-        } => Cost {
-            matrix_flops: 2 * out_n * (*in_channels as u64) * (kernel[0] * kernel[1]) as u64,
-            vector_flops: if *bias { out_n } else { 0 },
-            bytes: streamed,
-        },
-        Op::Linear {
-            in_features, bias, ..
-        } => Cost {
-            matrix_flops: 2 * out_n * *in_features as u64,
-            vector_flops: if *bias { out_n } else { 0 },
-            bytes: streamed,
-        },
-        Op::Attention { hidden, heads, .. } => {
-            // out is [N, L, hidden]; scores are [N, heads, L, L].
-            let (n, l) = (out.dims[0] as u64, out.dims[1] as u64);
-            let head_dim = (hidden / heads) as u64;
-            let scores = n * *heads as u64 * l * l;
-            Cost {
-                matrix_flops: 2 * (2 * scores * head_dim),
-                vector_flops: SOFTMAX_FLOPS * scores,
-                bytes: streamed,
-            }
-        }
-        Op::BatchNorm { .. } => vector(BATCH_NORM_FLOPS),
-        Op::LayerNorm { .. } => vector(LAYER_NORM_FLOPS),
-        Op::Relu => vector(RELU_FLOPS),
-        Op::Add => vector(ADD_FLOPS),
-        Op::Tanh => vector(TANH_FLOPS),
-        Op::Gelu { approximate } => vector(match approximate {
-            GeluApprox::Erf => GELU_ERF_FLOPS,
-            GeluApprox::Tanh => GELU_TANH_FLOPS,
-        }),
-        Op::MaxPool2d { kernel, .. } => vector((kernel[0] * kernel[1]) as u64),
-        Op::AvgPool2d { kernel, .. } => vector((kernel[0] * kernel[1]) as u64 + 1),
-        Op::AdaptiveAvgPool2d { .. } => Cost {
-            matrix_flops: 0,
-            vector_flops: ins.iter().map(|s| numel(&s.dims)).sum::<u64>() + out_n,
-            bytes: streamed,
-        },
-        Op::Concat { .. } => vector(0),
-        Op::Flatten { .. } => Cost::default(),
-        Op::Select { .. } => Cost {
-            matrix_flops: 0,
-            vector_flops: 0,
-            bytes: 2 * bytes_of(out),
-        },
+    let bytes = match &layer.op {
+        Op::Flatten { .. } => 0,
+        Op::Select { .. } => 2 * bytes_of(out),
         Op::Embedding {
             embedding_dim, ids, ..
         } => {
             // Only the gathered rows are read, never more than the table.
             let dim = *embedding_dim as u64;
             let (ids_bytes, rows) = match ids {
-                EmbeddingIds::Input => (in_bytes, out_n / dim),
+                EmbeddingIds::Input => (in_bytes, numel(&out.dims) / dim),
                 // Positions 0..L-1 of the input's last dim.
                 EmbeddingIds::Positions => (0, *ins[0].dims.last().unwrap_or(&1) as u64),
                 EmbeddingIds::Zeros => (0, 1),
             };
             let gathered = (rows * dim * 4).min(param_bytes);
-            Cost {
-                matrix_flops: 0,
-                vector_flops: 0,
-                bytes: ids_bytes + gathered + bytes_of(out),
-            }
+            ids_bytes + gathered + bytes_of(out)
         }
+        // Inputs read once, params read once, output written once.
+        _ => in_bytes + param_bytes + bytes_of(out),
+    };
+    Cost {
+        matrix_flops: flops.matrix,
+        vector_flops: flops.vector,
+        bytes,
     }
 }
