@@ -8,9 +8,8 @@
 //!   folded tables), so compute finds every gated layer ready; a group
 //!   uploaded before any program (`distmind infer` uploads first) is
 //!   prepared the first time a run reaches it, after `gate(group)` returned.
-//!   The upload is the CPU's share of an upload (what the copy engine does
-//!   on a GPU): it runs in the upload stage, overlapping the fetch of later
-//!   groups.
+//!   This copy is the cpu's H2D (what the copy engine does on a GPU): it
+//!   runs in the upload stage, overlapping the fetch of later groups.
 //! * Group memory comes from the executor's pool of freed group memory, as
 //!   a GPU framework's caching allocator hands out device memory: a copy
 //!   into fresh pages costs several times a copy into pages already
