@@ -61,16 +61,28 @@ pub struct CpuExecutor {
 pub const ARENA_POOL_BYTES_MAX: u64 = 8 << 30;
 
 /// Freed group memory (1-D f32 tensors that nothing else views), kept for
-/// the next uploads. Bounded by [`ARENA_POOL_BYTES_MAX`].
+/// the next uploads, and the group memory the executor's arenas hold.
+///
+/// The pool never makes the executor hold more than the most group memory
+/// its arenas ever held at once (`peak`): before a fresh allocation it
+/// frees pooled memory until pooled + live + the new one fit under that
+/// peak (raised by the new one if it must be), so pooling costs no memory
+/// a run without it would not have used at its peak. Also bounded by
+/// [`ARENA_POOL_BYTES_MAX`].
 #[derive(Debug, Default)]
 struct MemPool {
     free: Vec<Tensor>,
+    /// Bytes in `free`.
     bytes: u64,
+    /// Bytes of group memory the executor's arenas hold.
+    live: u64,
+    /// The most `live` ever was.
+    peak: u64,
 }
 
 impl MemPool {
     /// The shortest pooled storage of at least `elems` f32 values that
-    /// wastes at most half of itself.
+    /// wastes at most half of itself, now live.
     fn take(&mut self, elems: usize) -> Option<Tensor> {
         let fits = |t: &Tensor| {
             let len = t.elem_count();
@@ -80,16 +92,37 @@ impl MemPool {
             .filter(|&i| fits(&self.free[i]))
             .min_by_key(|&i| self.free[i].elem_count())?;
         let t = self.free.swap_remove(i);
-        self.bytes -= 4 * t.elem_count() as u64;
+        let bytes = storage_bytes(&t);
+        self.bytes -= bytes;
+        self.live += bytes;
         Some(t)
     }
 
+    /// Counts `bytes` of fresh memory as live, first freeing pooled memory
+    /// so that pooled + live stays within the peak.
+    fn make_room(&mut self, bytes: u64) {
+        self.live += bytes;
+        self.peak = self.peak.max(self.live);
+        while self.bytes + self.live > self.peak {
+            let Some(t) = self.free.pop() else { break };
+            self.bytes -= storage_bytes(&t);
+        }
+    }
+
+    /// Takes back a live storage that nothing views any more.
     fn give(&mut self, storage: Tensor) {
-        let bytes = 4 * storage.elem_count() as u64;
+        let bytes = storage_bytes(&storage);
+        self.live = self.live.saturating_sub(bytes);
         if self.bytes + bytes <= ARENA_POOL_BYTES_MAX {
             self.bytes += bytes;
             self.free.push(storage);
         }
+    }
+
+    /// A live storage that is dropped instead (it may still be viewed, or
+    /// its allocation failed).
+    fn forget(&mut self, bytes: u64) {
+        self.live = self.live.saturating_sub(bytes);
     }
 }
 
@@ -177,6 +210,11 @@ impl GroupMem {
     }
 }
 
+/// Bytes of a 1-D f32 storage.
+fn storage_bytes(storage: &Tensor) -> u64 {
+    4 * storage.elem_count() as u64
+}
+
 /// Writes a group's stored bytes, widened to f32, into the storage range a
 /// tensor views: the one write to group memory.
 struct Write<'a> {
@@ -255,13 +293,17 @@ impl Drop for CpuArena {
             .unwrap_or_else(|e| e.into_inner())
             .take();
         let sole = params.is_none_or(|p| Arc::strong_count(&p) == 1);
-        let Some(pool) = self.pool.as_ref().filter(|_| sole) else {
+        let groups = std::mem::take(self.groups.get_mut().unwrap_or_else(|e| e.into_inner()));
+        let Some(pool) = self.pool.as_ref() else {
             return;
         };
-        let groups = std::mem::take(self.groups.get_mut().unwrap_or_else(|e| e.into_inner()));
         let mut pool = pool.lock().unwrap_or_else(|e| e.into_inner());
         for g in groups.into_iter().flatten() {
-            pool.give(g.storage);
+            if sole {
+                pool.give(g.storage);
+            } else {
+                pool.forget(storage_bytes(&g.storage));
+            }
         }
     }
 }
@@ -284,19 +326,33 @@ impl CpuArena {
 
     /// Storage for `elems` f32 values: pooled when the pool has some.
     fn storage(&self, elems: usize) -> Result<Tensor, ExecError> {
-        let pooled = self
-            .pool
-            .as_ref()
-            .and_then(|p| p.lock().unwrap_or_else(|e| e.into_inner()).take(elems));
-        match pooled {
-            Some(t) => Ok(t),
-            None => {
-                let values = zeroed_f32(elems)?;
-                Tensor::from_vec(values, elems, &Device::Cpu).map_err(|e| ExecError::Alloc {
-                    bytes: elems as u64 * 4,
-                    why: e.to_string(),
-                })
+        let bytes = elems as u64 * 4;
+        if let Some(pool) = &self.pool {
+            let mut pool = pool.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(t) = pool.take(elems) {
+                return Ok(t);
             }
+            pool.make_room(bytes);
+        }
+        let fresh = zeroed_f32(elems).and_then(|values| {
+            Tensor::from_vec(values, elems, &Device::Cpu).map_err(|e| ExecError::Alloc {
+                bytes,
+                why: e.to_string(),
+            })
+        });
+        if let (Err(_), Some(pool)) = (&fresh, &self.pool) {
+            pool.lock().unwrap_or_else(|e| e.into_inner()).forget(bytes);
+        }
+        fresh
+    }
+
+    /// Hands back a live storage this arena no longer holds, which views
+    /// may still read: dropped, not pooled.
+    fn drop_storage(&self, storage: Tensor) {
+        if let Some(pool) = &self.pool {
+            let bytes = storage_bytes(&storage);
+            drop(storage);
+            pool.lock().unwrap_or_else(|e| e.into_inner()).forget(bytes);
         }
     }
 
@@ -339,13 +395,16 @@ impl Arena for CpuArena {
         let elems = (len / 4) as usize;
         let storage = self.storage(elems)?;
         let write = Write { stored, bytes };
-        storage
+        let written = storage
             .narrow(0, 0, elems)
-            .and_then(|dst| dst.inplace_op1(&write))
-            .map_err(|e| ExecError::Gate {
+            .and_then(|dst| dst.inplace_op1(&write));
+        if let Err(e) = written {
+            self.drop_storage(storage);
+            return Err(ExecError::Gate {
                 group,
                 why: format!("upload: {e}"),
-            })?;
+            });
+        }
         let mem = GroupMem {
             offset,
             len,
@@ -358,15 +417,19 @@ impl Arena for CpuArena {
             .clone();
         // Prepared from this upload's memory, so a second upload of the
         // group replaces what the first prepared.
-        if let Some(p) = &params {
-            p.prepare_group(group, &mem)?;
+        if let Some(Err(e)) = params.map(|p| p.prepare_group(group, &mem)) {
+            // Layers prepared before the failure may view it.
+            self.drop_storage(mem.storage);
+            return Err(e);
         }
         let mut groups = self.groups.lock().unwrap_or_else(|e| e.into_inner());
         if groups.len() <= group {
             groups.resize_with(group + 1, || None);
         }
         // The memory it replaces may still be viewed: it is dropped, not pooled.
-        groups[group] = Some(mem);
+        if let Some(old) = groups[group].replace(mem) {
+            self.drop_storage(old.storage);
+        }
         Ok(())
     }
 }

@@ -682,3 +682,49 @@ fn group_memory_views_refuse_a_param_outside_the_upload() {
         assert!(e.contains("group 3") && e.contains("param w"), "{e}");
     }
 }
+
+#[test]
+fn pooled_plus_live_memory_never_exceeds_the_live_peak() {
+    use crate::exec::{Arena, Executor};
+    let exec = super::CpuExecutor::new();
+    let check = |what: &str| {
+        let p = exec.pool.lock().unwrap();
+        assert!(
+            p.bytes + p.live <= p.peak,
+            "{what}: pooled {} + live {} > peak {}",
+            p.bytes,
+            p.live,
+            p.peak
+        );
+        (p.bytes, p.live, p.peak)
+    };
+    // An arena of `groups` groups of the given f32 counts, uploaded.
+    let arena = |elems: &[usize]| -> std::sync::Arc<dyn Arena> {
+        let total: usize = elems.iter().sum();
+        let a = exec.alloc_arena(4 * total as u64).unwrap();
+        let mut offset = 0u64;
+        for (g, &n) in elems.iter().enumerate() {
+            a.upload(g, offset, &vec![1u8; 4 * n]).unwrap();
+            offset += 4 * n as u64;
+        }
+        a
+    };
+    let a = arena(&[1000, 2000]);
+    assert_eq!(check("two groups live"), (0, 12_000, 12_000));
+    drop(a);
+    assert_eq!(check("dropped"), (12_000, 0, 12_000));
+    // Reuses the 2000 (within 2x), then needs fresh memory for 5000: the
+    // pooled 1000 is freed first so the total stays within the new peak.
+    let b = arena(&[1500, 5000]);
+    let (pooled, live, peak) = check("reuse, then a larger group");
+    assert_eq!((pooled, live), (0, 28_000));
+    assert_eq!(peak, 28_000);
+    // Re-uploading a group drops the memory it replaces.
+    b.upload(1, 6000, &vec![2u8; 20_000]).unwrap();
+    let (_, live, _) = check("re-upload");
+    assert_eq!(live, 28_000);
+    drop(b);
+    let (pooled, live, _) = check("dropped again");
+    assert_eq!(live, 0);
+    assert!(pooled <= 28_000);
+}
