@@ -80,6 +80,9 @@ pub struct CacheConfig {
     pub block_bytes: u64,
     pub huge_pages: HugePages,
     pub pin: Option<PinHook>,
+    /// Nice value of the fetch engine's thread (see
+    /// [`distmind_transport::priority`]); 0: the process's own.
+    pub thread_nice: i32,
 }
 
 impl Default for CacheConfig {
@@ -89,6 +92,7 @@ impl Default for CacheConfig {
             block_bytes: BLOCK_BYTES_DEFAULT,
             huge_pages: HugePages::Try,
             pin: None,
+            thread_nice: 0,
         }
     }
 }
@@ -101,6 +105,7 @@ impl CacheConfig {
             block_bytes,
             huge_pages: HugePages::No,
             pin: None,
+            thread_nice: 0,
         }
     }
 
@@ -108,6 +113,13 @@ impl CacheConfig {
     /// page-locked memory lets copies overlap compute); others need nothing.
     pub fn pinned_for(mut self, executor: crate::exec::ExecutorKind) -> Self {
         self.pin = (executor == crate::exec::ExecutorKind::Cuda).then(crate::exec::cuda::pin_hook);
+        self
+    }
+
+    /// Runs the fetch engine at `executor`'s data-thread priority
+    /// ([`ExecutorKind::data_thread_nice`](crate::exec::ExecutorKind::data_thread_nice)).
+    pub fn niced_for(mut self, executor: crate::exec::ExecutorKind) -> Self {
+        self.thread_nice = executor.data_thread_nice();
         self
     }
 }
@@ -395,7 +407,13 @@ impl HostCache {
             },
             transport.name()
         );
-        let engine = match Engine::start("host cache", transport.clone(), region, buf.clone()) {
+        let engine = match Engine::start(
+            "host cache",
+            transport.clone(),
+            region,
+            buf.clone(),
+            config.thread_nice,
+        ) {
             Ok(e) => e,
             Err(e) => {
                 let _ = transport.deregister(region);
@@ -1263,6 +1281,35 @@ mod tests {
             Arc::strong_count(&buf),
             1,
             "the engine stopped and the transport let go of the buffer"
+        );
+    }
+
+    #[test]
+    fn the_fetch_engine_runs_at_the_configured_nice_value() {
+        let t: Arc<dyn Transport> = Arc::new(MemTransport::new(MemFabric::new()));
+        let config = CacheConfig::new(4 * BLOCK, BLOCK).niced_for(crate::exec::ExecutorKind::Cpu);
+        let nice = crate::exec::ExecutorKind::Cpu.data_thread_nice();
+        assert!(nice > 0);
+        assert_eq!(
+            CacheConfig::new(4 * BLOCK, BLOCK)
+                .niced_for(crate::exec::ExecutorKind::Sim)
+                .thread_nice,
+            0,
+            "a device that does not compute on host cores leaves the priority alone"
+        );
+        let _cache = HostCache::new(config, t).unwrap();
+        // Other tests' engines run at the process's own value: this one is
+        // the thread with the configured value, once it started.
+        let want = nice.max(distmind_transport::priority::current_thread_nice());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut found = Vec::new();
+        while !found.contains(&want) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+            found = distmind_transport::priority::threads_nice("fetch host");
+        }
+        assert!(
+            found.contains(&want),
+            "engine threads' nice values: {found:?}"
         );
     }
 

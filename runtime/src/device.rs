@@ -156,23 +156,35 @@ impl Residency {
     /// `max_models` resident at once (at least 1). Starts the device's
     /// stage threads (named after no device: see [`Residency::for_device`]).
     pub fn new(capacity_bytes: u64, max_models: usize) -> Self {
-        Residency::named("device", capacity_bytes, max_models)
+        Residency::named("device", capacity_bytes, max_models, 0)
     }
 
     /// [`Residency::new`] for device `ordinal`, whose stage threads are
     /// named `device {ordinal} stage {i}`.
-    pub fn for_device(ordinal: u32, capacity_bytes: u64, max_models: usize) -> Self {
-        Residency::named(&format!("device {ordinal}"), capacity_bytes, max_models)
+    /// Its stage threads run at nice value `stage_nice` (0: the process's
+    /// own; see [`distmind_transport::priority`]).
+    pub fn for_device(
+        ordinal: u32,
+        capacity_bytes: u64,
+        max_models: usize,
+        stage_nice: i32,
+    ) -> Self {
+        Residency::named(
+            &format!("device {ordinal}"),
+            capacity_bytes,
+            max_models,
+            stage_nice,
+        )
     }
 
-    fn named(name: &str, capacity_bytes: u64, max_models: usize) -> Self {
+    fn named(name: &str, capacity_bytes: u64, max_models: usize, stage_nice: i32) -> Self {
         Residency {
             inner: Arc::new(Inner {
                 capacity_bytes,
                 max_models: max_models.max(1),
                 table: Mutex::new(Table::default()),
             }),
-            stages: StageThreads::new(name),
+            stages: StageThreads::new(name, stage_nice),
         }
     }
 

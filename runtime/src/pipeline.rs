@@ -186,15 +186,17 @@ impl std::fmt::Debug for StageThreads {
 }
 
 impl StageThreads {
-    /// [`STAGE_THREADS`] threads named `"{name} stage {i}"`.
+    /// [`STAGE_THREADS`] threads named `"{name} stage {i}"`, at nice value
+    /// `nice` (0: the process's own; see [`distmind_transport::priority`]).
     ///
     /// # Panics
     /// When the OS refuses to start a thread (as `std::thread::spawn`).
-    pub fn new(name: &str) -> Self {
+    pub fn new(name: &str, nice: i32) -> Self {
         let prefix = name.to_string();
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(STAGE_THREADS)
             .thread_name(move |i| format!("{prefix} stage {i}"))
+            .start_handler(move |_| distmind_transport::priority::lower_current_thread(nice))
             .build()
             .unwrap_or_else(|e| panic!("starting the stage threads of {name}: {e}"));
         StageThreads { pool }
@@ -864,6 +866,24 @@ fn enqueue_uploads(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stage_threads_run_at_their_nice_value() {
+        let own = distmind_transport::priority::current_thread_nice();
+        let stages = StageThreads::new("nice test", 7);
+        let on_stage = stages.scope(|s| {
+            s.run("m", "probe", || {
+                Ok(distmind_transport::priority::current_thread_nice())
+            })
+            .wait()
+        });
+        assert_eq!(on_stage.unwrap(), 7.max(own));
+        assert_eq!(
+            distmind_transport::priority::current_thread_nice(),
+            own,
+            "the caller keeps its priority"
+        );
+    }
 
     #[test]
     fn gates_open_fail_and_time_out_naming_the_group() {

@@ -693,6 +693,7 @@ impl RuntimeServer {
             &config.transport,
             TcpOptions {
                 rate_limit_bytes_per_s: config.rate_limit_bytes_per_s,
+                thread_nice: config.executor.kind().data_thread_nice(),
                 ..TcpOptions::new(config.key.clone())
             },
         )?;
@@ -705,9 +706,11 @@ impl RuntimeServer {
                 HugePages::No
             },
             pin: None,
+            thread_nice: 0,
         }
         // Pinned host memory lets H2D copies run asynchronously.
-        .pinned_for(config.executor.kind());
+        .pinned_for(config.executor.kind())
+        .niced_for(config.executor.kind());
         // Faulting in gigabytes takes seconds: keep it off the async workers.
         let cache = tokio::task::spawn_blocking(move || HostCache::new(cache_config, transport))
             .await
@@ -729,6 +732,7 @@ impl RuntimeServer {
                         id,
                         config.device_bytes,
                         config.resident_models_max,
+                        config.executor.kind().data_thread_nice(),
                     ),
                     queued: AtomicU64::new(0),
                     served: AtomicU64::new(0),

@@ -57,8 +57,9 @@ pub struct ColdstartArgs {
     /// Memory servers the models are sharded over.
     #[arg(long, default_value_t = 2)]
     pub memservers: usize,
-    /// Measurements per figure (the median is reported).
-    #[arg(long, default_value_t = 3)]
+    /// Measurements per figure, interleaved (the median is reported; on a
+    /// small shared host two runs of the same model can differ by 20%).
+    #[arg(long, default_value_t = 5)]
     pub repeat: usize,
     /// Limit the GPU server's link to this many Gbit/s.
     #[arg(long, conflicts_with = "match_rate")]
@@ -200,6 +201,7 @@ pub fn run(args: &ColdstartArgs) -> anyhow::Result<()> {
         2 * total.div_ceil(n as u64) + (64 << 20) + total / 4,
         key.clone(),
         emulated.map(|e| e.loopback_bytes_per_s() as u64),
+        other_machine_nice(exec.kind()),
     )?;
     let target = deploy::Target {
         controller: cluster.controller.clone(),
@@ -314,17 +316,20 @@ impl Bench<'_> {
         group_bytes: u64,
     ) -> anyhow::Result<Row> {
         let m = &pkg.manifest;
+        let kind = self.exec.kind();
         let transport = Arc::new(TcpTransport::new(TcpOptions {
             rate_limit_bytes_per_s: rate_bytes_per_s.map(|r| r as u64),
+            thread_nice: kind.data_thread_nice(),
             ..TcpOptions::new(self.key.clone())
         })?);
         let block = BLOCK_BYTES_DEFAULT;
         let cache = HostCache::new(
             CacheConfig::new((m.stored_bytes.div_ceil(block) + 1) * block, block)
-                .pinned_for(self.exec.kind()),
+                .pinned_for(kind)
+                .niced_for(kind),
             transport,
         )?;
-        let residency = Residency::new(m.stored_bytes * 2, 2);
+        let residency = Residency::for_device(0, m.stored_bytes * 2, 2, kind.data_thread_nice());
         let stages = Stages {
             cache: &cache,
             executor: self.exec,
@@ -408,6 +413,7 @@ impl Bench<'_> {
             ratio_to_ideal: pipelined
                 / ideal_pipeline_ms(&[network, transfer - network, compute], m.groups.len()),
             ratio_to_flow_ideal: warm_trace
+                .clone()
                 .filter(|_| self.exec.kind() != ExecutorKind::Cuda)
                 .and_then(|tr| group_compute_shares(m, &tr))
                 .map(|shares| {
@@ -442,7 +448,7 @@ impl Bench<'_> {
                 .map_or("-".to_string(), |r| format!("{r:.2}"))
         );
         if let (true, Some(tr)) = (self.args.trace, last_trace) {
-            print_trace(m, &tr);
+            print_trace(m, &tr, warm_trace.as_ref());
         }
         Ok(row)
     }
@@ -523,26 +529,53 @@ fn group_compute_shares(
 }
 
 /// One line per group: host-ready, uploaded, gate opened, first layer start (ms).
-fn print_trace(m: &distmind_models::Manifest, tr: &distmind_runtime::pipeline::MergedTrace) {
+/// Nice value of the bench's in-process memory servers: they stand for
+/// other machines, so where this GPU server computes on this host's cores
+/// (`cpu`) they take only the cycles it leaves idle; elsewhere they run as
+/// the process does.
+pub(crate) fn other_machine_nice(kind: ExecutorKind) -> i32 {
+    if kind.data_thread_nice() > 0 {
+        distmind_transport::priority::NICE_OTHER_MACHINE
+    } else {
+        0
+    }
+}
+
+/// Per group of the last pipelined run: when it was in host memory, uploaded,
+/// its gate opened, its first layer started and its last layer ended; and how
+/// long its layers took there (`cold`) and in the warm run before it (`warm`).
+fn print_trace(
+    m: &distmind_models::Manifest,
+    tr: &distmind_runtime::pipeline::MergedTrace,
+    warm: Option<&distmind_runtime::pipeline::MergedTrace>,
+) {
     let f = |d: Option<Duration>| d.map_or("-".to_string(), |d| format!("{:.1}", ms(d)));
-    println!(
-        "    group  in host  uploaded  gate open  first layer  last layer end (ms since start)"
-    );
-    for g in &m.groups {
-        let first = tr.layer_start(g.first_layer);
-        let last_end = tr.time_of(distmind_runtime::pipeline::PipelineEvent::Exec(
+    let span = |tr: &distmind_runtime::pipeline::MergedTrace,
+                g: &distmind_models::package::GroupEntry| {
+        let first = tr.layer_start(g.first_layer)?;
+        let end = tr.time_of(distmind_runtime::pipeline::PipelineEvent::Exec(
             distmind_runtime::exec::TraceEvent::LayerEnd {
                 layer: g.last_layer,
             },
-        ));
+        ))?;
+        Some((first, end))
+    };
+    let took = |s: Option<(Duration, Duration)>| f(s.map(|(a, b)| b.saturating_sub(a)));
+    println!(
+        "    group  in host  uploaded  gate open  first layer  last layer end (ms since start)  cold ms  warm ms"
+    );
+    for g in &m.groups {
+        let cold = span(tr, g);
         println!(
-            "    {:>5} {:>8} {:>9} {:>10} {:>12} {:>14}",
+            "    {:>5} {:>8} {:>9} {:>10} {:>12} {:>14} {:>25} {:>8}",
             g.index,
             f(tr.host_ready(g.index)),
             f(tr.uploaded(g.index)),
             f(tr.gate_opened(g.index)),
-            f(first),
-            f(last_end)
+            f(cold.map(|c| c.0)),
+            f(cold.map(|c| c.1)),
+            took(cold),
+            took(warm.and_then(|w| span(w, g)))
         );
     }
 }

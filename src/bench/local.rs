@@ -57,16 +57,22 @@ impl LocalCluster {
             dispatch,
             &OneSidedConfig::default(),
             None,
+            0,
         )
     }
 
     /// [`start`](Self::start) with every memory server's tcp replies held
-    /// to `nic_bytes_per_s` (its own NIC, for emulated links).
+    /// to `nic_bytes_per_s` (its own NIC, for emulated links), and the
+    /// cluster's threads at nice value `nice` (0: the process's own; a bench
+    /// whose GPU server computes on this host's cores gives the servers that
+    /// stand for other machines the lowest priority,
+    /// [`NICE_OTHER_MACHINE`](distmind_transport::priority::NICE_OTHER_MACHINE)).
     pub fn start_with_nic(
         n: usize,
         capacity_bytes: u64,
         key: ClusterKey,
         nic_bytes_per_s: Option<u64>,
+        nice: i32,
     ) -> anyhow::Result<LocalCluster> {
         Self::start_full(
             n,
@@ -75,6 +81,7 @@ impl LocalCluster {
             None,
             &OneSidedConfig::default(),
             nic_bytes_per_s,
+            nice,
         )
     }
 
@@ -87,7 +94,7 @@ impl LocalCluster {
         key: ClusterKey,
         one_sided: &OneSidedConfig,
     ) -> anyhow::Result<LocalCluster> {
-        Self::start_full(n, capacity_bytes, key, None, one_sided, None)
+        Self::start_full(n, capacity_bytes, key, None, one_sided, None, 0)
     }
 
     fn start_full(
@@ -97,8 +104,9 @@ impl LocalCluster {
         dispatch: Option<distmind_controller::dispatch::DispatchConfig>,
         one_sided: &OneSidedConfig,
         nic_bytes_per_s: Option<u64>,
+        nice: i32,
     ) -> anyhow::Result<LocalCluster> {
-        let runtime = crate::services::runtime()?;
+        let runtime = crate::services::runtime_niced(nice)?;
         let (stop, stop_rx) = watch::channel(false);
         let shutdown = move || {
             let mut rx = stop_rx.clone();

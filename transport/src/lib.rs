@@ -29,6 +29,7 @@ pub mod fabric;
 pub mod fallback;
 pub mod mem;
 pub mod memory;
+pub mod priority;
 pub mod tcp;
 pub mod token_bucket;
 pub mod verbs;

@@ -64,6 +64,9 @@ pub struct TcpOptions {
     /// grows buffers up to `net.ipv4.tcp_rmem` (larger than `rmem_max` allows
     /// an explicit setting to reach).
     pub socket_buffer_bytes: Option<usize>,
+    /// Nice value of the per-stream threads (see [`crate::priority`]); 0
+    /// leaves them at the creating process's priority.
+    pub thread_nice: i32,
 }
 
 impl TcpOptions {
@@ -77,6 +80,7 @@ impl TcpOptions {
             connect_timeout: Duration::from_secs(5),
             io_timeout: Duration::from_secs(30),
             socket_buffer_bytes: None,
+            thread_nice: 0,
         }
     }
 
@@ -239,17 +243,24 @@ impl TcpTransport {
                 addr: addr.to_owned(),
                 source,
             };
+            let nice = self.opts.thread_nice;
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("dm-tcp-w{id}.{i}"))
-                    .spawn(move || writer(&l, &sh, &q, &itx, w))
+                    .spawn(move || {
+                        crate::priority::lower_current_thread(nice);
+                        writer(&l, &sh, &q, &itx, w)
+                    })
                     .map_err(spawn_err)?,
             );
             let (l, sh) = (link.clone(), self.shared.clone());
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("dm-tcp-r{id}.{i}"))
-                    .spawn(move || reader(&l, &sh, &irx, s))
+                    .spawn(move || {
+                        crate::priority::lower_current_thread(nice);
+                        reader(&l, &sh, &irx, s)
+                    })
                     .map_err(spawn_err)?,
             );
         }

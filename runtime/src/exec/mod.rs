@@ -42,6 +42,19 @@ impl std::str::FromStr for ExecutorKind {
     }
 }
 
+impl ExecutorKind {
+    /// Nice value of the threads that move bytes to this executor's devices
+    /// (transport, fetch, upload): lowered where compute runs on the same
+    /// host cores (`cpu`), so that compute, the cold start's critical path,
+    /// comes first (see [`distmind_transport::priority`]); 0 elsewhere.
+    pub fn data_thread_nice(self) -> i32 {
+        match self {
+            ExecutorKind::Cpu => distmind_transport::priority::DATA_THREAD_NICE_HOST_COMPUTE,
+            ExecutorKind::Cuda | ExecutorKind::Sim => 0,
+        }
+    }
+}
+
 impl std::fmt::Display for ExecutorKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {

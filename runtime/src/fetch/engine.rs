@@ -327,19 +327,25 @@ pub(crate) struct Engine {
 }
 
 impl Engine {
-    /// Starts the engine thread for `region` (`buf`, registered with `t`).
-    /// Nothing else may poll `t`'s completions while the engine lives.
+    /// Starts the engine thread for `region` (`buf`, registered with `t`),
+    /// at nice value `nice` (0: the process's own; see
+    /// [`distmind_transport::priority`]). Nothing else may poll `t`'s
+    /// completions while the engine lives.
     pub fn start(
         name: &str,
         t: Arc<dyn Transport>,
         region: RegionId,
         buf: Arc<HostBuffer>,
+        nice: i32,
     ) -> std::io::Result<Engine> {
         let (tx, rx) = channel::bounded(JOBS_QUEUED_MAX);
         let region_len = buf.len() as u64;
         let thread = std::thread::Builder::new()
             .name(format!("fetch {name}"))
-            .spawn(move || run(&*t, region, &buf, rx))?;
+            .spawn(move || {
+                distmind_transport::priority::lower_current_thread(nice);
+                run(&*t, region, &buf, rx)
+            })?;
         Ok(Engine {
             tx: Some(tx),
             thread: Some(thread),
@@ -637,7 +643,7 @@ mod tests {
         let t: Arc<dyn Transport> = Arc::new(MemTransport::new(fabric));
         let buf = Arc::new(HostBuffer::new(bytes.len(), HugePages::No).unwrap());
         let region = t.register(buf.clone()).unwrap();
-        let mut engine = Engine::start("test", t.clone(), region, buf.clone()).unwrap();
+        let mut engine = Engine::start("test", t.clone(), region, buf.clone(), 0).unwrap();
         let log = Log::default();
         std::thread::scope(|s| {
             for (k, e) in entries.iter().enumerate() {

@@ -130,6 +130,7 @@ pub fn run(
         2 * total.div_ceil(servers as u64) + (64 << 20) + total / 4,
         key.clone(),
         emulated.map(|e| e.loopback_bytes_per_s() as u64),
+        super::other_machine_nice(exec.kind()),
     )?;
     let target = deploy::Target {
         controller: cluster.controller.clone(),
@@ -236,6 +237,7 @@ impl Setup<'_> {
     fn transport(&self) -> anyhow::Result<TcpTransport> {
         Ok(TcpTransport::new(TcpOptions {
             rate_limit_bytes_per_s: self.limit.map(|r| r as u64),
+            thread_nice: self.exec.kind().data_thread_nice(),
             ..TcpOptions::new(self.key.clone())
         })?)
     }
@@ -271,12 +273,22 @@ impl Setup<'_> {
             .map(|p| p.manifest.stored_bytes.div_ceil(block) + 1)
             .sum();
         let cache = HostCache::new(
-            CacheConfig::new(blocks * block, block).pinned_for(self.exec.kind()),
+            CacheConfig::new(blocks * block, block)
+                .pinned_for(self.exec.kind())
+                .niced_for(self.exec.kind()),
             Arc::new(self.transport()?),
         )?;
         let devices: Vec<Residency> = pkgs
             .iter()
-            .map(|p| Residency::new(p.manifest.stored_bytes * 2, 2))
+            .enumerate()
+            .map(|(i, p)| {
+                Residency::for_device(
+                    i as u32,
+                    p.manifest.stored_bytes * 2,
+                    2,
+                    self.exec.kind().data_thread_nice(),
+                )
+            })
             .collect();
         let inputs: Vec<_> = pkgs
             .iter()
