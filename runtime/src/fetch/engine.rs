@@ -9,9 +9,14 @@
 //! goes before anyone's later groups. Bytes in flight are bounded per memory
 //! server, shared by every job that reads from it (each job applies its own
 //! `bytes_in_flight_max` to the server's total), with at least
-//! [`READS_IN_FLIGHT_MIN`] reads per server whatever their size. A read is
-//! never posted to a server ahead of a higher-priority read waiting for
-//! room on that same server.
+//! [`READS_IN_FLIGHT_MIN`] reads per server whatever their size, except
+//! that a read never joins one of an earlier group in a full window (a read
+//! larger than the window, such as a transformer's token-embedding table,
+//! has its server to itself). A read is never posted to a server ahead of a
+//! higher-priority read waiting for room on that same server. A poll gives
+//! the room of the reads it completed back and posts the next reads before
+//! it checksums them, so a server's link does not idle while a slice is
+//! verified.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -68,12 +73,44 @@ struct Active<S> {
 }
 
 /// Bytes and reads in flight to one memory server.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 struct Load {
     bytes: u64,
     reads: usize,
+    /// The group of each read in flight here (as many as `reads`; its
+    /// capacity is kept, so posting allocates only while it grows).
+    groups: Vec<usize>,
     /// The posting round in which a read found no room here.
     blocked: u64,
+}
+
+impl Load {
+    /// Whether `r` waits for room: the window is full, unless fewer than
+    /// [`READS_IN_FLIGHT_MIN`] reads are in flight; and once it is full a
+    /// read never joins one of an earlier group there (a read larger than the
+    /// window, group 0's token-embedding table, gets the link to itself).
+    fn full_for(&self, group: usize, len: u64, window: u64) -> bool {
+        if self.reads == 0 {
+            return false;
+        }
+        let earlier_in_flight = self.groups.iter().any(|&g| g < group);
+        (self.bytes >= window && earlier_in_flight)
+            || (self.reads >= READS_IN_FLIGHT_MIN && self.bytes + len > window)
+    }
+
+    fn posted(&mut self, group: usize, len: u64) {
+        self.bytes += len;
+        self.reads += 1;
+        self.groups.push(group);
+    }
+
+    fn completed(&mut self, group: usize, len: u64) {
+        self.bytes -= len;
+        self.reads -= 1;
+        if let Some(i) = self.groups.iter().position(|&g| g == group) {
+            self.groups.swap_remove(i);
+        }
+    }
 }
 
 /// Posts and completes the reads of a set of jobs into one registered
@@ -170,8 +207,7 @@ impl<'t, S: JobSink> Driver<'t, S> {
                 Some(l) => l,
                 None => self.load.entry(r.addr.to_string()).or_default(),
             };
-            if l.reads >= READS_IN_FLIGHT_MIN && l.bytes + r.len > a.job.opts().bytes_in_flight_max
-            {
+            if l.full_for(r.group, r.len, a.job.opts().bytes_in_flight_max) {
                 l.blocked = round;
                 continue;
             }
@@ -196,8 +232,7 @@ impl<'t, S: JobSink> Driver<'t, S> {
             match posted {
                 Ok(()) => {
                     if let Some(l) = self.load.get_mut(r.addr) {
-                        l.bytes += r.len;
-                        l.reads += 1;
+                        l.posted(r.group, r.len);
                     }
                     self.jobs[k].job.posted(Instant::now());
                 }
@@ -236,6 +271,14 @@ impl<'t, S: JobSink> Driver<'t, S> {
         }
         let now = Instant::now();
         let mut completions = std::mem::take(&mut self.completions);
+        // Room first: the next reads go out before these are verified, so
+        // a server's link does not idle while a slice is checksummed.
+        for c in &completions {
+            self.release(c);
+        }
+        if !completions.is_empty() {
+            self.post();
+        }
         for c in completions.drain(..) {
             self.complete(c, now);
         }
@@ -246,12 +289,22 @@ impl<'t, S: JobSink> Driver<'t, S> {
         self.reap(now);
     }
 
+    /// Gives the room of a completed read back to its memory server.
+    fn release(&mut self, c: &Completion) {
+        let Some((a, item)) = owner(&mut self.jobs, c) else {
+            return;
+        };
+        let r = a.job.read(item);
+        let (group, len) = (r.group, r.len);
+        if let Some(l) = self.load.get_mut(r.addr) {
+            l.completed(group, len);
+        }
+    }
+
+    /// Verifies a completed read (its room given back by [`Self::release`])
+    /// and tells its job.
     fn complete(&mut self, c: Completion, now: Instant) {
-        let (id, item) = (
-            (c.wr_id >> ITEM_BITS) as u32,
-            (c.wr_id & 0xffff_ffff) as usize,
-        );
-        let Some(a) = self.jobs.iter_mut().find(|a| a.id == id) else {
+        let Some((a, item)) = owner(&mut self.jobs, &c) else {
             log::error!(
                 "fetch: a completion for no job (wr_id {:#x}) was dropped",
                 c.wr_id
@@ -259,10 +312,6 @@ impl<'t, S: JobSink> Driver<'t, S> {
             return;
         };
         let r = a.job.read(item);
-        if let Some(l) = self.load.get_mut(r.addr) {
-            l.bytes -= r.len;
-            l.reads -= 1;
-        }
         let (addr, start, len) = (r.addr, r.local_offset as usize, r.len as usize);
         let read_failed = c.result.is_err();
         let result = c.result.map_err(|e| e.to_string()).and_then(|()| {
@@ -306,6 +355,16 @@ impl<'t, S: JobSink> Driver<'t, S> {
         self.jobs
             .retain(|a| !(a.job.is_reported() && a.job.is_over()));
     }
+}
+
+/// The job and item a completion belongs to.
+fn owner<'a, S>(jobs: &'a mut [Active<S>], c: &Completion) -> Option<(&'a mut Active<S>, usize)> {
+    let (id, item) = (
+        (c.wr_id >> ITEM_BITS) as u32,
+        (c.wr_id & 0xffff_ffff) as usize,
+    );
+    let a = jobs.iter_mut().find(|a| a.id == id)?;
+    Some((a, item))
 }
 
 /// A submitted job and where its events go.
@@ -538,6 +597,60 @@ mod tests {
             d.post();
             d.poll(Duration::from_millis(10));
         }
+    }
+
+    #[test]
+    fn a_read_larger_than_the_window_has_its_server_to_itself() {
+        let fabric = MemFabric::new();
+        let (entries, bytes) = models(&fabric, ["ms0", "ms1"], 2, 3, 1000);
+        let t = MemTransport::new(fabric);
+        let buf = Arc::new(HostBuffer::new(bytes.len(), HugePages::No).unwrap());
+        let region = t.register(buf.clone()).unwrap();
+        let log = Log::default();
+        let mut d = Driver::new(&t, region, &buf, Peers::new());
+        let job = |k: usize| {
+            Job::new(
+                &entries[k],
+                (k * 3000) as u64,
+                bytes.len() as u64,
+                opts(500),
+                Instant::now(),
+            )
+            .unwrap()
+        };
+        d.add(job(0), Tagged(0, log.clone()));
+        d.post();
+        assert_eq!(
+            d.load["ms0"].groups,
+            [0],
+            "group 1 waits: group 0's read alone fills the window"
+        );
+        d.add(job(1), Tagged(1, log.clone()));
+        d.post();
+        assert_eq!(
+            d.load["ms0"].groups,
+            [0, 0],
+            "another model's group 0 joins it (READS_IN_FLIGHT_MIN)"
+        );
+        // The poll that takes both completions posts the next reads before
+        // it verifies them.
+        while log.0.lock().unwrap().len() < 2 {
+            d.poll(Duration::from_secs(5));
+        }
+        assert_eq!(d.load["ms0"].groups, [1, 1]);
+        run_to_end(&mut d);
+        let ok = log
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, r)| r.is_ok())
+            .count();
+        assert_eq!(
+            ok,
+            2 * 3 + 2,
+            "every group of both models verified, then both reports"
+        );
     }
 
     #[test]

@@ -44,8 +44,10 @@ pub const BYTES_IN_FLIGHT_DEFAULT: u64 = 32 << 20;
 /// Reads kept in flight per memory server even when they exceed the byte
 /// bound: with one read in flight the link idles between a completion and
 /// the next post (measured: 0.84 of a raw copy from one memory server
-/// instead of 0.95). The transport serves a peer's chunks in posting order,
-/// so the earlier group still finishes first.
+/// instead of 0.95, when the engine still checksummed a slice before it
+/// posted the next read). Not for a read of a later group than one in
+/// flight that fills the window alone: sharing the link with it delayed
+/// BERT's 94 MB group 0 behind group 1.
 pub const READS_IN_FLIGHT_MIN: usize = 2;
 /// How long a fetch with reads in flight waits for one of them to complete
 /// before declaring the transport stuck.
