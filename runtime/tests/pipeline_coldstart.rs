@@ -217,18 +217,24 @@ impl Transport for SlowTransport {
                     self.fabric.fail_peer(p);
                 }
             }
-            std::thread::sleep(self.per_read);
         }
         // SAFETY: forwarded under the caller's contract.
         unsafe { self.inner.post_reads(peer, ops) }
     }
+    /// One link that serves one read at a time: each completion comes
+    /// `per_read` after the one before (posting itself takes no time, as
+    /// on a real transport).
     fn poll(
         &self,
         out: &mut Vec<Completion>,
         max: usize,
         timeout: Duration,
     ) -> Result<usize, TransportError> {
-        self.inner.poll(out, max, timeout)
+        let n = self.inner.poll(out, max.min(1), timeout)?;
+        if n > 0 {
+            std::thread::sleep(self.per_read);
+        }
+        Ok(n)
     }
     fn stats(&self) -> TransportStats {
         self.inner.stats()
