@@ -413,9 +413,9 @@ impl Bench<'_> {
             ratio_to_ideal: pipelined
                 / ideal_pipeline_ms(&[network, transfer - network, compute], m.groups.len()),
             ratio_to_flow_ideal: warm_trace
-                .clone()
+                .as_ref()
                 .filter(|_| self.exec.kind() != ExecutorKind::Cuda)
-                .and_then(|tr| group_compute_shares(m, &tr))
+                .and_then(|tr| group_compute_shares(m, tr))
                 .map(|shares| {
                     let total = m.stored_bytes.max(1) as f64;
                     let by_bytes = |ms: f64| -> Vec<f64> {
@@ -528,7 +528,6 @@ fn group_compute_shares(
     (total > 0.0).then(|| per_group.iter().map(|t| t / total).collect())
 }
 
-/// One line per group: host-ready, uploaded, gate opened, first layer start (ms).
 /// Nice value of the bench's in-process memory servers: they stand for
 /// other machines, so where this GPU server computes on this host's cores
 /// (`cpu`) they take only the cycles it leaves idle; elsewhere they run as

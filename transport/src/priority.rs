@@ -20,8 +20,8 @@ pub const DATA_THREAD_NICE_HOST_COMPUTE: i32 = 10;
 pub const NICE_OTHER_MACHINE: i32 = 19;
 
 /// Raises the calling thread's nice value to `nice` (at most 19); a value at
-/// or below the thread's own leaves it as it is. A failure is logged, not returned: the thread works the same
-/// at its old priority.
+/// or below the thread's own leaves it as it is. A failure is logged, not
+/// returned: the thread works the same at its old priority.
 pub fn lower_current_thread(nice: i32) {
     let nice = nice.min(19);
     if nice <= 0 || nice <= current_thread_nice() {

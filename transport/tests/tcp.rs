@@ -217,6 +217,26 @@ fn reads_64_mib_from_two_peers_over_four_streams_each() {
 }
 
 #[test]
+fn stream_threads_run_at_the_configured_nice_value_and_still_read() {
+    let a = serve(arena(1 << 20, 5), key(), Behavior::Good);
+    let t = transport(|o| o.thread_nice = 9);
+    let local = Arc::new(HostBuffer::new(1 << 20, HugePages::No).unwrap());
+    let r = t.register(local.clone()).unwrap();
+    let p = t.connect(&a).unwrap();
+    let done = run_all(&t, &[(p, vec![op(1, 0, 1 << 20, r, 0)])]);
+    assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
+    check(&local, 0, 0, 1 << 20, 5);
+    // Other tests' transports run at the process's own value; this one's
+    // threads (named dm-tcp-*) carry the configured one.
+    let want = 9.max(distmind_transport::priority::current_thread_nice());
+    let found = distmind_transport::priority::threads_nice("dm-tcp");
+    assert!(
+        found.contains(&want),
+        "stream threads' nice values: {found:?}"
+    );
+}
+
+#[test]
 fn many_small_ops_with_small_chunks() {
     let a = serve(arena(1 << 20, 3), key(), Behavior::Good);
     let t = transport(|o| {

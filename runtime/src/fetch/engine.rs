@@ -85,10 +85,11 @@ struct Load {
 }
 
 impl Load {
-    /// Whether `r` waits for room: the window is full, unless fewer than
-    /// [`READS_IN_FLIGHT_MIN`] reads are in flight; and once it is full a
-    /// read never joins one of an earlier group there (a read larger than the
-    /// window, group 0's token-embedding table, gets the link to itself).
+    /// Whether a read of `len` bytes of `group` waits for room here: the
+    /// window is full, unless fewer than [`READS_IN_FLIGHT_MIN`] reads are in
+    /// flight; and once it is full a read never joins one of an earlier group
+    /// (a read larger than the window, group 0's token-embedding table, gets
+    /// the link to itself).
     fn full_for(&self, group: usize, len: u64, window: u64) -> bool {
         if self.reads == 0 {
             return false;
