@@ -33,15 +33,15 @@ pub async fn shutdown_signal() {
 }
 
 pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    runtime_niced(0)
+    runtime_named("distmind", 0)
 }
 
-/// [`runtime`] whose threads run at nice value `nice` (0: the process's own;
-/// see [`distmind_transport::priority`]).
-pub fn runtime_niced(nice: i32) -> anyhow::Result<tokio::runtime::Runtime> {
+/// [`runtime`] whose threads are called `name` and run at nice value `nice`
+/// (0: the process's own; see [`distmind_transport::priority`]).
+pub fn runtime_named(name: &str, nice: i32) -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
-        .thread_name("distmind")
+        .thread_name(name)
         .on_thread_start(move || distmind_transport::priority::lower_current_thread(nice))
         .build()
         .context("cannot start the async runtime")

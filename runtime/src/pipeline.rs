@@ -175,6 +175,8 @@ pub const STAGE_THREADS: usize = 2;
 /// over in it finished.
 pub struct StageThreads {
     pool: rayon::ThreadPool,
+    /// What every one of its threads' names starts with.
+    thread_prefix: String,
 }
 
 impl std::fmt::Debug for StageThreads {
@@ -192,14 +194,30 @@ impl StageThreads {
     /// # Panics
     /// When the OS refuses to start a thread (as `std::thread::spawn`).
     pub fn new(name: &str, nice: i32) -> Self {
-        let prefix = name.to_string();
+        let thread_prefix = format!("{name} stage");
+        let prefix = thread_prefix.clone();
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(STAGE_THREADS)
-            .thread_name(move |i| format!("{prefix} stage {i}"))
+            .thread_name(move |i| format!("{prefix} {i}"))
             .start_handler(move |_| distmind_transport::priority::lower_current_thread(nice))
             .build()
             .unwrap_or_else(|e| panic!("starting the stage threads of {name}: {e}"));
-        StageThreads { pool }
+        StageThreads {
+            pool,
+            thread_prefix,
+        }
+    }
+
+    /// What the names of these threads start with (`"{name} stage"`), as
+    /// `ps` and [`distmind_transport::priority::threads_cpu_time`] see them
+    /// (names are cut at 15 bytes).
+    pub fn thread_prefix(&self) -> &str {
+        let max = 15.min(self.thread_prefix.len());
+        let cut = (0..=max)
+            .rev()
+            .find(|&i| self.thread_prefix.is_char_boundary(i))
+            .unwrap_or(0);
+        &self.thread_prefix[..cut]
     }
 
     /// Runs `op` on the calling thread; what it hands over with

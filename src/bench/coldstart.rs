@@ -32,6 +32,7 @@ use distmind_runtime::fetch::FetchOptions;
 use distmind_runtime::pipeline::{
     cold_start, sequential, PipelineOptions, Request, Stages, Timing,
 };
+use distmind_transport::priority::{process_cpu_time, threads_cpu_time};
 use distmind_transport::tcp::{TcpOptions, TcpTransport};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -129,6 +130,29 @@ pub struct Row {
     /// bytes, of compute by its layers' times in a warm run); `None` where
     /// the trace's layer times are not device times (cuda).
     pub ratio_to_flow_ideal: Option<f64>,
+    /// CPU time of the whole bench process (every thread: this GPU
+    /// server's and the in-process memory servers'), medians, in ms of real
+    /// CPU time (never dilated): in the compute-only run, the load-then-run
+    /// run and the pipelined run. `sequential_cpu_ms - compute_cpu_ms` is
+    /// the data path's work: reads, checksums, uploads and the servers'
+    /// sends, on the same cores as compute where the executor is `cpu`.
+    pub compute_cpu_ms: f64,
+    pub sequential_cpu_ms: f64,
+    pub pipelined_cpu_ms: f64,
+    /// Of `pipelined_cpu_ms`, the threads that move bytes: this GPU
+    /// server's (transport streams, fetch engine, upload stage) and the
+    /// in-process memory servers' (which stand for other machines).
+    pub pipelined_mover_cpu_ms: f64,
+    pub pipelined_memserver_cpu_ms: f64,
+    /// This host's cores (what the CPU times are shares of).
+    pub cores: usize,
+    /// `cpu` executor only: pipelined over the ideal pipeline plus the
+    /// movers' CPU time (this GPU server's and the memory servers') spread
+    /// over every core. The ideal counts network, upload and compute as
+    /// three resources; with `cpu` they are the same cores, and this is
+    /// what the pipeline reaches if moving bytes cannot hide in the cycles
+    /// compute leaves idle. Not a bound where compute runs on a device.
+    pub ratio_to_shared_core_ideal: Option<f64>,
 }
 
 /// Everything one family's measurements need, built once.
@@ -359,6 +383,27 @@ impl Bench<'_> {
 
         let (mut transfer, mut compute, mut pipelined, mut seq) = (vec![], vec![], vec![], vec![]);
         let mut network = vec![];
+        let (mut seq_cpu, mut compute_cpu, mut pipelined_cpu) = (vec![], vec![], vec![]);
+        let (mut mover_cpu, mut memserver_cpu) = (vec![], vec![]);
+        // CPU time so far of the threads that move bytes: this GPU server's,
+        // and the memory servers'.
+        let movers = || {
+            let ours: Duration = [
+                distmind_transport::tcp::THREAD_PREFIX,
+                distmind_runtime::fetch::engine::THREAD_PREFIX,
+                residency.stage_threads().thread_prefix(),
+            ]
+            .iter()
+            .map(|p| threads_cpu_time(p))
+            .sum();
+            (ours, threads_cpu_time(super::local::THREAD_NAME))
+        };
+        // CPU time of the process over `f` (real, never dilated), ms.
+        let cpu = |f: &mut dyn FnMut() -> anyhow::Result<()>| -> anyhow::Result<f64> {
+            let before = process_cpu_time();
+            f()?;
+            Ok(ms(process_cpu_time().saturating_sub(before)))
+        };
         // Measured on the dilated clock, reported in emulated time.
         let k = dilation(self.emulated.as_ref());
         let ms = |d: Duration| ms(d) / k;
@@ -366,18 +411,32 @@ impl Bench<'_> {
         let mut warm_trace = None;
         for _ in 0..self.args.repeat {
             forget();
-            let (_, t, _) = sequential(&stages, &request(), &opts)?;
-            seq.push(ms(t.total));
-            network.push(ms(t.fetch));
-            transfer.push(ms(t.fetch + t.h2d));
+            seq_cpu.push(cpu(&mut || {
+                let (_, t, _) = sequential(&stages, &request(), &opts)?;
+                seq.push(ms(t.total));
+                network.push(ms(t.fetch));
+                transfer.push(ms(t.fetch + t.h2d));
+                Ok(())
+            })?);
             // Resident now: a warm run is compute only.
-            let (_, w, wt) = cold_start(&stages, &request(), &opts)?;
-            compute.push(ms(w.compute));
-            warm_trace = Some(wt);
+            compute_cpu.push(cpu(&mut || {
+                let (_, w, wt) = cold_start(&stages, &request(), &opts)?;
+                compute.push(ms(w.compute));
+                warm_trace = Some(wt);
+                Ok(())
+            })?);
             forget();
-            let (_, t, tr): (_, Timing, _) = cold_start(&stages, &request(), &opts)?;
-            pipelined.push(ms(t.total));
-            last_trace = Some(tr);
+            let (ours, servers) = movers();
+            pipelined_cpu.push(cpu(&mut || {
+                let (_, t, tr): (_, Timing, _) = cold_start(&stages, &request(), &opts)?;
+                pipelined.push(ms(t.total));
+                last_trace = Some(tr);
+                Ok(())
+            })?);
+            let (ours_after, servers_after) = movers();
+            // Real CPU time, like `cpu`'s.
+            mover_cpu.push(ours_after.saturating_sub(ours).as_secs_f64() * 1e3);
+            memserver_cpu.push(servers_after.saturating_sub(servers).as_secs_f64() * 1e3);
         }
         forget();
         let network = median(network);
@@ -393,6 +452,9 @@ impl Bench<'_> {
             median(pipelined),
             median(seq),
         );
+        let ideal = ideal_pipeline_ms(&[network, transfer - network, compute], m.groups.len());
+        let (mover_cpu, memserver_cpu) = (median(mover_cpu), median(memserver_cpu));
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let row = Row {
             family: m.family.to_string(),
             link: match (&self.emulated, rate_bytes_per_s) {
@@ -410,8 +472,7 @@ impl Bench<'_> {
             pipelined_ms: pipelined,
             sequential_ms: sequential,
             pipelined_over_sequential: pipelined / sequential,
-            ratio_to_ideal: pipelined
-                / ideal_pipeline_ms(&[network, transfer - network, compute], m.groups.len()),
+            ratio_to_ideal: pipelined / ideal,
             ratio_to_flow_ideal: warm_trace
                 .as_ref()
                 .filter(|_| self.exec.kind() != ExecutorKind::Cuda)
@@ -428,6 +489,14 @@ impl Bench<'_> {
                     pipelined
                         / flow_shop_ms(&[by_bytes(network), by_bytes(transfer - network), comp])
                 }),
+            compute_cpu_ms: median(compute_cpu),
+            sequential_cpu_ms: median(seq_cpu),
+            pipelined_cpu_ms: median(pipelined_cpu),
+            pipelined_mover_cpu_ms: mover_cpu,
+            pipelined_memserver_cpu_ms: memserver_cpu,
+            cores,
+            ratio_to_shared_core_ideal: (kind == ExecutorKind::Cpu)
+                .then(|| pipelined / (ideal + (mover_cpu + memserver_cpu) / k / cores as f64)),
         };
         println!(
             "{:<13} {:<10} {:>6} {:>10.1} {:>10.2} {:>10} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>9.2} {:>9.2} {:>8}",
@@ -449,6 +518,7 @@ impl Bench<'_> {
         );
         if let (true, Some(tr)) = (self.args.trace, last_trace) {
             print_trace(m, &tr, warm_trace.as_ref());
+            print_cpu(&row, k);
         }
         Ok(row)
     }
@@ -538,6 +608,30 @@ pub(crate) fn other_machine_nice(kind: ExecutorKind) -> i32 {
     } else {
         0
     }
+}
+
+/// How much of the host's cores the runs kept busy: where compute shares
+/// the cores with the data path (`cpu`), the data path's work has only the
+/// cycles compute leaves idle to hide in. `k`: the dilation the row's
+/// times were divided by.
+fn print_cpu(row: &Row, k: f64) {
+    let busy = |cpu_ms: f64, wall_ms: f64| cpu_ms / (wall_ms * k * row.cores as f64) * 100.0;
+    println!(
+        "    CPU ms, every thread of this process, {} cores: compute-only run {:.0} ({:.0}% busy); \
+pipelined run {:.0} ({:.0}% busy), of it moving bytes {:.0} in this GPU server (transport, fetch, \
+upload) and {:.0} in the memory servers{}",
+        row.cores,
+        row.compute_cpu_ms,
+        busy(row.compute_cpu_ms, row.compute_ms),
+        row.pipelined_cpu_ms,
+        busy(row.pipelined_cpu_ms, row.pipelined_ms),
+        row.pipelined_mover_cpu_ms,
+        row.pipelined_memserver_cpu_ms,
+        row.ratio_to_shared_core_ideal
+            .map_or(String::new(), |r| format!(
+                "; to the ideal plus the movers' CPU over the cores: {r:.2}"
+            )),
+    );
 }
 
 /// Per group of the last pipelined run: when it was in host memory, uploaded,
@@ -648,6 +742,65 @@ fn tempfile_dir() -> anyhow::Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::ideal_pipeline_ms;
+
+    /// The whole bench on a tiny model with the cpu executor: real memory
+    /// servers, transport, cache, pipeline and math, and the CPU time of
+    /// the threads that move bytes found by their names.
+    #[test]
+    fn a_cpu_run_measures_the_cpu_time_of_the_threads_that_move_bytes() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: super::ColdstartArgs,
+        }
+        let dir = std::env::temp_dir().join(format!("distmind-cs-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let json = dir.join("rows.json");
+        let cli = Cli::parse_from([
+            "coldstart",
+            "--executor",
+            "cpu",
+            "--scale",
+            "tiny",
+            "--family",
+            "bert_base",
+            "--repeat",
+            "1",
+            "--json",
+            json.to_str().unwrap(),
+        ]);
+        super::run(&cli.args).unwrap();
+        let rows: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let row = &rows[0];
+        let f = |k: &str| row[k].as_f64().unwrap_or_else(|| panic!("{k} in {row}"));
+        assert!(
+            f("compute_cpu_ms") > 0.0 && f("pipelined_cpu_ms") > 0.0,
+            "{row}"
+        );
+        // Both sides moved the model's bytes: the servers read and sent
+        // them, this GPU server's threads received, checked and uploaded.
+        assert!(f("pipelined_mover_cpu_ms") > 0.0, "{row}");
+        assert!(f("pipelined_memserver_cpu_ms") > 0.0, "{row}");
+        assert!(
+            f("pipelined_mover_cpu_ms") + f("pipelined_memserver_cpu_ms")
+                <= f("pipelined_cpu_ms") * 1.01,
+            "a part of the process's CPU time is no larger than the whole: {row}"
+        );
+        // Charging the movers' CPU to the cores can only lower the ratio.
+        assert!(
+            f("ratio_to_shared_core_ideal") < f("ratio_to_ideal"),
+            "{row}"
+        );
+        assert_eq!(
+            row["cores"].as_u64(),
+            std::thread::available_parallelism()
+                .ok()
+                .map(|n| n.get() as u64)
+        );
+    }
 
     #[test]
     fn the_flow_shop_of_equal_groups_is_the_ideal_pipeline() {

@@ -10,6 +10,11 @@ use distmind_controller::{Controller, ControllerClient, ControllerConfig};
 use distmind_memserver::{Memserver, MemserverConfig, OneSidedConfig};
 use tokio::sync::watch;
 
+/// Name of the cluster's threads (the controller's and the memory
+/// servers'), so that a bench can tell their CPU time from its own
+/// ([`distmind_transport::priority::threads_cpu_time`]).
+pub const THREAD_NAME: &str = "local-cluster";
+
 pub struct LocalCluster {
     pub controller: String,
     /// The dispatcher's client port, when started with one.
@@ -106,7 +111,7 @@ impl LocalCluster {
         nic_bytes_per_s: Option<u64>,
         nice: i32,
     ) -> anyhow::Result<LocalCluster> {
-        let runtime = crate::services::runtime_niced(nice)?;
+        let runtime = crate::services::runtime_named(THREAD_NAME, nice)?;
         let (stop, stop_rx) = watch::channel(false);
         let shutdown = move || {
             let mut rx = stop_rx.clone();

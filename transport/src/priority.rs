@@ -61,17 +61,9 @@ pub fn current_thread_nice() -> i32 {
 pub fn threads_nice(prefix: &str) -> Vec<i32> {
     #[cfg(target_os = "linux")]
     {
-        let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-            return Vec::new();
-        };
-        tasks
-            .flatten()
-            .filter(|t| {
-                std::fs::read_to_string(t.path().join("comm"))
-                    .is_ok_and(|name| name.trim_end().starts_with(prefix))
-            })
-            .filter_map(|t| t.file_name().to_str()?.parse().ok())
-            .filter_map(nice_of)
+        threads_named(prefix)
+            .into_iter()
+            .filter_map(|(tid, _)| nice_of(tid))
             .collect()
     }
     #[cfg(not(target_os = "linux"))]
@@ -79,6 +71,65 @@ pub fn threads_nice(prefix: &str) -> Vec<i32> {
         let _ = prefix;
         Vec::new()
     }
+}
+
+/// CPU time that this process's threads whose name starts with `prefix`
+/// have used so far (Linux, from each thread's `schedstat`; zero
+/// elsewhere). A thread that has exited no longer counts.
+pub fn threads_cpu_time(prefix: &str) -> std::time::Duration {
+    #[cfg(target_os = "linux")]
+    {
+        let ns: u64 = threads_named(prefix)
+            .into_iter()
+            .filter_map(|(_, dir)| {
+                let stat = std::fs::read_to_string(dir.join("schedstat")).ok()?;
+                stat.split_whitespace().next()?.parse::<u64>().ok()
+            })
+            .sum();
+        std::time::Duration::from_nanos(ns)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = prefix;
+        std::time::Duration::ZERO
+    }
+}
+
+/// This process's threads whose name starts with `prefix`: id and
+/// `/proc/self/task` entry.
+#[cfg(target_os = "linux")]
+fn threads_named(prefix: &str) -> Vec<(libc::id_t, std::path::PathBuf)> {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return Vec::new();
+    };
+    tasks
+        .flatten()
+        .filter(|t| {
+            std::fs::read_to_string(t.path().join("comm"))
+                .is_ok_and(|name| name.trim_end().starts_with(prefix))
+        })
+        .filter_map(|t| Some((t.file_name().to_str()?.parse().ok()?, t.path())))
+        .collect()
+}
+
+/// CPU time that every thread of this process has used so far, user and
+/// system (`CLOCK_PROCESS_CPUTIME_ID`; zero where the clock is missing).
+/// Over a run, divided by the run's wall time and the host's cores, it
+/// says how busy the run kept the host.
+pub fn process_cpu_time() -> std::time::Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec for the call.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return std::time::Duration::ZERO;
+    }
+    std::time::Duration::new(
+        ts.tv_sec.max(0) as u64,
+        ts.tv_nsec.clamp(0, 999_999_999) as u32,
+    )
 }
 
 #[cfg(target_os = "linux")]
@@ -118,5 +169,49 @@ mod tests {
         .join()
         .unwrap();
         assert_eq!(clamped, 19);
+    }
+
+    #[test]
+    fn process_cpu_time_counts_every_thread() {
+        let thread_cpu = || {
+            let mut ts = libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            };
+            // SAFETY: `ts` is a valid, writable timespec for the call.
+            assert_eq!(
+                unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) },
+                0
+            );
+            std::time::Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+        };
+        let before = process_cpu_time();
+        // Another thread burns 20 ms of its own CPU time while this one
+        // waits: a clock of this thread alone would barely move.
+        let named_before = threads_cpu_time("cpu-time-test");
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let (burnt_tx, burnt_rx) = std::sync::mpsc::channel::<()>();
+        let burner = std::thread::Builder::new()
+            .name("cpu-time-test".into())
+            .spawn(move || {
+                let start = thread_cpu();
+                let mut x = 0u64;
+                while thread_cpu() - start < std::time::Duration::from_millis(20) {
+                    x = std::hint::black_box(x.wrapping_add(1));
+                }
+                // Stay alive (and named) until the test has read its time.
+                burnt_tx.send(()).unwrap();
+                let _ = done_rx.recv();
+            })
+            .unwrap();
+        burnt_rx.recv().unwrap();
+        let named = threads_cpu_time("cpu-time-test") - named_before;
+        let other = threads_cpu_time("no thread is called this");
+        done_tx.send(()).unwrap();
+        burner.join().unwrap();
+        let used = process_cpu_time() - before;
+        assert!(used >= std::time::Duration::from_millis(20), "{used:?}");
+        assert!(named >= std::time::Duration::from_millis(20), "{named:?}");
+        assert_eq!(other, std::time::Duration::ZERO);
     }
 }

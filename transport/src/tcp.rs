@@ -42,6 +42,10 @@ use crate::{
     INFLIGHT_CHUNKS_MAX, INFLIGHT_PER_STREAM_MAX, STREAMS_PER_PEER_MAX,
 };
 
+/// What the names of a transport's stream threads start with
+/// (`dm-tcp-w{peer}.{stream}` writes requests, `dm-tcp-r..` reads replies).
+pub const THREAD_PREFIX: &str = "dm-tcp";
+
 /// Default size of the pieces ops are cut into.
 pub const TCP_CHUNK_BYTES_DEFAULT: u64 = 4 << 20;
 
@@ -246,7 +250,7 @@ impl TcpTransport {
             let nice = self.opts.thread_nice;
             threads.push(
                 std::thread::Builder::new()
-                    .name(format!("dm-tcp-w{id}.{i}"))
+                    .name(format!("{THREAD_PREFIX}-w{id}.{i}"))
                     .spawn(move || {
                         crate::priority::lower_current_thread(nice);
                         writer(&l, &sh, &q, &itx, w)
@@ -256,7 +260,7 @@ impl TcpTransport {
             let (l, sh) = (link.clone(), self.shared.clone());
             threads.push(
                 std::thread::Builder::new()
-                    .name(format!("dm-tcp-r{id}.{i}"))
+                    .name(format!("{THREAD_PREFIX}-r{id}.{i}"))
                     .spawn(move || {
                         crate::priority::lower_current_thread(nice);
                         reader(&l, &sh, &irx, s)

@@ -40,6 +40,8 @@ const POLL_BATCH: usize = 64;
 /// channel again while jobs are active: the most a new job waits for its
 /// first read when every read in flight is slow.
 const POLL_SLICE: Duration = Duration::from_millis(1);
+/// How an engine's thread is called: this, a space and the engine's name.
+pub const THREAD_PREFIX: &str = "fetch";
 /// Back-off after the transport's poll failed.
 const POLL_ERROR_BACKOFF: Duration = Duration::from_millis(10);
 
@@ -401,7 +403,7 @@ impl Engine {
         let (tx, rx) = channel::bounded(JOBS_QUEUED_MAX);
         let region_len = buf.len() as u64;
         let thread = std::thread::Builder::new()
-            .name(format!("fetch {name}"))
+            .name(format!("{THREAD_PREFIX} {name}"))
             .spawn(move || {
                 distmind_transport::priority::lower_current_thread(nice);
                 run(&*t, region, &buf, rx)
