@@ -904,6 +904,29 @@ mod tests {
     }
 
     #[test]
+    fn stage_threads_are_found_by_their_name_prefix() {
+        use distmind_transport::priority::threads_cpu_time;
+        let stages = StageThreads::new("prefix test", 0);
+        // "prefix test stage 0" is cut to 15 bytes by the kernel.
+        assert_eq!(stages.thread_prefix(), "prefix test sta");
+        assert_eq!(StageThreads::new("dev 3", 0).thread_prefix(), "dev 3 stage");
+        let before = threads_cpu_time(stages.thread_prefix());
+        let spun = stages.scope(|s| {
+            s.run("m", "spin", || {
+                let t = std::time::Instant::now();
+                let mut x = 0u64;
+                while t.elapsed() < Duration::from_millis(20) {
+                    x = std::hint::black_box(x.wrapping_add(1));
+                }
+                Ok(x)
+            })
+            .wait()
+        });
+        assert!(spun.unwrap() > 0);
+        assert!(threads_cpu_time(stages.thread_prefix()) > before);
+    }
+
+    #[test]
     fn gates_open_fail_and_time_out_naming_the_group() {
         let gates = GroupGates::new(3);
         gates.open(0);
