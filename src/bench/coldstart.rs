@@ -133,9 +133,9 @@ pub struct Row {
     /// CPU time of the whole bench process (every thread: this GPU
     /// server's and the in-process memory servers'), medians, in ms of real
     /// CPU time (never dilated): in the compute-only run, the load-then-run
-    /// run and the pipelined run. `sequential_cpu_ms - compute_cpu_ms` is
-    /// the data path's work: reads, checksums, uploads and the servers'
-    /// sends, on the same cores as compute where the executor is `cpu`.
+    /// run and the pipelined run. `sequential_cpu_ms - compute_cpu_ms`
+    /// estimates the data path's work, but two runs' compute differs by up
+    /// to 20% on a noisy host: `pipelined_mover_cpu_ms` measures it.
     pub compute_cpu_ms: f64,
     pub sequential_cpu_ms: f64,
     pub pipelined_cpu_ms: f64,
