@@ -8,7 +8,9 @@
 //! compute, the slowest stage plus 1/G of each other one (the first group
 //! must cross the stages before it, the last group those after it). `--match-rate` rate-limits
 //! the GPU server's link so that transfer-only is about compute-only, where
-//! pipelining matters most.
+//! pipelining matters most. `noise` is the slowest compute-only run over
+//! the fastest across the repeats: the same work each time, so how far the
+//! host's speed moved while the row was measured.
 //!
 //! Real: memory servers, deploy, tcp transport, host cache, the pipeline,
 //! and with `--executor cpu` the model math. With `--executor sim` each
@@ -130,6 +132,11 @@ pub struct Row {
     /// bytes, of compute by its layers' times in a warm run); `None` where
     /// the trace's layer times are not device times (cuda).
     pub ratio_to_flow_ideal: Option<f64>,
+    /// The slowest compute-only run over the fastest, across the repeats:
+    /// the same work each time, so how far this host's speed moved during
+    /// the measurement (1.0 with `--repeat 1`). A ratio to ideal is no
+    /// surer than this.
+    pub compute_max_over_min: f64,
     /// CPU time of the whole bench process (every thread: this GPU
     /// server's and the in-process memory servers'), medians, in ms of real
     /// CPU time (never dilated): in the compute-only run, the load-then-run
@@ -244,7 +251,7 @@ pub fn run(args: &ColdstartArgs) -> anyhow::Result<()> {
         );
     }
     println!(
-        "{:<13} {:<10} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8}",
+        "{:<13} {:<10} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>8} {:>6}",
         "family",
         "link",
         "groups",
@@ -257,7 +264,8 @@ pub fn run(args: &ColdstartArgs) -> anyhow::Result<()> {
         "sequent.",
         "pip/seq",
         "to ideal",
-        "to flow"
+        "to flow",
+        "noise"
     );
     let bench = Bench {
         args,
@@ -446,6 +454,7 @@ impl Bench<'_> {
             None => rate_bytes_per_s,
         };
         let network_ideal = link_rate.map(|r| m.stored_bytes as f64 / r * 1e3);
+        let compute_max_over_min = max_over_min(&compute);
         let (transfer, compute, pipelined, sequential) = (
             median(transfer),
             median(compute),
@@ -489,6 +498,7 @@ impl Bench<'_> {
                     pipelined
                         / flow_shop_ms(&[by_bytes(network), by_bytes(transfer - network), comp])
                 }),
+            compute_max_over_min,
             compute_cpu_ms: median(compute_cpu),
             sequential_cpu_ms: median(seq_cpu),
             pipelined_cpu_ms: median(pipelined_cpu),
@@ -499,7 +509,7 @@ impl Bench<'_> {
                 .then(|| pipelined / (ideal + (mover_cpu + memserver_cpu) / k / cores as f64)),
         };
         println!(
-            "{:<13} {:<10} {:>6} {:>10.1} {:>10.2} {:>10} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>9.2} {:>9.2} {:>8}",
+            "{:<13} {:<10} {:>6} {:>10.1} {:>10.2} {:>10} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>9.2} {:>9.2} {:>8} {:>6.2}",
             row.family,
             row.link,
             row.groups,
@@ -514,7 +524,8 @@ impl Bench<'_> {
             row.pipelined_over_sequential,
             row.ratio_to_ideal,
             row.ratio_to_flow_ideal
-                .map_or("-".to_string(), |r| format!("{r:.2}"))
+                .map_or("-".to_string(), |r| format!("{r:.2}")),
+            row.compute_max_over_min
         );
         if let (true, Some(tr)) = (self.args.trace, last_trace) {
             print_trace(m, &tr, warm_trace.as_ref());
@@ -528,6 +539,18 @@ impl Bench<'_> {
             ExecutorKind::Cpu => 1,
             _ => pkg.manifest.inputs[0].shape[0],
         })
+    }
+}
+
+/// The largest of `xs` over the smallest (1.0 for fewer than two, or a
+/// zero minimum).
+fn max_over_min(xs: &[f64]) -> f64 {
+    let min = xs.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = xs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    if xs.len() < 2 || min <= 0.0 {
+        1.0
+    } else {
+        max / min
     }
 }
 
@@ -800,6 +823,13 @@ mod tests {
                 .ok()
                 .map(|n| n.get() as u64)
         );
+    }
+
+    #[test]
+    fn noise_is_the_slowest_run_over_the_fastest() {
+        assert_eq!(super::max_over_min(&[120.0, 100.0, 150.0]), 1.5);
+        assert_eq!(super::max_over_min(&[100.0]), 1.0);
+        assert_eq!(super::max_over_min(&[0.0, 5.0]), 1.0);
     }
 
     #[test]
