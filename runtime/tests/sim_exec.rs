@@ -550,3 +550,39 @@ fn sim_request_lengths_take_the_profile_time_scaled_by_tokens() {
     assert!(matches!(e, ExecError::BadInput { index: 0, .. }), "{e}");
     assert!(e.to_string().contains("tokens 1..=64"), "{e}");
 }
+
+/// Every family's outputs at a batch other than the manifest's have the
+/// shapes shape inference gives (`plan::layer_shapes`, what the cpu and
+/// cuda executors run by): a CNN's program answers them without inferring,
+/// a transformer's infers them.
+#[test]
+fn sim_outputs_have_the_inferred_shapes_at_any_batch() {
+    use distmind_runtime::exec::plan;
+    let exec = SimExecutor::new(shipped());
+    for family in Family::ALL {
+        let dir = tempfile::tempdir().unwrap();
+        let pkg = package(family, Scale::Tiny, dir.path());
+        let m = &pkg.manifest;
+        let arena = exec.alloc_arena(m.stored_bytes).unwrap();
+        let mut program = exec.program(m, arena).unwrap();
+        for b in [3, 1, 3] {
+            let inputs = inputs_at(&pkg, b);
+            let key = plan::shape_key(&inputs);
+            let shapes =
+                plan::layer_shapes(&m.name, &m.layers, &m.inputs, &key, &plan::param_shapes(m))
+                    .unwrap();
+            let out = program
+                .run(&inputs, &mut all_ready, &mut Trace::new())
+                .unwrap();
+            assert_eq!(out.len(), m.outputs.len(), "{family}");
+            for (o, spec) in out.iter().zip(&m.outputs) {
+                assert_eq!(
+                    o.shape, shapes[spec.layer].dims,
+                    "{family} {} at batch {b}",
+                    spec.name
+                );
+                assert_eq!(o.shape[0], b, "{family} {}", spec.name);
+            }
+        }
+    }
+}

@@ -235,12 +235,23 @@ impl Executor for SimExecutor {
             profiled_len: profiled_seq_len(manifest.family, scale),
             floors_s,
         };
+        // Only a model whose inputs vary past the batch (tokens) needs the
+        // graph to work out its output shapes; a program is made on every
+        // model switch, on the device's serial path, so a CNN's skips the
+        // copy of its layers and the shape inference.
+        let varies = manifest
+            .inputs
+            .iter()
+            .any(|i| i.variable.iter().any(|v| v.kind != DimKind::Batch));
+        let graph = varies.then(|| ShapeGraph {
+            layers: manifest.layers.clone(),
+            param_shapes: plan::param_shapes(manifest),
+        });
         Ok(Box::new(SimProgram {
             model: manifest.name.clone(),
             timing,
             shapes: PerShape::default(),
-            graph: manifest.layers.clone(),
-            param_shapes: plan::param_shapes(manifest),
+            graph,
             layers,
             gated: vec![false; manifest.groups.len()],
             inputs: manifest.inputs.clone(),
@@ -468,9 +479,10 @@ pub struct SimProgram {
     timing: SimTiming,
     /// Per request shape: layer times and output shapes.
     shapes: PerShape<SimShape>,
-    /// The manifest's layers and param shapes, for the output shapes.
-    graph: Vec<distmind_models::Layer>,
-    param_shapes: std::collections::HashMap<String, Vec<usize>>,
+    /// What output shapes are inferred from, where inputs vary past the
+    /// batch; `None`: only the batch varies, and every output is the
+    /// manifest's with the request's batch in dimension 0.
+    graph: Option<ShapeGraph>,
     layers: Vec<SimLayer>,
     /// Per group: gated in this run (reset at the start of each run).
     gated: Vec<bool>,
@@ -480,6 +492,12 @@ pub struct SimProgram {
     _arena: Arc<dyn Arena>,
 }
 
+/// The manifest's layers and param shapes, for [`plan::layer_shapes`].
+struct ShapeGraph {
+    layers: Vec<distmind_models::Layer>,
+    param_shapes: std::collections::HashMap<String, Vec<usize>>,
+}
+
 impl SimProgram {
     /// Checks the inputs against the manifest (the batch, and the length of
     /// token inputs, may differ, as on the cpu executor) and returns the
@@ -487,17 +505,31 @@ impl SimProgram {
     fn plan(&mut self, inputs: &[HostTensor]) -> Result<Arc<SimShape>, ExecError> {
         plan::check_inputs(&self.model, &self.inputs, inputs)?;
         let key = plan::shape_key(inputs);
-        let (model, timing, graph, specs, params, outputs) = (
+        let (model, timing, graph, specs, outputs) = (
             &self.model,
             &self.timing,
             &self.graph,
             &self.inputs,
-            &self.param_shapes,
             &self.outputs,
         );
         self.shapes.get_or_try_insert(&key, || {
             let times = timing.times(model, &key)?;
-            let shapes = plan::layer_shapes(model, graph, specs, &key, params)?;
+            let Some(graph) = graph else {
+                let batch = key.first().and_then(|s| s.first().copied()).unwrap_or(1);
+                let outputs = outputs
+                    .iter()
+                    .map(|o| {
+                        let mut shape = o.shape.clone();
+                        if let Some(n) = shape.first_mut() {
+                            *n = batch;
+                        }
+                        shape
+                    })
+                    .collect();
+                return Ok(SimShape { times, outputs });
+            };
+            let shapes =
+                plan::layer_shapes(model, &graph.layers, specs, &key, &graph.param_shapes)?;
             let outputs = outputs
                 .iter()
                 .map(|o| {
