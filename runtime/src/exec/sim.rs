@@ -225,7 +225,7 @@ impl Executor for SimExecutor {
             scale,
             dilation: self.dilation,
             default_batch: batch,
-            default: profile.into_owned(),
+            layer_count: profile.layers.len(),
             seq_dim: manifest.inputs.first().and_then(|i| {
                 i.variable
                     .iter()
@@ -408,10 +408,12 @@ struct SimTiming {
     family: distmind_models::Family,
     scale: Scale,
     dilation: f64,
-    /// The manifest's batch and the profile at it (checked against the
-    /// manifest's layers when the program was made).
+    /// The manifest's batch, and the layer count of the profile at it
+    /// (whose layers were checked against the manifest's when the program
+    /// was made; nothing of it is copied: a program is made on every model
+    /// switch).
     default_batch: usize,
-    default: ModelProfile,
+    layer_count: usize,
     /// The token input's sequence dimension (transformers).
     seq_dim: Option<usize>,
     /// The length the profile timed ([`profiled_seq_len`]).
@@ -429,16 +431,15 @@ impl SimTiming {
         };
         let first = key.first().map(Vec::as_slice).unwrap_or(&[]);
         let batch = first.first().copied().unwrap_or(self.default_batch);
-        let at_batch: Cow<'_, ModelProfile> = if batch == self.default_batch {
-            Cow::Borrowed(&self.default)
-        } else {
-            self.profile
-                .get(self.family, self.scale, batch)
-                .ok_or_else(|| {
-                    model_err(format!("the profile has no layer times for batch {batch}"))
-                })?
-        };
-        if at_batch.layers.len() != self.default.layers.len() {
+        // Borrowed where the profile has the batch; interpolated once per
+        // request shape otherwise.
+        let at_batch: Cow<'_, ModelProfile> = self
+            .profile
+            .get(self.family, self.scale, batch)
+            .ok_or_else(|| {
+                model_err(format!("the profile has no layer times for batch {batch}"))
+            })?;
+        if at_batch.layers.len() != self.layer_count {
             return Err(model_err(format!(
                 "the profile's batch {batch} has a different layer count"
             )));
