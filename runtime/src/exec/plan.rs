@@ -3,8 +3,15 @@
 //! manifest and the arena's length), which layers are outputs, and after
 //! which layer each activation can be freed. Backends map the result onto
 //! their own memory (host offsets, device pointers).
+//!
+//! A [`Compiled`] model is that work done once per manifest and shared by
+//! every program made from it: a device makes a program whenever a model
+//! becomes resident, on its serial path, so a model that keeps switching in
+//! and out is compiled once ([`Compiler`]), and its layer shapes are
+//! inferred once per request shape, not once per switch.
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use distmind_models::shape::{self, Shape};
 use distmind_models::{Dtype, Layer, Manifest, Op, ParamEntry, TensorSpec};
@@ -177,6 +184,160 @@ pub fn plan(manifest: &Manifest, arena_len: u64) -> Result<Plan, ExecError> {
         params,
         outputs,
     })
+}
+
+/// A manifest checked and laid out once ([`plan`] against its own device
+/// size, so any arena at least that large takes it), with what every run
+/// needs of it, shared by the programs of every arena it is made for.
+#[derive(Debug)]
+pub struct Compiled {
+    /// What it was compiled from: the layers, inputs and name that runs
+    /// read, and what a later manifest of the same name is compared with.
+    pub manifest: Manifest,
+    /// Per layer: its params, located in the arena.
+    pub params: Vec<Vec<ParamLoc>>,
+    /// Layer ids of the manifest's outputs, in order.
+    pub outputs: Vec<usize>,
+    /// Per layer: the activations (layer ids) to drop once it ran.
+    pub frees_after: Vec<Vec<usize>>,
+    /// Per group: the layers with params in it, in order.
+    pub by_group: Vec<Vec<usize>>,
+    /// Param shapes by name, for [`layer_shapes`].
+    pub param_shapes: HashMap<String, Vec<usize>>,
+    /// Per request shape: every layer's output shape.
+    shapes: Mutex<PerShape<Vec<Shape>>>,
+}
+
+impl Compiled {
+    /// Checks and lays out `manifest` ([`plan`]) and infers its shapes at
+    /// the manifest's own input shapes, so a graph that cannot run fails
+    /// here, naming the layer.
+    pub fn new(manifest: &Manifest) -> Result<Compiled, ExecError> {
+        let plan = plan(manifest, manifest.device_bytes())?;
+        let mut by_group = vec![Vec::new(); manifest.groups.len()];
+        for (i, layer) in manifest.layers.iter().enumerate() {
+            if let (Some(g), false) = (layer.group, plan.params[i].is_empty()) {
+                if let Some(layers) = by_group.get_mut(g) {
+                    layers.push(i);
+                }
+            }
+        }
+        let compiled = Compiled {
+            manifest: manifest.clone(),
+            params: plan.params,
+            outputs: plan.outputs,
+            frees_after: plan.frees_after,
+            by_group,
+            param_shapes: param_shapes(manifest),
+            shapes: Mutex::new(PerShape::default()),
+        };
+        let key: ShapeKey = manifest.inputs.iter().map(|s| s.shape.clone()).collect();
+        compiled.layer_shapes(&key)?;
+        Ok(compiled)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.manifest.name
+    }
+
+    pub fn layers(&self) -> &[Layer] {
+        &self.manifest.layers
+    }
+
+    pub fn inputs(&self) -> &[TensorSpec] {
+        &self.manifest.inputs
+    }
+
+    pub fn groups(&self) -> usize {
+        self.manifest.groups.len()
+    }
+
+    /// Refuses an arena too small for the model's device bytes (every param
+    /// lies inside those, [`plan`] checked).
+    pub fn check_arena(&self, arena_len: u64) -> Result<(), ExecError> {
+        let need = self.manifest.device_bytes();
+        if arena_len < need {
+            return Err(ExecError::Model {
+                model: self.manifest.name.clone(),
+                why: format!("the arena has {arena_len} bytes, the model takes {need} on a device"),
+            });
+        }
+        Ok(())
+    }
+
+    /// Every layer's output shape for inputs of the shapes `key` (checked
+    /// with [`check_inputs`] first), inferred on the first request of that
+    /// shape by any program of this model and kept ([`PerShape`]).
+    pub fn layer_shapes(&self, key: &[Vec<usize>]) -> Result<Arc<Vec<Shape>>, ExecError> {
+        let mut shapes = self.shapes.lock().unwrap_or_else(|p| p.into_inner());
+        shapes.get_or_try_insert(key, || {
+            layer_shapes(
+                &self.manifest.name,
+                &self.manifest.layers,
+                &self.manifest.inputs,
+                key,
+                &self.param_shapes,
+            )
+        })
+    }
+}
+
+/// Most models an executor keeps compiled; past it the least recently used
+/// is dropped (its programs keep their own reference).
+pub const COMPILED_MAX: usize = 256;
+
+/// An executor's compiled models by name, each reused while the manifest
+/// it was compiled from equals the one asked for (a model re-registered
+/// with another manifest is compiled afresh). Bounded by [`COMPILED_MAX`].
+#[derive(Debug, Default)]
+pub struct Compiler {
+    /// Least recently used first.
+    models: Mutex<Vec<Arc<Compiled>>>,
+}
+
+impl Compiler {
+    /// `manifest` compiled: the kept one when its manifest is equal, else
+    /// compiled now (outside the lock) and kept in place of any other of
+    /// that name.
+    pub fn compile(&self, manifest: &Manifest) -> Result<Arc<Compiled>, ExecError> {
+        if let Some(c) = self.find(manifest) {
+            return Ok(c);
+        }
+        let compiled = Arc::new(Compiled::new(manifest)?);
+        let mut models = self.lock();
+        models.retain(|c| c.manifest.name != manifest.name);
+        if models.len() >= COMPILED_MAX {
+            models.remove(0);
+        }
+        models.push(compiled.clone());
+        Ok(compiled)
+    }
+
+    fn find(&self, manifest: &Manifest) -> Option<Arc<Compiled>> {
+        let mut models = self.lock();
+        let i = models
+            .iter()
+            .rposition(|c| c.manifest.name == manifest.name)?;
+        if models[i].manifest != *manifest {
+            return None;
+        }
+        let c = models.remove(i);
+        models.push(c.clone());
+        Some(c)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Arc<Compiled>>> {
+        self.models.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// How many models are kept compiled.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
 }
 
 /// Checks a request's inputs against the manifest's: the same count, and
@@ -369,6 +530,87 @@ mod tests {
             e.contains("f32 [batch, 3, 4, 4] (batch >= 1)") && e.contains("dimension 2 is 5"),
             "{e}"
         );
+    }
+
+    /// A tiny BERT manifest (`variants` of them, the same layout).
+    fn manifests(dir: &std::path::Path, variants: usize) -> Vec<Manifest> {
+        use distmind_models::{generate, Family, GenOptions, Package, Scale};
+        generate(&GenOptions {
+            scale: Scale::Tiny,
+            variants,
+            ..GenOptions::new(Family::BertBase, dir)
+        })
+        .unwrap()
+        .iter()
+        .map(|d| Package::open(d).unwrap().manifest)
+        .collect()
+    }
+
+    #[test]
+    fn a_manifest_is_compiled_once_until_it_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let ms = manifests(dir.path(), 2);
+        let compiler = Compiler::default();
+        let a = compiler.compile(&ms[0]).unwrap();
+        assert!(Arc::ptr_eq(&a, &compiler.compile(&ms[0]).unwrap()));
+        let b = compiler.compile(&ms[1]).unwrap();
+        assert!(!Arc::ptr_eq(&a, &b));
+        assert_eq!(compiler.len(), 2);
+        // Shapes inferred through one program's handle serve every other.
+        let key = vec![vec![3, 5]];
+        let shapes = a.layer_shapes(&key).unwrap();
+        assert_eq!(shapes.len(), ms[0].layers.len());
+        let again = compiler
+            .compile(&ms[0])
+            .unwrap()
+            .layer_shapes(&key)
+            .unwrap();
+        assert!(Arc::ptr_eq(&shapes, &again));
+
+        // The same name with another manifest (re-registered, say) is
+        // compiled afresh and replaces the old one.
+        let mut other = ms[1].clone();
+        other.name = ms[0].name.clone();
+        let c = compiler.compile(&other).unwrap();
+        assert!(!Arc::ptr_eq(&a, &c));
+        assert_eq!(c.manifest, other);
+        assert_eq!(compiler.len(), 2);
+        assert!(Arc::ptr_eq(&c, &compiler.compile(&other).unwrap()));
+
+        // A manifest that does not plan fails every time and is not kept.
+        let mut bad = ms[0].clone();
+        bad.name = "broken".into();
+        bad.layers[1].params.push("no.such.param".into());
+        for _ in 0..2 {
+            let e = compiler.compile(&bad).unwrap_err().to_string();
+            assert!(e.contains("broken"), "{e}");
+        }
+        assert_eq!(compiler.len(), 2);
+    }
+
+    #[test]
+    fn the_compiler_keeps_the_latest_models() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = manifests(dir.path(), 1).remove(0);
+        let compiler = Compiler::default();
+        let named = |i: usize| Manifest {
+            name: format!("m{i}"),
+            ..m.clone()
+        };
+        let first = compiler.compile(&named(0)).unwrap();
+        for i in 1..=COMPILED_MAX {
+            compiler.compile(&named(i)).unwrap();
+        }
+        assert_eq!(compiler.len(), COMPILED_MAX);
+        // m0 was the least recently used: compiled again, a new one.
+        assert!(!Arc::ptr_eq(&first, &compiler.compile(&named(0)).unwrap()));
+        // An arena smaller than the model is refused by name.
+        let e = first
+            .check_arena(m.device_bytes() - 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("m0") && e.contains("arena"), "{e}");
+        assert!(first.check_arena(m.device_bytes()).is_ok());
     }
 
     #[test]

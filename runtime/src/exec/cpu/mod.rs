@@ -43,7 +43,7 @@ use std::time::Instant;
 
 use candle_core::{CpuStorage, Device, InplaceOp1, Layout, Tensor};
 use distmind_models::dtype::widen;
-use distmind_models::{Layer, Manifest, ParamDtype};
+use distmind_models::{Manifest, ParamDtype};
 
 use super::plan::{self, ParamLoc};
 use super::{
@@ -55,6 +55,8 @@ use params::Prepared;
 #[derive(Debug, Default)]
 pub struct CpuExecutor {
     pool: Arc<Mutex<MemPool>>,
+    /// Models compiled once, for every program made of them.
+    compiler: plan::Compiler,
 }
 
 /// Most bytes of freed group memory kept for reuse, per executor.
@@ -167,7 +169,10 @@ impl Executor for CpuExecutor {
                     why: "the arena was not allocated by this cpu executor".into(),
                 }
             })?;
-        Ok(Box::new(CpuProgram::new(manifest, cpu_arena)?))
+        Ok(Box::new(CpuProgram::new(
+            self.compiler.compile(manifest)?,
+            cpu_arena,
+        )?))
     }
 }
 
@@ -439,33 +444,24 @@ impl Arena for CpuArena {
 /// was compiled, by the first run that reaches the layer.
 #[derive(Debug)]
 struct LayerParams {
-    model: String,
-    layers: Vec<Layer>,
-    /// Per layer: its params as (arena offset, bytes, shape), in op order.
-    locs: Vec<Vec<ParamLoc>>,
-    /// Per group: the layers with params in it.
-    by_group: Vec<Vec<usize>>,
+    /// Where each layer's params are (shared by every program of the model).
+    compiled: Arc<plan::Compiled>,
     /// Per layer: its prepared params, once prepared.
     prepared: Vec<Mutex<Option<Arc<Prepared>>>>,
 }
 
 impl LayerParams {
-    fn new(manifest: &Manifest, locs: Vec<Vec<ParamLoc>>) -> Self {
-        let mut by_group = vec![Vec::new(); manifest.groups.len()];
-        for (i, layer) in manifest.layers.iter().enumerate() {
-            if let (Some(g), false) = (layer.group, locs[i].is_empty()) {
-                if let Some(layers) = by_group.get_mut(g) {
-                    layers.push(i);
-                }
-            }
-        }
+    fn new(compiled: Arc<plan::Compiled>) -> Self {
         LayerParams {
-            model: manifest.name.clone(),
-            layers: manifest.layers.clone(),
-            prepared: (0..locs.len()).map(|_| Mutex::new(None)).collect(),
-            locs,
-            by_group,
+            prepared: (0..compiled.params.len())
+                .map(|_| Mutex::new(None))
+                .collect(),
+            compiled,
         }
+    }
+
+    fn layer_error(&self, i: usize, why: String) -> ExecError {
+        plan::layer_error(self.compiled.name(), &self.compiled.layers()[i], why)
     }
 
     fn slot(&self, i: usize) -> std::sync::MutexGuard<'_, Option<Arc<Prepared>>> {
@@ -479,12 +475,8 @@ impl LayerParams {
         if let Some(p) = self.slot(i).as_ref() {
             return Ok(p.clone());
         }
-        let Some(group) = self.layers[i].group else {
-            return Err(plan::layer_error(
-                &self.model,
-                &self.layers[i],
-                "has params but no group".into(),
-            ));
+        let Some(group) = self.compiled.layers()[i].group else {
+            return Err(self.layer_error(i, "has params but no group".into()));
         };
         let p = Arc::new(self.prepare(i, |loc| arena.view(group, loc))?);
         *self.slot(i) = Some(p.clone());
@@ -493,7 +485,12 @@ impl LayerParams {
 
     /// Prepares every layer of `group` from `mem`, the group's memory.
     fn prepare_group(&self, group: usize, mem: &GroupMem) -> Result<(), ExecError> {
-        for &i in self.by_group.get(group).map_or(&[][..], Vec::as_slice) {
+        for &i in self
+            .compiled
+            .by_group
+            .get(group)
+            .map_or(&[][..], Vec::as_slice)
+        {
             let p = self.prepare(i, |loc| mem.view(group, loc))?;
             *self.slot(i) = Some(Arc::new(p));
         }
@@ -505,73 +502,53 @@ impl LayerParams {
         i: usize,
         mut values: impl FnMut(&ParamLoc) -> Result<Tensor, ExecError>,
     ) -> Result<Prepared, ExecError> {
-        let mut raw = Vec::with_capacity(self.locs[i].len());
-        for loc in &self.locs[i] {
+        let locs = &self.compiled.params[i];
+        let mut raw = Vec::with_capacity(locs.len());
+        for loc in locs {
             raw.push((loc.name.as_str(), loc.shape.as_slice(), values(loc)?));
         }
-        params::prepare(&self.layers[i].op, raw)
-            .map_err(|e| plan::layer_error(&self.model, &self.layers[i], e.to_string()))
+        params::prepare(&self.compiled.layers()[i].op, raw)
+            .map_err(|e| self.layer_error(i, e.to_string()))
     }
 }
 
 /// A model compiled for the CPU against one arena.
 pub struct CpuProgram {
-    model: String,
-    layers: Vec<Layer>,
-    inputs: Vec<distmind_models::TensorSpec>,
-    /// Layer ids of the manifest outputs, in order.
-    outputs: Vec<usize>,
-    /// Per layer: the activations (layer ids) to drop once it ran.
-    frees_after: Vec<Vec<usize>>,
+    /// The model's layers, outputs, frees and per-shape layer shapes,
+    /// shared with every other program of it.
+    compiled: Arc<plan::Compiled>,
     /// Per layer: its params, prepared by the arena's uploads (shared with
     /// the arena) or by the first run that reached it.
     params: Arc<LayerParams>,
-    groups: usize,
     arena: Arc<CpuArena>,
-    /// Param shapes by name, for the per-shape check.
-    param_shapes: std::collections::HashMap<String, Vec<usize>>,
-    /// Per request shape: every layer's output shape, inferred before the
-    /// first run at that shape, so a shape the graph cannot take fails
-    /// before any group is waited for. The kernels themselves read shapes
-    /// from their tensors and keep nothing per shape.
-    shapes: plan::PerShape<Vec<distmind_models::shape::Shape>>,
 }
 
 impl CpuProgram {
-    fn new(manifest: &Manifest, arena: Arc<CpuArena>) -> Result<Self, ExecError> {
-        let plan = plan::plan(manifest, arena.len)?;
-        let params = Arc::new(LayerParams::new(manifest, plan.params));
+    fn new(compiled: Arc<plan::Compiled>, arena: Arc<CpuArena>) -> Result<Self, ExecError> {
+        compiled.check_arena(arena.len)?;
+        let params = Arc::new(LayerParams::new(compiled.clone()));
         // From now on every upload to the arena prepares its group's params.
         *arena.params.lock().unwrap_or_else(|e| e.into_inner()) = Some(params.clone());
         Ok(CpuProgram {
-            model: manifest.name.clone(),
-            frees_after: plan.frees_after,
-            layers: manifest.layers.clone(),
-            inputs: manifest.inputs.clone(),
-            outputs: plan.outputs,
+            compiled,
             params,
-            groups: manifest.groups.len(),
             arena,
-            param_shapes: plan::param_shapes(manifest),
-            shapes: plan::PerShape::default(),
         })
     }
 
     fn layer_error(&self, i: usize, why: String) -> ExecError {
-        plan::layer_error(&self.model, &self.layers[i], why)
+        self.params.layer_error(i, why)
     }
 
     /// Checks the inputs against the manifest (the batch, and the length of
-    /// token inputs, may differ) and the graph at their shapes, and wraps
-    /// them as tensors.
-    fn input_tensors(&mut self, inputs: &[HostTensor]) -> Result<Vec<Tensor>, ExecError> {
-        plan::check_inputs(&self.model, &self.inputs, inputs)?;
-        let key = plan::shape_key(inputs);
-        let (model, layers, specs, params) =
-            (&self.model, &self.layers, &self.inputs, &self.param_shapes);
-        self.shapes.get_or_try_insert(&key, || {
-            plan::layer_shapes(model, layers, specs, &key, params)
-        })?;
+    /// token inputs, may differ) and the graph at their shapes (inferred
+    /// before the first run at a shape, so a shape the graph cannot take
+    /// fails before any group is waited for; the kernels read shapes from
+    /// their tensors), and wraps them as tensors.
+    fn input_tensors(&self, inputs: &[HostTensor]) -> Result<Vec<Tensor>, ExecError> {
+        let model = self.compiled.name();
+        plan::check_inputs(model, self.compiled.inputs(), inputs)?;
+        self.compiled.layer_shapes(&plan::shape_key(inputs))?;
         inputs
             .iter()
             .enumerate()
@@ -581,7 +558,7 @@ impl CpuProgram {
                     TensorData::I64(v) => Tensor::from_slice(v, t.shape.as_slice(), &Device::Cpu),
                 }
                 .map_err(|e| ExecError::BadInput {
-                    model: self.model.clone(),
+                    model: model.to_string(),
                     index: i,
                     got: t.describe(),
                     want: format!("a tensor candle accepts ({e})"),
@@ -593,7 +570,7 @@ impl CpuProgram {
     /// The layer's prepared params (`None` for a layer without params);
     /// prepared now unless an upload or an earlier run did.
     fn prepared(&self, i: usize) -> Result<Option<Arc<Prepared>>, ExecError> {
-        if self.params.locs[i].is_empty() {
+        if self.compiled.params[i].is_empty() {
             return Ok(None);
         }
         self.params.get_or_prepare(&self.arena, i).map(Some)
@@ -609,11 +586,12 @@ impl Program for CpuProgram {
     ) -> Result<Vec<HostTensor>, ExecError> {
         let start = Instant::now();
         let model_inputs = self.input_tensors(inputs)?;
-        let mut values: Vec<Option<Tensor>> = vec![None; self.layers.len()];
-        let mut gated = vec![false; self.groups];
-        for i in 0..self.layers.len() {
-            if let Some(g) = self.layers[i].group {
-                if !self.params.locs[i].is_empty() && !gated[g] {
+        let layers = self.compiled.layers();
+        let mut values: Vec<Option<Tensor>> = vec![None; layers.len()];
+        let mut gated = vec![false; self.compiled.groups()];
+        for (i, layer) in layers.iter().enumerate() {
+            if let Some(g) = layer.group {
+                if !self.compiled.params[i].is_empty() && !gated[g] {
                     gate(g)?;
                     gated[g] = true;
                     trace.push((start.elapsed(), TraceEvent::GroupReady { group: g }));
@@ -621,8 +599,8 @@ impl Program for CpuProgram {
             }
             trace.push((start.elapsed(), TraceEvent::LayerStart { layer: i }));
             let prepared = self.prepared(i)?;
-            let mut args = Vec::with_capacity(self.layers[i].inputs.len());
-            for &input in &self.layers[i].inputs {
+            let mut args = Vec::with_capacity(layer.inputs.len());
+            for &input in &layer.inputs {
                 let t = if input < 0 {
                     &model_inputs[(-input - 1) as usize]
                 } else {
@@ -632,17 +610,17 @@ impl Program for CpuProgram {
                 };
                 args.push(t.clone());
             }
-            let layer = &self.layers[i];
             let out = ops::apply(&layer.op, &args, prepared.as_deref())
-                .map_err(|e| plan::layer_error(&self.model, layer, e.to_string()))?;
+                .map_err(|e| self.layer_error(i, e.to_string()))?;
             drop(args);
             values[i] = Some(out);
-            for &v in &self.frees_after[i] {
+            for &v in &self.compiled.frees_after[i] {
                 values[v] = None;
             }
             trace.push((start.elapsed(), TraceEvent::LayerEnd { layer: i }));
         }
-        self.outputs
+        self.compiled
+            .outputs
             .iter()
             .map(|&o| {
                 let t = values[o]

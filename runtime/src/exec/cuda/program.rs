@@ -2,12 +2,10 @@
 //! compute stream, gated per group on the host (`gate(g)`) and on the device
 //! (`cuStreamWaitEvent` on the group's upload event).
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use distmind_models::shape::{self, Shape};
-use distmind_models::{Dtype, Layer, Manifest, Op, TensorSpec};
+use distmind_models::{Dtype, Manifest, Op, TensorSpec};
 
 use cudarc::driver::{sys, CudaEvent};
 
@@ -25,6 +23,8 @@ use crate::exec::{
 pub struct CudaExecutor {
     gpu: Arc<Gpu>,
     options: CudaOptions,
+    /// Models compiled once, for every program made of them.
+    compiler: plan::Compiler,
 }
 
 impl std::fmt::Debug for CudaExecutor {
@@ -47,7 +47,11 @@ impl CudaExecutor {
     /// [`CudaExecutor::new`] with `options`; an error names the device.
     pub fn with_options(device: usize, options: CudaOptions) -> Result<Self, ExecError> {
         let gpu = Gpu::open(device, !options.fresh_arenas).map_err(|e| name_device(device, e))?;
-        Ok(CudaExecutor { gpu, options })
+        Ok(CudaExecutor {
+            gpu,
+            options,
+            compiler: plan::Compiler::default(),
+        })
     }
 
     /// The GPU's name as the driver reports it, e.g. `NVIDIA H100 80GB HBM3`.
@@ -119,7 +123,7 @@ impl Executor for CudaExecutor {
                 }
             })?;
         Ok(Box::new(CudaProgram::new(
-            manifest,
+            self.compiler.compile(manifest)?,
             cuda_arena,
             self.options,
         )?))
@@ -128,21 +132,18 @@ impl Executor for CudaExecutor {
 
 /// A model compiled for one GPU against one arena.
 pub struct CudaProgram {
-    model: String,
-    layers: Vec<Layer>,
-    inputs: Vec<TensorSpec>,
-    outputs: Vec<usize>,
-    /// Per layer: the activations (layer ids) to drop once it was enqueued.
-    frees_after: Vec<Vec<usize>>,
-    /// Per layer: device addresses of its params, in op order.
-    param_ptrs: Vec<Vec<u64>>,
-    param_shapes: HashMap<String, Vec<usize>>,
-    /// Per request shape: every layer's output shape (what kernel launches
-    /// and activation allocations are sized by), inferred once per shape.
-    shapes: plan::PerShape<Vec<Shape>>,
+    /// The model's layers, params, outputs, frees and per-shape layer
+    /// shapes (what kernel launches and activations are sized by), shared
+    /// with every other program of it.
+    compiled: Arc<plan::Compiled>,
+    /// Device addresses of every layer's params, layer after layer, each
+    /// layer's in op order (`param_at` says where a layer's start).
+    param_ptrs: Vec<u64>,
+    /// Per layer: the index in `param_ptrs` of its first param (one more
+    /// entry at the end).
+    param_at: Vec<usize>,
     /// Per layer: device memory prepared on the first run (batch norm).
     prepared: Vec<Option<DeviceBuffer>>,
-    groups: usize,
     arena: Arc<CudaArena>,
     gpu: Arc<Gpu>,
     options: CudaOptions,
@@ -150,34 +151,24 @@ pub struct CudaProgram {
 
 impl CudaProgram {
     fn new(
-        manifest: &Manifest,
+        compiled: Arc<plan::Compiled>,
         arena: Arc<CudaArena>,
         options: CudaOptions,
     ) -> Result<Self, ExecError> {
-        let plan = plan::plan(manifest, arena.len())?;
-        let param_ptrs: Vec<Vec<u64>> = plan
-            .params
-            .iter()
-            .map(|ps| ps.iter().map(|p| arena.device_ptr(p.offset)).collect())
-            .collect();
-        let param_shapes = plan::param_shapes(manifest);
-        // Shapes and param shapes at the manifest's batch size, checked once.
-        shape::infer(&manifest.layers, &manifest.inputs, |n| {
-            param_shapes.get(n).map(Vec::as_slice)
-        })
-        .map_err(|(i, why)| plan::layer_error(&manifest.name, &manifest.layers[i], why))?;
+        compiled.check_arena(arena.len())?;
+        let mut param_at = Vec::with_capacity(compiled.params.len() + 1);
+        let mut param_ptrs = Vec::new();
+        for locs in &compiled.params {
+            param_at.push(param_ptrs.len());
+            param_ptrs.extend(locs.iter().map(|p| arena.device_ptr(p.offset)));
+        }
+        param_at.push(param_ptrs.len());
         let gpu = arena.gpu().clone();
         Ok(CudaProgram {
-            model: manifest.name.clone(),
-            frees_after: plan.frees_after,
-            layers: manifest.layers.clone(),
-            inputs: manifest.inputs.clone(),
-            outputs: plan.outputs,
+            prepared: (0..compiled.layers().len()).map(|_| None).collect(),
+            compiled,
             param_ptrs,
-            param_shapes,
-            shapes: plan::PerShape::default(),
-            prepared: (0..manifest.layers.len()).map(|_| None).collect(),
-            groups: manifest.groups.len(),
+            param_at,
             arena,
             gpu,
             options,
@@ -185,17 +176,18 @@ impl CudaProgram {
     }
 
     fn layer_error(&self, i: usize, why: String) -> ExecError {
-        plan::layer_error(&self.model, &self.layers[i], why)
+        plan::layer_error(self.compiled.name(), &self.compiled.layers()[i], why)
     }
 
     /// Checks the inputs against the manifest (the batch dimension may
     /// differ) and the token ids against every embedding that reads them;
     /// returns the specs at the actual shapes.
     fn check_inputs(&self, inputs: &[HostTensor]) -> Result<Vec<TensorSpec>, ExecError> {
-        plan::check_inputs(&self.model, &self.inputs, inputs)?;
+        let model = self.compiled.name();
+        plan::check_inputs(model, self.compiled.inputs(), inputs)?;
         let specs: Vec<TensorSpec> = inputs
             .iter()
-            .zip(&self.inputs)
+            .zip(self.compiled.inputs())
             .map(|(t, spec)| TensorSpec {
                 shape: t.shape.clone(),
                 ..spec.clone()
@@ -203,7 +195,7 @@ impl CudaProgram {
             .collect();
         // Out-of-vocabulary ids: the cpu executor fails the layer; the kernel
         // cannot, so check on the host, where the ids still are.
-        for layer in &self.layers {
+        for layer in self.compiled.layers() {
             if let Op::Embedding {
                 num_embeddings,
                 ids: distmind_models::graph::EmbeddingIds::Input,
@@ -220,7 +212,7 @@ impl CudaProgram {
                             .find(|&&id| id < 0 || id as u64 >= num_embeddings as u64)
                         {
                             return Err(plan::layer_error(
-                                &self.model,
+                                model,
                                 layer,
                                 format!(
                                     "token id {id} is outside the vocabulary 0..{num_embeddings}"
@@ -277,16 +269,14 @@ impl Program for CudaProgram {
         trace: &mut Trace,
     ) -> Result<Vec<HostTensor>, ExecError> {
         let start = Instant::now();
+        let compiled = self.compiled.clone();
         let model_err = |why: String| ExecError::Model {
-            model: self.model.clone(),
+            model: compiled.name().to_string(),
             why,
         };
         let specs = self.check_inputs(inputs)?;
-        let key = plan::shape_key(inputs);
-        let (model, layers, params) = (&self.model, &self.layers, &self.param_shapes);
-        let shapes = self.shapes.get_or_try_insert(&key, || {
-            plan::layer_shapes(model, layers, &specs, &key, params)
-        })?;
+        let shapes = compiled.layer_shapes(&plan::shape_key(inputs))?;
+        let layers = compiled.layers();
         self.gpu.bind().map_err(model_err)?;
         let model_inputs = inputs
             .iter()
@@ -294,16 +284,16 @@ impl Program for CudaProgram {
             .map(|(t, spec)| self.upload_input(t, spec.dtype))
             .collect::<Result<Vec<_>, _>>()
             .map_err(model_err)?;
-        let mut values: Vec<Option<DevTensor>> = vec![None; self.layers.len()];
-        let mut gated = vec![false; self.groups];
+        let mut values: Vec<Option<DevTensor>> = vec![None; layers.len()];
+        let mut gated = vec![false; compiled.groups()];
         let mut timing = if self.options.layer_events {
             Some(LayerEvents::start(&self.gpu, start.elapsed(), trace.len()).map_err(model_err)?)
         } else {
             None
         };
-        for i in 0..self.layers.len() {
-            if let Some(g) = self.layers[i].group {
-                if !self.param_ptrs[i].is_empty() && !gated[g] {
+        for (i, layer) in layers.iter().enumerate() {
+            if let Some(g) = layer.group {
+                if !compiled.params[i].is_empty() && !gated[g] {
                     gate(g)?;
                     gated[g] = true;
                     trace.push((start.elapsed(), TraceEvent::GroupReady { group: g }));
@@ -321,8 +311,8 @@ impl Program for CudaProgram {
                 }
             }
             trace.push((start.elapsed(), TraceEvent::LayerStart { layer: i }));
-            let mut args = Vec::with_capacity(self.layers[i].inputs.len());
-            for &input in &self.layers[i].inputs {
+            let mut args = Vec::with_capacity(layer.inputs.len());
+            for &input in &layer.inputs {
                 let t = if input < 0 {
                     &model_inputs[(-input - 1) as usize]
                 } else {
@@ -333,15 +323,14 @@ impl Program for CudaProgram {
                 args.push(t);
             }
             let params = LayerParams {
-                ptrs: &self.param_ptrs[i],
+                ptrs: &self.param_ptrs[self.param_at[i]..self.param_at[i + 1]],
                 prepared: &mut self.prepared[i],
             };
-            let layer = &self.layers[i];
             let out = ops::run_layer(&self.gpu, &layer.op, &args, &shapes[i].dims, params)
-                .map_err(|why| plan::layer_error(&self.model, layer, why))?;
+                .map_err(|why| plan::layer_error(compiled.name(), layer, why))?;
             drop(args);
             values[i] = Some(out);
-            for &v in &self.frees_after[i] {
+            for &v in &compiled.frees_after[i] {
                 values[v] = None;
             }
             if self.options.sync_per_layer {
@@ -356,7 +345,7 @@ impl Program for CudaProgram {
             }
             trace.push((start.elapsed(), TraceEvent::LayerEnd { layer: i }));
         }
-        let outputs = self
+        let outputs = compiled
             .outputs
             .iter()
             .map(|&o| {
