@@ -15,14 +15,13 @@
 //! any grid size is correct.
 
 /// Kernel names, in the order of [`KERNEL_NAMES`]'s users (`Kernel as usize`).
-pub const KERNEL_NAMES: [&str; 19] = [
+pub const KERNEL_NAMES: [&str; 18] = [
     "relu_f32",
     "tanh_f32",
     "gelu_erf_f32",
     "gelu_tanh_f32",
     "add_f32",
     "bias_add_f32",
-    "bn_fold_f32",
     "batch_norm_f32",
     "im2col_f32",
     "max_pool2d_f32",
@@ -84,23 +83,20 @@ extern "C" __global__ void bias_add_f32(float* y, const float* bias, long long n
     GRID_STRIDE(i, n) { y[i] += bias[(i / inner) % channels]; }
 }
 
-/* scale = w / sqrt(var + eps), shift = b - mean scale, in f64 (the cpu executor's fold). */
-extern "C" __global__ void bn_fold_f32(const float* w, const float* b, const float* mean,
-                                       const float* var, double eps, float* scale,
-                                       float* shift, long long c) {
-    GRID_STRIDE(i, c) {
-        double s = (double)w[i] / sqrt((double)var[i] + eps);
-        scale[i] = (float)s;
-        shift[i] = (float)((double)b[i] - (double)mean[i] * s);
-    }
-}
-
-extern "C" __global__ void batch_norm_f32(const float* x, const float* scale,
-                                          const float* shift, float* y, long long n,
-                                          long long plane, long long channels) {
+/* Inference batch norm from the layer's own params: scale = w / sqrt(var + eps) and
+   shift = b - mean scale in f64 (the cpu executor's fold), rounded to f32, then
+   y = x scale + shift in f32. Each element folds its channel again, so a program
+   keeps no folded copy and its first run launches nothing more than later ones. */
+extern "C" __global__ void batch_norm_f32(const float* x, const float* w, const float* b,
+                                          const float* mean, const float* var, double eps,
+                                          float* y, long long n, long long plane,
+                                          long long channels) {
     GRID_STRIDE(i, n) {
         long long c = (i / plane) % channels;
-        y[i] = __fadd_rn(__fmul_rn(x[i], scale[c]), shift[c]);
+        double s = (double)w[c] / sqrt((double)var[c] + eps);
+        float scale = (float)s;
+        float shift = (float)((double)b[c] - (double)mean[c] * s);
+        y[i] = __fadd_rn(__fmul_rn(x[i], scale), shift);
     }
 }
 

@@ -56,9 +56,6 @@ fn n(v: usize) -> Arg {
 /// A layer's params on the device: addresses in the arena, in op order.
 pub(super) struct LayerParams<'a> {
     pub(super) ptrs: &'a [u64],
-    /// Device memory the layer prepared once (batch norm's folded scale and
-    /// shift), kept by the program for later runs.
-    pub(super) prepared: &'a mut Option<DeviceBuffer>,
 }
 
 fn want_f32(x: &DevTensor) -> Result<(), String> {
@@ -184,30 +181,6 @@ pub(super) fn run_layer(
                     x.shape
                 ));
             }
-            if params.prepared.is_none() {
-                let folded = DeviceBuffer::new(gpu, 2 * num_features * 4)?;
-                let scale = folded.ptr();
-                gpu.launch_elems(
-                    Kernel::BnFold,
-                    num_features,
-                    &[
-                        Arg::Ptr(param(&params, 0)?),
-                        Arg::Ptr(param(&params, 1)?),
-                        Arg::Ptr(param(&params, 2)?),
-                        Arg::Ptr(param(&params, 3)?),
-                        Arg::F64(eps),
-                        Arg::Ptr(scale),
-                        Arg::Ptr(scale + 4 * num_features as u64),
-                        n(num_features),
-                    ],
-                )?;
-                *params.prepared = Some(folded);
-            }
-            let scale = params
-                .prepared
-                .as_ref()
-                .map(DeviceBuffer::ptr)
-                .unwrap_or_default();
             check_shape(&x.shape)?;
             let y = out(out_shape)?;
             let plane: usize = x.shape[2..].iter().product();
@@ -216,8 +189,11 @@ pub(super) fn run_layer(
                 x.elems(),
                 &[
                     x.ptr(),
-                    Arg::Ptr(scale),
-                    Arg::Ptr(scale + 4 * num_features as u64),
+                    Arg::Ptr(param(&params, 0)?),
+                    Arg::Ptr(param(&params, 1)?),
+                    Arg::Ptr(param(&params, 2)?),
+                    Arg::Ptr(param(&params, 3)?),
+                    Arg::F64(eps),
                     y.ptr(),
                     n(x.elems()),
                     n(plane),

@@ -10,7 +10,7 @@ use distmind_models::{Dtype, Manifest, Op, TensorSpec};
 use cudarc::driver::{sys, CudaEvent};
 
 use super::arena::CudaArena;
-use super::driver::{cuda_err, DeviceBuffer, Gpu};
+use super::driver::{cuda_err, Gpu};
 use super::ops::{self, dtype_bytes, DevTensor, LayerParams};
 use super::CudaOptions;
 use crate::exec::plan;
@@ -142,8 +142,6 @@ pub struct CudaProgram {
     /// Per layer: the index in `param_ptrs` of its first param (one more
     /// entry at the end).
     param_at: Vec<usize>,
-    /// Per layer: device memory prepared on the first run (batch norm).
-    prepared: Vec<Option<DeviceBuffer>>,
     arena: Arc<CudaArena>,
     gpu: Arc<Gpu>,
     options: CudaOptions,
@@ -165,7 +163,6 @@ impl CudaProgram {
         param_at.push(param_ptrs.len());
         let gpu = arena.gpu().clone();
         Ok(CudaProgram {
-            prepared: (0..compiled.layers().len()).map(|_| None).collect(),
             compiled,
             param_ptrs,
             param_at,
@@ -324,7 +321,6 @@ impl Program for CudaProgram {
             }
             let params = LayerParams {
                 ptrs: &self.param_ptrs[self.param_at[i]..self.param_at[i + 1]],
-                prepared: &mut self.prepared[i],
             };
             let out = ops::run_layer(&self.gpu, &layer.op, &args, &shapes[i].dims, params)
                 .map_err(|why| plan::layer_error(compiled.name(), layer, why))?;
