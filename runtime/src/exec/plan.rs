@@ -282,9 +282,11 @@ impl Compiled {
     }
 }
 
-/// Most models an executor keeps compiled; past it the least recently used
-/// is dropped (its programs keep their own reference).
-pub const COMPILED_MAX: usize = 256;
+/// Most models an executor (one device) keeps compiled; past it the least
+/// recently used is dropped (programs of it keep their own reference). A
+/// device switches among the few models its memory holds and the ones it
+/// evicts for them; each kept model holds a copy of its manifest.
+pub const COMPILED_MAX: usize = 64;
 
 /// An executor's compiled models by name, each reused while the manifest
 /// it was compiled from equals the one asked for (a model re-registered
