@@ -551,6 +551,44 @@ fn bad_assignments_are_refused_by_name_and_a_stop_ends_an_unstarted_worker() {
     assert_eq!(client.train_stage_stop("bad-1", 0, 1, 1).unwrap(), 0);
 }
 
+/// A stage worker on a device pauses the device's background training job
+/// (no background iteration between the worker's ops) until it ends; then
+/// the background job resumes.
+#[test]
+fn a_stage_worker_pauses_the_devices_background_job_until_it_ends() {
+    let c = Cluster::start(Family::Resnet152, &[vec![0]]);
+    let r = &c.runtimes[0];
+    let (running, _) = c.client(&r.addr).train(0, Some(&c.model)).unwrap();
+    assert_eq!(running.as_deref(), Some(c.model.as_str()));
+    let background = || r.monitor.training(0).unwrap().total_iterations;
+    wait_until("the background job to iterate", || background() >= 2);
+    let mut one = spec("pause", &c.model, 0.01, 100_000);
+    (one.pipelines, one.stages) = (1, 1);
+    let job = submit(&c, one);
+    start_job(&c, &job);
+    let worker = || c.workers()[&(0, 0)].iterations;
+    // By its second iteration, a background iteration that began before
+    // the worker existed has long been counted.
+    wait_until("the worker's second iteration", || worker() >= 2);
+    let during = background();
+    wait_until("the worker's fifth iteration", || worker() >= 5);
+    assert_eq!(
+        background(),
+        during,
+        "the background job iterated while a stage worker held the device"
+    );
+    let iterations = c
+        .client(&r.addr)
+        .train_stage_stop(&job.id, 0, 0, job.generation)
+        .unwrap();
+    assert!(iterations >= 5, "{iterations}");
+    wait_until("the background job to resume", || background() > during);
+    assert_eq!(
+        r.monitor.training(0).unwrap().model.as_deref(),
+        Some(c.model.as_str())
+    );
+}
+
 #[test]
 fn a_stop_ends_every_worker_at_an_iteration_boundary() {
     let c = Cluster::start(Family::Resnet152, &[vec![0, 1, 2], vec![0, 1, 2]]);

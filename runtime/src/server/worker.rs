@@ -18,7 +18,12 @@
 //! Each task holds the device's lock ([`super::device_lock`]) with
 //! priority, and each background iteration holds it as a training op, so a
 //! training stage worker on the same device ([`super::stage`]) runs its
-//! ops between tasks and a task waits for at most one of them.
+//! ops between tasks and a task waits for at most one of them. While a
+//! stage worker holds the device, the background job pauses (no
+//! iterations; tasks and controls are still taken): a job the controller
+//! placed on the device is its training, and a background iteration
+//! (batch 96 by default) between each of the stage's short ops would slow
+//! the job several times over. It resumes when the stage worker ends.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -34,7 +39,9 @@ use distmind_models::{Dtype, Manifest};
 use rand::Rng;
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
+use super::device_lock::DEVICE_WAIT_POLL;
 use super::plan::ModelPlan;
+use super::stage::StageWorkerStatus;
 use super::{batch, Core, TrainingStatus, TRAIN_ITERATION_EWMA_WEIGHT};
 use crate::cache::CacheError;
 use crate::device::DeviceError;
@@ -243,6 +250,8 @@ pub(crate) fn run(
     let mut trainer: Option<Trainer> = None;
     let mut last: Option<Iteration> = None;
     let mut controls_open = true;
+    // The background job waits for a stage worker on this device.
+    let mut paused = false;
     loop {
         if controls_open {
             match control.try_recv() {
@@ -254,12 +263,35 @@ pub(crate) fn run(
                 Err(TryRecvError::Empty) => {}
             }
         }
-        let task = if trainer.is_some() {
+        paused &= trainer.is_some();
+        let task = if let Some(t) = &trainer {
             match rx.try_recv() {
                 Ok(t) => t,
                 Err(TryRecvError::Empty) => {
-                    last = Some(iterate(core, index, &mut trainer));
-                    continue;
+                    let stage = core.stages.running_on(index);
+                    if paused != stage.is_some() {
+                        log_pause(device.id, t.name(), stage.as_ref());
+                        paused = stage.is_some();
+                    }
+                    if !paused {
+                        last = Some(iterate(core, index, &mut trainer));
+                        continue;
+                    }
+                    // Paused: wait for a task or a control, looking again
+                    // at the stage worker every poll.
+                    match wait_paused(&rx, &control, controls_open) {
+                        Paused::Task(t) => t,
+                        Paused::Control(Some(c)) => {
+                            apply_control(core, index, &mut trainer, c);
+                            continue;
+                        }
+                        Paused::Control(None) => {
+                            controls_open = false;
+                            continue;
+                        }
+                        Paused::Poll => continue,
+                        Paused::Closed => break,
+                    }
                 }
                 Err(TryRecvError::Disconnected) => break,
             }
@@ -949,6 +981,56 @@ fn start(core: &Core, index: usize, id: u64, model: &str) -> Result<Trainer, Err
         })),
         iterations: 0,
     })
+}
+
+/// What a paused background job's wait ended with.
+enum Paused {
+    Task(Task),
+    /// A control, or `None` when the control channel closed.
+    Control(Option<TrainControl>),
+    /// Time to look at the stage worker again.
+    Poll,
+    /// The task queue closed.
+    Closed,
+}
+
+/// Waits, at most [`DEVICE_WAIT_POLL`], for a task or (while the channel
+/// is open) a control.
+fn wait_paused(
+    rx: &channel::Receiver<Task>,
+    control: &channel::Receiver<TrainControl>,
+    controls_open: bool,
+) -> Paused {
+    if controls_open {
+        crossbeam::select! {
+            recv(control) -> c => Paused::Control(c.ok()),
+            recv(rx) -> t => t.map_or(Paused::Closed, Paused::Task),
+            default(DEVICE_WAIT_POLL) => Paused::Poll,
+        }
+    } else {
+        match rx.recv_timeout(DEVICE_WAIT_POLL) {
+            Ok(t) => Paused::Task(t),
+            Err(channel::RecvTimeoutError::Timeout) => Paused::Poll,
+            Err(channel::RecvTimeoutError::Disconnected) => Paused::Closed,
+        }
+    }
+}
+
+/// Logs the background job pausing for a stage worker (`Some`) or
+/// resuming.
+fn log_pause(device: u32, job: &str, stage: Option<&StageWorkerStatus>) {
+    match stage {
+        Some(s) => log::info!(
+            "device {device}: background training of {job} paused while job {}'s stage worker \
+             (pipeline {}, stage {}) trains here",
+            s.job,
+            s.pipeline,
+            s.stage
+        ),
+        None => log::info!(
+            "device {device}: background training of {job} resumes (no stage worker here now)"
+        ),
+    }
 }
 
 /// One iteration of the device's job (an SGD step, or the simulated time
