@@ -6,7 +6,11 @@
 //! Per family it prints `pipelined/sequential` and `to ideal` = pipelined /
 //! the ideal pipeline: with G equal groups and stage times network, H2D and
 //! compute, the slowest stage plus 1/G of each other one (the first group
-//! must cross the stages before it, the last group those after it). `--match-rate` rate-limits
+//! must cross the stages before it, the last group those after it). Each
+//! repeat runs load-then-run, compute-only and pipelined one after another;
+//! `to ideal` is the median over the repeats of each pipelined run over the
+//! ideal of its own repeat's stages (the JSON also has the ratio of the
+//! medians). `--match-rate` rate-limits
 //! the GPU server's link so that transfer-only is about compute-only, where
 //! pipelining matters most. `noise` is the slowest compute-only run over
 //! the fastest across the repeats: the same work each time, so how far the
@@ -125,8 +129,14 @@ pub struct Row {
     pub sequential_ms: f64,
     pub pipelined_over_sequential: f64,
     /// Pipelined over the ideal pipeline of its measured stages
-    /// (`ideal_pipeline_ms`).
+    /// (`ideal_pipeline_ms`), paired: each repeat's pipelined run over the
+    /// ideal of the stages measured in that repeat (the load-then-run and
+    /// compute-only runs just before it), the median over the repeats. A
+    /// host whose speed drifts between repeats moves both sides of a pair.
     pub ratio_to_ideal: f64,
+    /// The same ratio unpaired: the median pipelined time over the ideal of
+    /// the stages' medians, each taken over every repeat.
+    pub ratio_of_medians_to_ideal: f64,
     /// Pipelined over the ideal pipeline of its groups as they are
     /// (`flow_shop_ms`: each group's share of the network and upload by its
     /// bytes, of compute by its layers' times in a warm run); `None` where
@@ -447,6 +457,8 @@ impl Bench<'_> {
             memserver_cpu.push(servers_after.saturating_sub(servers).as_secs_f64() * 1e3);
         }
         forget();
+        let paired =
+            paired_ratio_to_ideal(&network, &transfer, &compute, &pipelined, m.groups.len());
         let network = median(network);
         // The link the bytes cross: emulated, or the limit's rate.
         let link_rate = match &self.emulated {
@@ -481,7 +493,8 @@ impl Bench<'_> {
             pipelined_ms: pipelined,
             sequential_ms: sequential,
             pipelined_over_sequential: pipelined / sequential,
-            ratio_to_ideal: pipelined / ideal,
+            ratio_to_ideal: paired,
+            ratio_of_medians_to_ideal: pipelined / ideal,
             ratio_to_flow_ideal: warm_trace
                 .as_ref()
                 .filter(|_| self.exec.kind() != ExecutorKind::Cuda)
@@ -561,6 +574,25 @@ fn ideal_pipeline_ms(stages: &[f64], groups: usize) -> f64 {
     let slowest = stages.iter().copied().fold(0.0, f64::max);
     let rest: f64 = stages.iter().sum::<f64>() - slowest;
     slowest + rest / groups.max(1) as f64
+}
+
+/// The median over the repeats of each one's pipelined time over the ideal
+/// pipeline of the stages measured in that same repeat (`network`,
+/// `transfer` = network + upload, `compute`; ms, one entry per repeat).
+fn paired_ratio_to_ideal(
+    network: &[f64],
+    transfer: &[f64],
+    compute: &[f64],
+    pipelined: &[f64],
+    groups: usize,
+) -> f64 {
+    let ratios = (0..pipelined.len())
+        .map(|i| {
+            let stages = [network[i], transfer[i] - network[i], compute[i]];
+            pipelined[i] / ideal_pipeline_ms(&stages, groups)
+        })
+        .collect();
+    median(ratios)
 }
 
 /// The shortest a pipeline of the groups as they are can take: stages in
@@ -812,17 +844,43 @@ mod tests {
                 <= f("pipelined_cpu_ms") * 1.01,
             "a part of the process's CPU time is no larger than the whole: {row}"
         );
-        // Charging the movers' CPU to the cores can only lower the ratio.
+        // Charging the movers' CPU to the cores can only lower the ratio;
+        // with one repeat, pairing changes nothing.
         assert!(
-            f("ratio_to_shared_core_ideal") < f("ratio_to_ideal"),
+            f("ratio_to_shared_core_ideal") < f("ratio_of_medians_to_ideal"),
             "{row}"
         );
+        assert_eq!(f("ratio_to_ideal"), f("ratio_of_medians_to_ideal"), "{row}");
         assert_eq!(
             row["cores"].as_u64(),
             std::thread::available_parallelism()
                 .ok()
                 .map(|n| n.get() as u64)
         );
+    }
+
+    #[test]
+    fn a_paired_ratio_takes_each_pipelined_run_against_its_own_repeats_stages() {
+        // Three repeats at host speeds 1, 1/2 and 2 (every stage scaled),
+        // each pipelined run 1.0, 1.3 and 1.1 times its repeat's ideal
+        // (8 groups: 100 + (40 + 20) / 8 = 107.5 ms at speed 1).
+        let speed = [1.0, 2.0, 0.5];
+        let over = [1.0, 1.3, 1.1];
+        let scaled = |ms: f64| speed.map(|k| ms * k);
+        let (net, transfer, compute) = (scaled(40.0), scaled(60.0), scaled(100.0));
+        let pipelined: Vec<f64> = (0..3).map(|i| 107.5 * speed[i] * over[i]).collect();
+        let paired = super::paired_ratio_to_ideal(&net, &transfer, &compute, &pipelined, 8);
+        assert!((paired - 1.1).abs() < 1e-9, "{paired}");
+        // Unpaired, the medians come from different repeats: the median
+        // pipelined run is the fast repeat's and reads 1.0.
+        let median = |xs: &[f64]| super::super::median(xs.to_vec());
+        let stages = [
+            median(&net),
+            median(&transfer) - median(&net),
+            median(&compute),
+        ];
+        let unpaired = median(&pipelined) / ideal_pipeline_ms(&stages, 8);
+        assert!((unpaired - 1.0).abs() < 1e-9, "{unpaired}");
     }
 
     #[test]
