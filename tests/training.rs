@@ -400,18 +400,24 @@ fn up_runs_a_training_job_next_to_the_workload_and_stops_it() {
 }
 
 #[test]
-fn a_stage_slowed_3x_at_iteration_120_is_repartitioned_once_and_the_job_runs_faster() {
+fn a_stage_slowed_3x_is_repartitioned_once_and_the_job_runs_faster() {
     let (_serial, mut c) = cluster(&["resnet152"]);
     let cnn = c.models[0].clone();
-    // DynPipe's defaults: stage times every 50 iterations, the baseline
-    // frozen at 100, a ratio of 2 triggers, the new partition 60 later.
+    // DynPipe's defaults (stage times every 50 iterations, the baseline
+    // frozen at 100, a ratio of 2 triggers, the new partition 60 later)
+    // scaled by 0.4 to keep the test short: windows of 20, the baseline at
+    // 40, the new partition 24 after the decision. Stage 1 is slowed from
+    // iteration 41, so the first window after the baseline is slowed
+    // throughout. The monitor's next baseline would come after the job's
+    // last iteration.
     let spec = format!(
         r#"{{"name": "dyn", "model": "{cnn}",
             "optimizer": {{"sgd": {{"lr": 0.01, "momentum": 0.9}}}},
             "batch": 8, "microbatches": 4, "pipelines": 2, "stages": 3,
-            "sync": {{"allreduce": {{}}}}, "dynamic": {{"enabled": true}},
-            "interference": {{"slowdowns": [{{"stage": 1, "factor": 3.0, "at_iteration": 120}}]}},
-            "iterations": 300}}"#
+            "sync": {{"allreduce": {{}}}},
+            "dynamic": {{"enabled": true, "window": 20, "baseline_at": 40, "delay": 24}},
+            "interference": {{"slowdowns": [{{"stage": 1, "factor": 3.0, "at_iteration": 41}}]}},
+            "iterations": 130}}"#
     );
     let started = Instant::now();
     let id = submit(&c, &spec, &[]);
@@ -449,8 +455,8 @@ fn a_stage_slowed_3x_at_iteration_120_is_repartitioned_once_and_the_job_runs_fas
         b.1.duration_since(*a.1).as_secs_f64() / (b.0 - a.0) as f64
     };
     // The static plan under the slowdown, then the new partition.
-    let slowed = per_iteration(125, d.at_iteration);
-    let after = per_iteration(d.at_iteration + 5, 300);
+    let slowed = per_iteration(50, d.at_iteration);
+    let after = per_iteration(d.at_iteration + 5, 130);
     eprintln!(
         "decided at {} ({:?} -> {:?}): {:.3} s per iteration slowed, {:.3} after ({:.2}x)",
         d.decided_at_iteration,
