@@ -732,7 +732,7 @@ impl RuntimeServer {
                         id,
                         config.device_bytes,
                         config.resident_models_max,
-                        config.executor.kind().data_thread_nice(),
+                        config.executor.kind().stage_thread_nice(),
                     ),
                     queued: AtomicU64::new(0),
                     served: AtomicU64::new(0),

@@ -371,7 +371,7 @@ impl Bench<'_> {
                 .niced_for(kind),
             transport,
         )?;
-        let residency = Residency::for_device(0, m.stored_bytes * 2, 2, kind.data_thread_nice());
+        let residency = Residency::for_device(0, m.stored_bytes * 2, 2, kind.stage_thread_nice());
         let stages = Stages {
             cache: &cache,
             executor: self.exec,

@@ -53,6 +53,18 @@ impl ExecutorKind {
             ExecutorKind::Cuda | ExecutorKind::Sim => 0,
         }
     }
+
+    /// Nice value of a device's stage threads (the fetch wait and the
+    /// upload): where compute shares the host's cores (`cpu`), above
+    /// compute's and below the transport's
+    /// ([`UPLOAD_THREAD_NICE_HOST_COMPUTE`](distmind_transport::priority::UPLOAD_THREAD_NICE_HOST_COMPUTE));
+    /// 0 elsewhere.
+    pub fn stage_thread_nice(self) -> i32 {
+        match self {
+            ExecutorKind::Cpu => distmind_transport::priority::UPLOAD_THREAD_NICE_HOST_COMPUTE,
+            ExecutorKind::Cuda | ExecutorKind::Sim => 0,
+        }
+    }
 }
 
 impl std::fmt::Display for ExecutorKind {
@@ -387,6 +399,15 @@ pub fn all_ready(_group: usize) -> Result<(), ExecError> {
 mod tests {
     use super::*;
     use std::sync::Mutex;
+
+    #[test]
+    fn on_host_cores_the_upload_ranks_between_compute_and_the_transport() {
+        let cpu = ExecutorKind::Cpu;
+        assert!(0 < cpu.stage_thread_nice() && cpu.stage_thread_nice() < cpu.data_thread_nice());
+        for kind in [ExecutorKind::Sim, ExecutorKind::Cuda] {
+            assert_eq!((kind.stage_thread_nice(), kind.data_thread_nice()), (0, 0));
+        }
+    }
 
     /// A template that records the ordinals it is asked for, bound to
     /// `bound`, failing for `missing` as a GPU that is not there.

@@ -286,7 +286,7 @@ impl Setup<'_> {
                     i as u32,
                     p.manifest.stored_bytes * 2,
                     2,
-                    self.exec.kind().data_thread_nice(),
+                    self.exec.kind().stage_thread_nice(),
                 )
             })
             .collect();
