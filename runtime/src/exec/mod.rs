@@ -44,7 +44,8 @@ impl std::str::FromStr for ExecutorKind {
 
 impl ExecutorKind {
     /// Nice value of the threads that move bytes to this executor's devices
-    /// (transport, fetch, upload): lowered where compute runs on the same
+    /// (transport, fetch engine; the upload has
+    /// [`stage_thread_nice`](Self::stage_thread_nice)): lowered where compute runs on the same
     /// host cores (`cpu`), so that compute, the cold start's critical path,
     /// comes first (see [`distmind_transport::priority`]); 0 elsewhere.
     pub fn data_thread_nice(self) -> i32 {
