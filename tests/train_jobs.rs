@@ -14,12 +14,13 @@ use std::time::{Duration, Instant};
 
 use distmind_common::handshake;
 use distmind_common::proto::{
-    ControllerReply, ControllerRequest, DataPeer, ErrorCode, ErrorReply, RuntimeReply,
-    RuntimeRequest, StageAssignment, TrainJobState, TrainJobStatus,
+    ControllerReply, ControllerRequest, DataPeer, ErrorCode, ErrorReply, GroupLocation, Location,
+    RuntimeReply, RuntimeRequest, Slice, StageAssignment, TrainJobState, TrainJobStatus,
 };
 use distmind_common::train_spec::JobSpec;
 use distmind_common::wire::{self, Role};
 use distmind_controller::ControllerClient;
+use distmind_memserver::MemserverClient;
 use distmind_models::Package;
 use support::*;
 
@@ -662,6 +663,127 @@ fn stage_workers_start_in_two_steps_and_sync_in_groups() {
     }
     let (ok, _, stderr) = train_cli(&controller.addr, &["stop", "--job", &id]);
     assert!(ok, "{stderr}");
+}
+
+/// Writes `bytes` as a checkpoint part of job `job` on memory server
+/// `addr` (id 0), as a stage worker does: its group, for `TrainCheckpointed`.
+fn write_part(addr: &str, job: &str, stage: u32, bytes: usize) -> GroupLocation {
+    let data = vec![stage as u8 + 1; bytes];
+    let mut m = MemserverClient::connect(addr, &cluster_key(), Duration::from_secs(5)).unwrap();
+    let offset = m.alloc(bytes as u64, &format!("{job}-ckpt")).unwrap();
+    m.write(offset, &data).unwrap();
+    let sum = distmind_common::checksum::checksum(&data);
+    m.commit(offset, sum).unwrap();
+    let hex = distmind_common::checksum::to_hex(sum);
+    GroupLocation {
+        index: stage,
+        bytes: bytes as u64,
+        checksum: hex.clone(),
+        slices: vec![Slice {
+            group_offset: 0,
+            len: bytes as u64,
+            checksum: hex,
+            replicas: vec![Location {
+                memserver: 0,
+                addr: addr.to_string(),
+                offset,
+            }],
+        }],
+    }
+}
+
+#[test]
+fn checkpoint_parts_that_never_complete_are_freed_on_the_memory_server() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pkgs = gen_tiny(tmp.path(), "resnet152", 1, 64 << 10);
+    let model = Package::open(&pkgs[0]).unwrap().manifest.name.clone();
+    let s = settings_dir();
+    let controller = spawn_service(&[
+        "controller",
+        "--settings",
+        s.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+        "--no-dispatcher",
+    ]);
+    let ms = spawn_memserver(&controller.addr, "32MiB");
+    wait_alive(&controller.addr, 1);
+    let (ok, _, stderr) = deploy(&controller.addr, &[], &pkgs);
+    assert!(ok, "{stderr}");
+    let fake = FakeRuntime::start(&controller.addr);
+    wait_runtime_alive(&controller.addr, &fake.addr);
+    let mut c = ControllerClient::connect(&controller.addr, &cluster_key(), Duration::from_secs(5))
+        .unwrap();
+    // One pipeline of two stages, a periodic checkpoint every iteration.
+    let id = start_job(
+        &mut c,
+        &fake,
+        &spec_json("ck", &model, r#", "checkpoint_every": 1"#)
+            .replace(r#""iterations": 3"#, r#""iterations": 10"#),
+    );
+    let layers: Vec<usize> = train_status(&mut c, &id)
+        .stages
+        .iter()
+        .map(|s| (s.layers.end - s.layers.first) as usize)
+        .collect();
+    let checkpointed = |c: &mut ControllerClient, stage: u32, iteration: u64, group| {
+        c.request(&ControllerRequest::TrainCheckpointed {
+            job: id.clone(),
+            generation: 0,
+            pipeline: 0,
+            stage,
+            iteration,
+            model: format!("{id}-ckpt"),
+            group,
+            layer_checksums: vec![1; layers[stage as usize]],
+        })
+    };
+    let used = || used_bytes(&ms.addr);
+    let freed_down_to = |want: u64| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while used() != want {
+            assert!(
+                Instant::now() < deadline,
+                "{} bytes used on the memory server, {want} expected",
+                used()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let base = used();
+    // Stage 0's part of the checkpoint after iteration 1.
+    let first = write_part(&ms.addr, &id, 0, 64 << 10);
+    let with_first = used();
+    assert!(with_first > base);
+    let r = checkpointed(&mut c, 0, 1, first).unwrap();
+    assert!(matches!(r, ControllerReply::TrainReported { .. }), "{r:?}");
+    // Stage 1's part of the one after iteration 2 comes first: the older
+    // one will never complete, and the controller frees its part.
+    let second = write_part(&ms.addr, &id, 1, 64 << 10);
+    let with_both = used();
+    let r = checkpointed(&mut c, 1, 2, second).unwrap();
+    assert!(matches!(r, ControllerReply::TrainReported { .. }), "{r:?}");
+    freed_down_to(with_both - (with_first - base));
+    // A refused part was never recorded: the controller leaves it to the
+    // worker that wrote it (which frees it).
+    let refused = write_part(&ms.addr, &id, 0, 64 << 10);
+    let with_refused = used();
+    assert!(checkpointed(&mut c, 0, 1, refused).is_err());
+    // The job fails: the part of the checkpoint being written is freed.
+    let r = c
+        .request(&ControllerRequest::TrainFailed {
+            job: id.clone(),
+            pipeline: 0,
+            stage: 1,
+            reason: "test".into(),
+        })
+        .unwrap();
+    assert!(matches!(r, ControllerReply::TrainReported { .. }), "{r:?}");
+    freed_down_to(with_refused - (with_both - with_first));
+    assert!(matches!(
+        train_status(&mut c, &id).state,
+        TrainJobState::Failed { .. }
+    ));
 }
 
 #[test]

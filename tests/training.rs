@@ -285,7 +285,9 @@ fn a_killed_gpu_server_fails_its_jobs_naming_it_and_its_last_checkpoint_and_noth
     assert_eq!(sums, last.group_checksums);
     // Replaced checkpoints were freed: the memory server holds the model,
     // the last checkpoint and at most the parts of the one being written
-    // when the GPU server died (three or more without freeing).
+    // when the GPU server died (three or more without freeing). Of those,
+    // the controller frees the parts it was told of; a part whose notice
+    // never came stays allocated.
     let model = c.client.get_model(&gpt).unwrap().total_bytes;
     let used = MemserverClient::connect(&c._memserver.addr, &cluster_key(), Duration::from_secs(5))
         .and_then(|mut m| m.stats())

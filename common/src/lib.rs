@@ -1,7 +1,7 @@
 //! Types and code that more than one distmind service needs: the wire
 //! protocol and its framing, the cluster-key handshake, control messages,
-//! limits, checksums, the parsing of the `settings/` directory and the
-//! training job spec.
+//! limits, checksums, the memory servers' blocking control client, the
+//! parsing of the `settings/` directory and the training job spec.
 #![forbid(unsafe_code)]
 
 pub mod checksum;
@@ -9,6 +9,7 @@ pub mod emulate;
 pub mod handshake;
 pub mod hex;
 pub mod limits;
+pub mod memserver_client;
 pub mod metrics;
 pub mod proto;
 pub mod samples;

@@ -322,6 +322,7 @@ impl JobRegistry {
                 checkpoint: None,
                 model_now: None,
                 periodic: None,
+                abandoned: Vec::new(),
                 last_checkpoint: None,
             },
         );

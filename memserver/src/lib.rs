@@ -7,7 +7,8 @@
 //! * [`arena`]: the arena's bytes behind those leases (the crate's only `unsafe`).
 //! * [`server`]: the tokio listener; `control` and `data` handle one
 //!   connection each; [`register`] keeps the controller informed.
-//! * [`client`]: the blocking control client the deploy tool uses.
+//! * [`client`]: the blocking control client (it lives in `distmind_common`,
+//!   so that the controller can free extents without linking this crate).
 //! * [`metrics`]: the Prometheus series, served on `metrics_listen`.
 //! * [`samples`]: the sample service (datasets' samples preprocessed or run
 //!   through a frozen backbone on the server's own worker pool);
@@ -25,7 +26,7 @@
 
 pub mod alloc;
 pub mod arena;
-pub mod client;
+pub use distmind_common::memserver_client as client;
 mod control;
 mod data;
 pub mod extents;

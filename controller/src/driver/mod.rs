@@ -5,7 +5,9 @@
 //! requests over its stage links ([`links`]), waits for each answer (or its
 //! phase's timeout) and brings it back to the state
 //! ([`ControllerState::stage_answered`]), which decides the next step. It
-//! runs DynPipe's planner on a blocking thread and records the decision.
+//! runs DynPipe's planner on a blocking thread and records the decision,
+//! and frees the extents of abandoned checkpoint parts on their memory
+//! servers ([`free_extents`], on a blocking thread too).
 //!
 //! ```text
 //!  apply / expire --(lock)--> state: TrainAction queue --wake--> driver
@@ -29,7 +31,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use distmind_common::handshake::ClusterKey;
-use distmind_common::proto::RepartitionDecision;
+use distmind_common::memserver_client::MemserverClient;
+use distmind_common::proto::{Location, RepartitionDecision};
 use distmind_common::train_spec::STAGE_WORKERS_MAX;
 use tokio::sync::{mpsc, watch, Notify};
 use tokio::task::JoinSet;
@@ -50,6 +53,11 @@ pub const STAGE_STOP_TIMEOUT: Duration = Duration::from_secs(10);
 pub const CALLS_IN_FLIGHT_MAX: usize = JOBS_ACTIVE_MAX * STAGE_WORKERS_MAX as usize * 2;
 /// DynPipe plans running at once (one per job at most).
 pub const PLANS_IN_FLIGHT_MAX: usize = JOBS_ACTIVE_MAX;
+/// Frees of abandoned checkpoint parts running at once (one per job's
+/// abandonment); past it a job's parts stay allocated, logged.
+pub const FREES_IN_FLIGHT_MAX: usize = JOBS_ACTIVE_MAX;
+/// Bounds the connect to a memory server and each request of a free.
+pub const FREE_IO_TIMEOUT: Duration = Duration::from_secs(10);
 /// Link-down events waiting for the driver.
 const LINK_EVENTS_MAX: usize = 256;
 
@@ -70,6 +78,7 @@ pub fn spawn(state: Shared, key: ClusterKey, tasks: &mut JoinSet<()>, stop: watc
         in_flight: HashMap::new(),
         calls: JoinSet::new(),
         plans: JoinSet::new(),
+        frees: JoinSet::new(),
         down_tx,
         next_instance: 0,
     };
@@ -87,6 +96,7 @@ struct Driver {
     in_flight: HashMap<u32, usize>,
     calls: JoinSet<StageAnswer>,
     plans: JoinSet<PlanDone>,
+    frees: JoinSet<()>,
     down_tx: mpsc::Sender<LinkDown>,
     next_instance: u64,
 }
@@ -117,6 +127,11 @@ impl Driver {
                     }
                     Err(e) => log::error!("training driver: a DynPipe plan failed: {e}"),
                 },
+                Some(done) = self.frees.join_next(), if !self.frees.is_empty() => {
+                    if let Err(e) = done {
+                        log::error!("training driver: freeing checkpoint parts failed: {e}");
+                    }
+                }
                 Some(d) = down.recv() => {
                     if self.links.get(&d.runtime).is_some_and(|l| l.instance == d.instance) {
                         self.links.remove(&d.runtime);
@@ -128,6 +143,9 @@ impl Driver {
         }
         self.calls.shutdown().await;
         self.plans.shutdown().await;
+        // Frees are short (each request bounded by FREE_IO_TIMEOUT): let
+        // them finish rather than leave extents half-freed.
+        while self.frees.join_next().await.is_some() {}
     }
 
     /// Takes the state's actions and carries them out; drops the links
@@ -162,6 +180,21 @@ impl Driver {
                     self.plans.spawn_blocking(move || {
                         let decision = plan_repartition(&input);
                         (input.job, input.generation, decision)
+                    });
+                }
+                TrainAction::Free { job, extents } => {
+                    if self.frees.len() >= FREES_IN_FLIGHT_MAX {
+                        log::error!(
+                            "training driver: {FREES_IN_FLIGHT_MAX} frees run already \
+                             (FREES_IN_FLIGHT_MAX); the {} extents of job {job}'s abandoned \
+                             checkpoint parts stay allocated: {extents:?}",
+                            extents.len()
+                        );
+                        continue;
+                    }
+                    let key = self.key.clone();
+                    self.frees.spawn_blocking(move || {
+                        free_extents(&job, &key, &extents);
                     });
                 }
             }
@@ -234,4 +267,45 @@ impl Driver {
         });
         None
     }
+}
+
+/// Frees `extents` (job `job`'s abandoned checkpoint parts) on their
+/// memory servers, one connection per server; best effort: an extent that
+/// cannot be freed is logged, naming where it is, and stays allocated.
+/// Returns how many were freed.
+pub fn free_extents(job: &str, key: &ClusterKey, extents: &[Location]) -> usize {
+    let mut by_server: Vec<(&str, Vec<u64>)> = Vec::new();
+    for l in extents {
+        match by_server.iter_mut().find(|(a, _)| *a == l.addr) {
+            Some((_, offsets)) => offsets.push(l.offset),
+            None => by_server.push((&l.addr, vec![l.offset])),
+        }
+    }
+    let mut freed = 0;
+    for (addr, offsets) in by_server {
+        let mut client = match MemserverClient::connect(addr, key, FREE_IO_TIMEOUT) {
+            Ok(c) => c,
+            Err(e) => {
+                log::warn!(
+                    "job {job}: cannot free the {} abandoned checkpoint extents at offsets \
+                     {offsets:?}: {e}",
+                    offsets.len()
+                );
+                continue;
+            }
+        };
+        for offset in offsets {
+            match client.free(offset) {
+                Ok(()) => freed += 1,
+                Err(e) => log::warn!(
+                    "job {job}: cannot free the abandoned checkpoint extent at offset {offset}: {e}"
+                ),
+            }
+        }
+    }
+    log::info!(
+        "job {job}: freed {freed} of {} abandoned checkpoint extents",
+        extents.len()
+    );
+    freed
 }

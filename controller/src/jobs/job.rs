@@ -5,8 +5,8 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use distmind_common::proto::{
-    CheckpointStatus, DrainOrder, LastCheckpoint, LayerRange, RepartitionDecision, StagePlacement,
-    StageStatus, TrainJobState, TrainJobStatus,
+    CheckpointStatus, DrainOrder, LastCheckpoint, LayerRange, Location, RepartitionDecision,
+    StagePlacement, StageStatus, TrainJobState, TrainJobStatus,
 };
 use distmind_common::train_spec::{layer_ranges, JobSpec};
 
@@ -94,6 +94,9 @@ pub struct Job {
     /// The last complete checkpoint in the catalog (periodic or a
     /// re-partitioning's).
     pub(super) last_checkpoint: Option<LastCheckpoint>,
+    /// Extents of checkpoint parts that will never be in the catalog (see
+    /// [`Job::abandon`]), until the controller takes them to free.
+    pub(super) abandoned: Vec<Location>,
 }
 
 impl Job {
@@ -199,6 +202,9 @@ impl Job {
         );
         self.state = to;
         self.state_since = now;
+        if !self.takes_checkpoint_parts() {
+            self.abandon_unfinished_checkpoints();
+        }
         Ok(())
     }
 

@@ -16,11 +16,15 @@
 //! checkpoint, periodic or a re-partitioning's, is the job's
 //! `last_checkpoint` in `train status`, and a failure's reason names it.
 //!
-//! Parts of a periodic checkpoint that never completes (the job failed or
-//! stopped while pipeline 0 wrote it) are not in the catalog and are not
-//! freed: they stay allocated on the memory servers.
+//! Parts of a checkpoint that never completes (the job failed or stopped
+//! while pipeline 0 wrote it, a newer periodic checkpoint began before it
+//! completed, or the catalog refused it) are abandoned ([`Job::abandon`]):
+//! the controller's training driver frees their extents on the memory
+//! servers. A part the controller refuses was never recorded, so the
+//! worker that wrote it frees it; a part whose worker died before its
+//! notice came in is known to no one and stays allocated.
 
-use distmind_common::proto::{GroupLocation, LastCheckpoint, TrainJobState};
+use distmind_common::proto::{GroupLocation, LastCheckpoint, Location, TrainJobState};
 
 use super::checkpoint::{combine, periodic_checkpoint_name, periodic_due};
 use super::{CheckpointParts, Job, JobError};
@@ -51,6 +55,70 @@ impl Job {
         self.last_checkpoint.as_ref()
     }
 
+    /// Whether the job takes checkpoint parts in its state: it runs (or
+    /// is placed, or re-partitions).
+    pub(super) fn takes_checkpoint_parts(&self) -> bool {
+        matches!(
+            self.state,
+            TrainJobState::Placing | TrainJobState::Running | TrainJobState::Repartitioning
+        )
+    }
+
+    /// Checkpoint parts that will never be in the catalog: their extents
+    /// (every replica of every slice) wait in [`Job::abandoned`] for the
+    /// controller to free them. `what` names the checkpoint and `why` says
+    /// why it will never be in the catalog, for the log.
+    pub(super) fn abandon(
+        &mut self,
+        what: &str,
+        why: &str,
+        parts: impl IntoIterator<Item = GroupLocation>,
+    ) {
+        let (mut n, before) = (0, self.abandoned.len());
+        for g in parts {
+            n += 1;
+            self.abandoned
+                .extend(g.slices.into_iter().flat_map(|s| s.replicas));
+        }
+        if n > 0 {
+            log::warn!(
+                "training job {}: freeing the {n} parts ({} extents) of {what}, which will \
+                 never be in the catalog: {why}",
+                self.id,
+                self.abandoned.len() - before
+            );
+        }
+    }
+
+    /// The job no longer takes checkpoint parts: those of the periodic
+    /// checkpoint being written, and of a re-partitioning's still
+    /// draining, are abandoned.
+    pub(super) fn abandon_unfinished_checkpoints(&mut self) {
+        let why = format!("the job is {}", self.state.name());
+        if let Some(w) = self.periodic.take() {
+            let what = format!(
+                "periodic checkpoint {} after iteration {}",
+                periodic_checkpoint_name(&self.id),
+                w.iteration
+            );
+            self.abandon(&what, &why, w.parts.into_iter().flatten().map(|(g, _)| g));
+        }
+        let draining = self
+            .drain
+            .as_mut()
+            .filter(|d| d.phase == super::DrainPhase::Draining);
+        if let Some(d) = draining {
+            let what = format!("re-partitioning checkpoint {}", d.checkpoint);
+            let parts: Vec<GroupLocation> = d
+                .parts
+                .iter_mut()
+                .filter_map(Option::take)
+                .map(|(g, _)| g)
+                .collect();
+            self.abandon(&what, &why, parts);
+        }
+    }
+
     /// A failure's reason as the job keeps it: `reason`, then the last
     /// checkpoint to resume from (or that there is none yet), within
     /// [`REASON_BYTES_MAX`](super::REASON_BYTES_MAX).
@@ -76,11 +144,7 @@ impl Job {
             what,
         };
         let name = periodic_checkpoint_name(&self.id);
-        let running = matches!(
-            self.state,
-            TrainJobState::Placing | TrainJobState::Running | TrainJobState::Repartitioning
-        );
-        if !running || p.generation != self.generation {
+        if !self.takes_checkpoint_parts() || p.generation != self.generation {
             return Err(bad(format!(
                 "a part of periodic checkpoint {name} from generation {}, but the job is {} \
                      in generation {}",
@@ -119,15 +183,18 @@ impl Job {
                     p.iteration, w.iteration
                 )))
             }
-            older => {
-                if let Some(w) = older {
-                    log::warn!(
-                        "training job {}: periodic checkpoint {name} after iteration {} never \
-                         completed ({} of {stages} parts); its parts stay allocated",
-                        self.id,
-                        w.iteration,
-                        w.parts.iter().flatten().count()
+            _ => {
+                if let Some(w) = self.periodic.take() {
+                    let what = format!(
+                        "periodic checkpoint {name} after iteration {} of generation {}",
+                        w.iteration, w.generation
                     );
+                    let why = format!(
+                        "the one after iteration {} of generation {} began before it completed",
+                        p.iteration, p.generation
+                    );
+                    let parts = w.parts.into_iter().flatten().map(|(g, _)| g);
+                    self.abandon(&what, &why, parts);
                 }
                 self.periodic = Some(Periodic {
                     generation: p.generation,
@@ -198,6 +265,41 @@ impl Job {
 }
 
 impl super::JobRegistry {
+    /// Takes the extents of every job's abandoned checkpoint parts, to
+    /// free: per job, its id and the extents.
+    pub fn take_abandoned(&mut self) -> Vec<(String, Vec<Location>)> {
+        self.jobs
+            .values_mut()
+            .filter(|j| !j.abandoned.is_empty())
+            .map(|j| (j.id.clone(), std::mem::take(&mut j.abandoned)))
+            .collect()
+    }
+
+    /// Whether a job has abandoned checkpoint parts not yet taken.
+    pub fn has_abandoned(&self) -> bool {
+        self.jobs.values().any(|j| !j.abandoned.is_empty())
+    }
+
+    /// Checkpoint `parts` of job `id` will never be in the catalog (it
+    /// refused them): abandoned, to free (false: no such job).
+    pub fn abandon_checkpoint(&mut self, id: &str, parts: &CheckpointParts) -> bool {
+        match self.get_mut(id) {
+            Ok(job) => {
+                let what = format!(
+                    "checkpoint {} after iteration {}",
+                    parts.name, parts.iteration
+                );
+                job.abandon(
+                    &what,
+                    "the catalog refused it",
+                    parts.groups.iter().cloned(),
+                );
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
     /// Checkpoint `parts` of job `id` is in the catalog as `version`; it
     /// becomes the job's last checkpoint (false: no such job).
     pub fn checkpoint_saved(&mut self, id: &str, parts: &CheckpointParts, version: u64) -> bool {

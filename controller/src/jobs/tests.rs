@@ -3,7 +3,8 @@
 
 use super::*;
 use distmind_common::proto::{
-    DeviceUse, DrainOrder, GroupLocation, LastCheckpoint, RuntimeRequest, StagePeer,
+    DeviceUse, DrainOrder, GroupLocation, LastCheckpoint, Location, RuntimeRequest, Slice,
+    StagePeer,
 };
 
 const MS: Duration = Duration::from_millis(1);
@@ -507,12 +508,10 @@ fn part(stage: u32) -> GroupLocation {
     }
 }
 
-#[test]
-fn a_repartitioning_drains_checkpoints_stops_and_starts_the_next_generation() {
-    let t0 = Instant::now();
+/// Job `sp` (2 pipelines of 2 stages) placed and started, every worker
+/// past iteration 3.
+fn started(sp: JobSpec, t0: Instant) -> (JobRegistry, String) {
     let mut r = JobRegistry::new();
-    let mut sp = spec("j", 2, 2);
-    sp.iterations = 10;
     let id = r.submit(sp, 10, 7, t0).unwrap();
     r.place(&id, placement(4), t0).unwrap();
     let workers = [(0, 0), (0, 1), (1, 0), (1, 1)];
@@ -528,19 +527,34 @@ fn a_repartitioning_drains_checkpoints_stops_and_starts_the_next_generation() {
     for (p, s) in workers {
         r.report(&id, report(p, s, 3), t0).unwrap();
     }
-    let old = r.get(&id).unwrap().partition().to_vec();
-    let decision = RepartitionDecision {
+    (r, id)
+}
+
+/// DynPipe's decision to move layers from `old` to [7, 3].
+fn decision(old: Vec<u32>) -> RepartitionDecision {
+    RepartitionDecision {
         generation: 0,
         decided_at_iteration: 1,
         at_iteration: 2,
         ratios: vec![1.0, 3.0],
         stragglers: vec![1],
-        old_partition: old.clone(),
+        old_partition: old,
         new_partition: vec![7, 3],
         predicted_s_per_microbatch: 0.1,
         current_s_per_microbatch: 0.2,
         layer_costs: "layers".into(),
-    };
+    }
+}
+
+#[test]
+fn a_repartitioning_drains_checkpoints_stops_and_starts_the_next_generation() {
+    let t0 = Instant::now();
+    let mut sp = spec("j", 2, 2);
+    sp.iterations = 10;
+    let (mut r, id) = started(sp, t0);
+    let workers = [(0, 0), (0, 1), (1, 0), (1, 1)];
+    let old = r.get(&id).unwrap().partition().to_vec();
+    let decision = decision(old.clone());
     // The plan came late: every worker reported 3, so all stop after 4.
     assert!(r.record_repartition(&id, decision, t0));
     assert_eq!(state(&r, &id), TrainJobState::Repartitioning);
@@ -731,4 +745,104 @@ fn periodic_checkpoint_parts_are_checked_collected_and_named_by_a_failure() {
         matches!(after, Err(JobError::BadReport { .. })),
         "{after:?}"
     );
+}
+
+/// A written checkpoint group at `offset` on two memory servers.
+fn part_at(stage: u32, offset: u64) -> GroupLocation {
+    let at = |memserver: u32| Location {
+        memserver,
+        addr: format!("10.0.0.{memserver}:7000"),
+        offset,
+    };
+    GroupLocation {
+        slices: vec![Slice {
+            group_offset: 0,
+            len: 4096,
+            checksum: "00".into(),
+            replicas: vec![at(1), at(2)],
+        }],
+        ..part(stage)
+    }
+}
+
+#[test]
+fn checkpoint_parts_that_will_never_be_in_the_catalog_are_abandoned_to_be_freed() {
+    let t0 = Instant::now();
+    let mut sp = spec("j", 2, 2);
+    sp.iterations = 10;
+    sp.checkpoint_every = Some(2);
+    let (mut r, id) = started(sp.clone(), t0);
+    let name = name_of(&id);
+    let at = |offset| part_at(0, offset).slices[0].replicas.clone();
+    // A complete checkpoint, and a refused part, abandon nothing.
+    for (stage, offset) in [(0, 100), (1, 200)] {
+        r.checkpointed(
+            &id,
+            0,
+            0,
+            stage,
+            2,
+            &name,
+            part_at(stage, offset),
+            vec![1; 5],
+        )
+        .unwrap();
+    }
+    let refused = r.checkpointed(&id, 0, 1, 0, 4, &name, part_at(0, 300), vec![1; 5]);
+    assert!(refused.is_err(), "{refused:?}");
+    assert!(!r.has_abandoned());
+    assert_eq!(r.take_abandoned(), vec![]);
+    // A newer checkpoint begun before the one being written completed:
+    // the older one's parts, every replica, once.
+    assert_eq!(
+        r.checkpointed(&id, 0, 0, 0, 4, &name, part_at(0, 400), vec![1; 5]),
+        Ok(None)
+    );
+    assert_eq!(
+        r.checkpointed(&id, 0, 0, 1, 6, &name, part_at(1, 500), vec![1; 5]),
+        Ok(None)
+    );
+    assert!(r.has_abandoned());
+    assert_eq!(r.take_abandoned(), vec![(id.clone(), at(400))]);
+    assert_eq!(r.take_abandoned(), vec![]);
+    // The job fails: the parts of the one being written.
+    r.fail(&id, 1, 1, "lost", t0).unwrap();
+    assert_eq!(r.take_abandoned(), vec![(id.clone(), at(500))]);
+    // A stop abandons them too, and so does the catalog refusing a
+    // complete one.
+    let (mut r, id) = started(sp.clone(), t0);
+    r.checkpointed(&id, 0, 0, 1, 2, &name_of(&id), part_at(1, 600), vec![1; 5])
+        .unwrap();
+    r.stop(&id, t0).unwrap();
+    assert_eq!(r.take_abandoned(), vec![(id.clone(), at(600))]);
+    let (mut r, id) = started(sp.clone(), t0);
+    r.checkpointed(&id, 0, 0, 0, 2, &name_of(&id), part_at(0, 700), vec![1; 5])
+        .unwrap();
+    let parts = r
+        .checkpointed(&id, 0, 0, 1, 2, &name_of(&id), part_at(1, 800), vec![1; 5])
+        .unwrap()
+        .expect("complete");
+    assert!(r.abandon_checkpoint(&id, &parts));
+    assert_eq!(
+        r.take_abandoned(),
+        vec![(id.clone(), [at(700), at(800)].concat())]
+    );
+    // A re-partitioning's parts, while it drains, when the job stops.
+    sp.checkpoint_every = None;
+    let (mut r, id) = started(sp, t0);
+    let old = r.get(&id).unwrap().partition().to_vec();
+    assert!(r.record_repartition(&id, decision(old), t0));
+    let drained = format!("{id}-g1");
+    for (p, s) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+        r.report(&id, report(p, s, 4), t0).unwrap();
+    }
+    r.checkpointed(&id, 0, 0, 0, 4, &drained, part_at(0, 900), vec![1; 5])
+        .unwrap();
+    assert!(!r.has_abandoned());
+    r.stop(&id, t0).unwrap();
+    assert_eq!(r.take_abandoned(), vec![(id.clone(), at(900))]);
+}
+
+fn name_of(id: &str) -> String {
+    format!("{id}-ckpt")
 }

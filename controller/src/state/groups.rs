@@ -155,8 +155,10 @@ impl ControllerState {
     }
 
     /// A job changed state: stopping or ended, its waiting asks are
-    /// answered `stop` and its schedulers dropped.
+    /// answered `stop` and its schedulers dropped, and the driver frees the
+    /// checkpoint parts it abandoned.
     pub(super) fn job_changed(&mut self, id: &str) {
+        self.free_abandoned_soon();
         let ended = self
             .jobs
             .get(id)

@@ -17,6 +17,7 @@
 //! every checkpoint part written -> the checkpoint in the catalog
 //!             -> Send Stop (TrainStageStop to every drained worker)
 //! all answered -> generation + 1: Send Setup ... as above -> running
+//! checkpoint parts abandoned (`jobs::periodic`) -> Free their extents
 //! ```
 //!
 //! Every change that stops or ends a job also answers its workers' waiting
@@ -41,8 +42,8 @@ use crate::jobs::{
 };
 
 /// Most actions waiting for the driver: per kept job at most a setup, a
-/// start, a stop and a plan are ever outstanding at once.
-pub const TRAIN_ACTIONS_MAX: usize = 4 * JOBS_KEPT_MAX;
+/// start, a stop, a plan and a free are ever outstanding at once.
+pub const TRAIN_ACTIONS_MAX: usize = 5 * JOBS_KEPT_MAX;
 
 /// Which request of a stage worker's life a [`TrainAction::Send`] carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,6 +91,10 @@ pub enum TrainAction {
     /// many candidates, so off the lock) and bring the decision back with
     /// [`ControllerState::repartition_planned`].
     Plan(Box<RepartitionInput>),
+    /// Free these extents on their memory servers (off the lock, best
+    /// effort, logged): parts of job `job`'s checkpoints that will never
+    /// be in the catalog.
+    Free { job: String, extents: Vec<Location> },
 }
 
 /// A GPU server's answer to one stage request, or why there is none.
@@ -236,9 +241,22 @@ impl ControllerState {
         first
     }
 
-    /// The actions for the driver, oldest first.
+    /// The actions for the driver, oldest first, with the frees of every
+    /// checkpoint part abandoned since the last time.
     pub fn take_train_actions(&mut self) -> Vec<TrainAction> {
+        for (job, extents) in self.jobs.take_abandoned() {
+            self.train_actions
+                .push_back(TrainAction::Free { job, extents });
+        }
         self.train_actions.drain(..).collect()
+    }
+
+    /// Wakes the driver when a job abandoned checkpoint parts, for it to
+    /// free them (the next [`Self::take_train_actions`] takes them).
+    pub(super) fn free_abandoned_soon(&mut self) {
+        if self.jobs.has_abandoned() {
+            self.train_wake.notify_one();
+        }
     }
 
     /// Queues an action and wakes the driver. The queue is bounded
@@ -487,6 +505,9 @@ impl ControllerState {
                 }
                 Err(why) => {
                     let what = if parts.periodic {
+                        // Taken out of the job when complete: abandoned
+                        // here (a re-partitioning's are when the job fails).
+                        self.jobs.abandon_checkpoint(id, &parts);
                         "periodic checkpoint"
                     } else {
                         "re-partitioning: checkpoint"
@@ -498,6 +519,8 @@ impl ControllerState {
                 }
             }
         }
+        // A newer periodic checkpoint may have abandoned an older one.
+        self.free_abandoned_soon();
         let state = self
             .jobs
             .get(id)
@@ -710,6 +733,10 @@ fn describe(a: &TrainAction) -> String {
             phase.request()
         ),
         TrainAction::Plan(i) => format!("the re-partitioning plan of job {}", i.job),
+        TrainAction::Free { job, extents } => format!(
+            "freeing {} extents of job {job}'s abandoned checkpoint parts (they stay allocated)",
+            extents.len()
+        ),
     }
 }
 

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use distmind_common::proto::{
-    ControllerReply, ControllerRequest, DataPeer, ErrorCode, RuntimeRequest, TrainJobState,
+    ControllerReply, ControllerRequest, DataPeer, ErrorCode, RuntimeRequest, Slice, TrainJobState,
 };
 use distmind_models::graph::Dtype;
 use distmind_models::{Family, Manifest, ParamDtype, ParamEntry, Scale};
@@ -790,4 +790,73 @@ fn dynpipe_decides_a_repartition_from_reports_and_status_shows_it() {
         s.take_train_actions().is_empty(),
         "one decision until applied"
     );
+}
+
+fn checkpointed(id: &str, stage: u32, iteration: u64, offset: u64) -> ControllerRequest {
+    let at = |memserver: u32| Location {
+        memserver,
+        addr: format!("10.0.0.{memserver}:7000"),
+        offset,
+    };
+    ControllerRequest::TrainCheckpointed {
+        job: id.to_string(),
+        generation: 0,
+        pipeline: 0,
+        stage,
+        iteration,
+        model: format!("{id}-ckpt"),
+        group: GroupLocation {
+            index: stage,
+            bytes: 64,
+            checksum: "00".into(),
+            slices: vec![Slice {
+                group_offset: 0,
+                len: 64,
+                checksum: "00".into(),
+                replicas: vec![at(1), at(2)],
+            }],
+        },
+        layer_checksums: vec![1; 5],
+    }
+}
+
+/// The `Free` actions queued, as (job, extents' offsets).
+fn frees(s: &mut ControllerState) -> Vec<(String, Vec<u64>)> {
+    s.take_train_actions()
+        .into_iter()
+        .filter_map(|a| match a {
+            TrainAction::Free { job, extents } => {
+                Some((job, extents.iter().map(|l| l.offset).collect()))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn the_driver_is_handed_the_extents_of_abandoned_checkpoint_parts_to_free() {
+    let t0 = Instant::now();
+    let (mut s, _) = with_model_and_runtime(t0, 10, 2);
+    let id = running(&mut s, "a", 1, 2, r#", "checkpoint_every": 2"#, t0);
+    let ok =
+        |r: ControllerReply| assert!(matches!(r, ControllerReply::TrainReported { .. }), "{r:?}");
+    ok(reply(&mut s, checkpointed(&id, 0, 2, 100), t0));
+    assert_eq!(frees(&mut s), vec![]);
+    // A newer checkpoint begins before the first completed: the first's
+    // part is freed, every replica.
+    ok(reply(&mut s, checkpointed(&id, 1, 4, 200), t0));
+    assert_eq!(frees(&mut s), vec![(id.clone(), vec![100, 100])]);
+    // The job fails: the part of the one being written.
+    ok(reply(
+        &mut s,
+        ControllerRequest::TrainFailed {
+            job: id.clone(),
+            pipeline: 0,
+            stage: 0,
+            reason: "out of memory".into(),
+        },
+        t0,
+    ));
+    assert_eq!(frees(&mut s), vec![(id.clone(), vec![200, 200])]);
+    assert_eq!(frees(&mut s), vec![]);
 }

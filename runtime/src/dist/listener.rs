@@ -4,8 +4,8 @@
 //! A connection opens with the cluster-key handshake
 //! ([`distmind_common::handshake`], role [`Role::Control`]), then one JSON
 //! frame ([`distmind_common::wire`]) from the side that dialled saying what
-//! the connection is for ([`Hello`]: a stage link of a job's pipeline, or a
-//! ring edge of an all-reduce group), and one JSON frame back ([`Verdict`]).
+//! the connection is for (`Hello`: a stage link of a job's pipeline, or a
+//! ring edge of an all-reduce group), and one JSON frame back (`Verdict`).
 //! The listener checks the hello against the worker it belongs to
 //! ([`WorkerIdentity`]) and refuses a wrong job, pipeline, stage or worker
 //! with a named [`Refusal`] that the dialling side returns as its error.

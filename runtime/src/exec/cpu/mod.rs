@@ -25,7 +25,7 @@
 //!   batch 8 holds only the live tensors.
 //!
 //! Op semantics are `models/OPS.md`'s (torchvision / Hugging Face in eval
-//! mode); the kernels live in [`ops`] and [`attention`].
+//! mode); the kernels live in `ops` and `attention`.
 //!
 //! **Architecture invariants:** no view of a group's memory exists before
 //! that group's upload returned; no group memory goes back to the pool while

@@ -117,3 +117,58 @@ pub(crate) enum StageError {
     #[error("{at}: the runtime shut down while the worker was {what}")]
     Aborted { at: At, what: &'static str },
 }
+
+impl StageError {
+    /// Whether the controller answered the request and refused it (so it
+    /// recorded nothing of it), rather than being unreachable or breaking
+    /// the connection (then it may have).
+    pub fn refused_by_controller(&self) -> bool {
+        match self {
+            StageError::Controller { source, .. } => {
+                source.error_reply().is_some()
+                    || matches!(**source, ClientError::RequestTooLarge { .. })
+            }
+            _ => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use distmind_common::proto::{ErrorCode, ErrorReply};
+
+    #[test]
+    fn only_an_answered_refusal_counts_as_refused_by_the_controller() {
+        let at = At {
+            job: "j".into(),
+            pipeline: 0,
+            stage: 1,
+            iteration: 4,
+        };
+        let err = |source| StageError::Controller {
+            at: at.clone(),
+            what: "the checkpoint notice",
+            controller: "c".into(),
+            source: Box::new(source),
+        };
+        let refused = ClientError::Server {
+            addr: "c".into(),
+            reply: ErrorReply::new(ErrorCode::BadRequest, "a part of an older checkpoint"),
+        };
+        assert!(err(refused).refused_by_controller());
+        assert!(err(ClientError::RequestTooLarge { len: 9, max: 8 }).refused_by_controller());
+        // Unknown whether it recorded the part.
+        assert!(!err(ClientError::Broken { addr: "c".into() }).refused_by_controller());
+        let lost = ClientError::Connect {
+            addr: "c".into(),
+            source: std::io::Error::other("refused"),
+        };
+        assert!(!err(lost).refused_by_controller());
+        assert!(!StageError::Aborted {
+            at,
+            what: "waiting"
+        }
+        .refused_by_controller());
+    }
+}

@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 
 use crossbeam::channel::{Receiver, RecvTimeoutError};
 use distmind_common::checksum::Checksummer;
-use distmind_common::proto::{DrainOrder, ErrorCode, StageAssignment, TrainJobState};
+use distmind_common::proto::{
+    DrainOrder, ErrorCode, GroupLocation, Location, StageAssignment, TrainJobState,
+};
 use distmind_controller::jobs::checkpoint::{periodic_checkpoint_name, periodic_due};
 
 use super::assignment::sgd_of;
@@ -515,9 +517,7 @@ impl Worker<'_> {
                 self.a.stage,
                 group.bytes
             );
-            let (state, _) = self
-                .reporter
-                .checkpointed(&self.at, done, name, group, sums)?;
+            let (state, _) = self.report_part(done, name, group, sums)?;
             if let TrainJobState::Failed {
                 pipeline,
                 stage,
@@ -535,6 +535,38 @@ impl Worker<'_> {
         Ok(Next::Stop(format!(
             "drained after iteration {done} for a re-partitioning"
         )))
+    }
+
+    /// Tells the controller this worker wrote `group` of checkpoint `name`
+    /// after iteration `done`: the job's state and the extents the answer
+    /// hands it to free. A part the controller refuses was never recorded
+    /// and no one else knows of it: this worker frees it.
+    fn report_part(
+        &mut self,
+        done: u64,
+        name: &str,
+        group: GroupLocation,
+        sums: Vec<u64>,
+    ) -> Result<(TrainJobState, Vec<Location>), StageError> {
+        let written: Vec<Location> = group
+            .slices
+            .iter()
+            .flat_map(|s| s.replicas.iter().cloned())
+            .collect();
+        let answer = self
+            .reporter
+            .checkpointed(&self.at, done, name, group, sums);
+        if let Err(e) = &answer {
+            if e.refused_by_controller() {
+                log::warn!(
+                    "job {}: freeing the {} extents of its refused part of checkpoint {name}",
+                    self.a.job,
+                    written.len()
+                );
+                checkpoint::free(self.config, &written);
+            }
+        }
+        answer
     }
 
     /// A periodic checkpoint (`checkpoint_every`) is due after iteration
@@ -569,9 +601,7 @@ impl Worker<'_> {
             self.a.stage,
             group.bytes
         );
-        let (state, free) = self
-            .reporter
-            .checkpointed(&self.at, done, &name, group, sums)?;
+        let (state, free) = self.report_part(done, &name, group, sums)?;
         if !free.is_empty() {
             log::info!(
                 "job {}: freeing the {} extents of the periodic checkpoint {name} replaced",

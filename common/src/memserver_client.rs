@@ -1,17 +1,18 @@
-//! Blocking control client for a memory server, used by the deploy tool:
-//! allocate an extent, write its bytes, commit it with its checksum, free it.
+//! Blocking control client for a memory server: allocate an extent, write
+//! its bytes, commit it with its checksum, free it. The deploy tool, the GPU
+//! servers' checkpoint writers and the controller (which frees the parts of
+//! checkpoints that never completed) use it; `distmind_memserver::client`
+//! is this module.
 
 use std::io::{BufWriter, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
-use distmind_common::checksum;
-use distmind_common::handshake::{self, ClusterKey, HandshakeError};
-use distmind_common::limits::{CONTROL_FRAME_BYTES_MAX, WRITE_CHUNK_BYTES_MAX};
-use distmind_common::proto::{
-    DataPaths, ErrorReply, MemserverReply, MemserverRequest, MemserverStats,
-};
-use distmind_common::wire::{self, FrameKind, Role, WireError};
+use crate::checksum;
+use crate::handshake::{self, ClusterKey, HandshakeError};
+use crate::limits::{CONTROL_FRAME_BYTES_MAX, WRITE_CHUNK_BYTES_MAX};
+use crate::proto::{DataPaths, ErrorReply, MemserverReply, MemserverRequest, MemserverStats};
+use crate::wire::{self, FrameKind, Role, WireError};
 
 /// Bytes of parameters per write-chunk frame: the frame payload (offset
 /// included) stays within [`WRITE_CHUNK_BYTES_MAX`].
@@ -57,7 +58,7 @@ impl ClientError {
 
 /// Connects to `addr`, proves the cluster key and declares `role`;
 /// `timeout` bounds the connect and every later read and write.
-pub(crate) fn connect_role(
+pub fn connect_role(
     addr: &str,
     key: &ClusterKey,
     timeout: Duration,
@@ -160,7 +161,7 @@ impl MemserverClient {
     }
 
     /// Makes the extent at `offset` readable if its bytes hash to `checksum`
-    /// (xxh3-64, [`distmind_common::checksum::checksum`]).
+    /// (xxh3-64, [`crate::checksum::checksum`]).
     pub fn commit(&mut self, offset: u64, checksum: u64) -> Result<(), ClientError> {
         let req = MemserverRequest::Commit {
             offset,
