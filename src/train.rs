@@ -6,7 +6,7 @@
 //!
 //! `distmind train submit|status|stop`: distributed training jobs (P
 //! pipelines x S stages, a JSON spec: `common::train_spec`) run by the
-//! controller on the GPUs inference leaves idle ([`jobs`]).
+//! controller on the GPUs inference leaves idle (`jobs`).
 
 mod jobs;
 
@@ -36,7 +36,7 @@ pub struct TrainCmd {
 
 #[derive(Args, Debug)]
 pub struct TrainArgs {
-    /// The package directory (DIR/<name>) of a CNN family.
+    /// The package directory (`DIR/<name>`) of a CNN family.
     #[arg(long, required = true)]
     pub model: Option<PathBuf>,
     /// SGD steps (one per training request in the original).

@@ -528,29 +528,62 @@ fn ask_group(
     })
 }
 
+/// A controller (no dispatcher), a memory server with a tiny ResNet-152
+/// deployed, and a [`FakeRuntime`] registered with them; each stopped when
+/// dropped (bind every field: one left to `..` is dropped at once).
+struct FakeCluster {
+    model: String,
+    controller: Proc,
+    ms: Proc,
+    fake: FakeRuntime,
+    c: ControllerClient,
+    _tmp: tempfile::TempDir,
+}
+
+impl FakeCluster {
+    fn start() -> Self {
+        let tmp = tempfile::tempdir().unwrap();
+        let pkgs = gen_tiny(tmp.path(), "resnet152", 1, 64 << 10);
+        let model = Package::open(&pkgs[0]).unwrap().manifest.name.clone();
+        // No dispatcher: training jobs do not need one.
+        let s = settings_dir();
+        let controller = spawn_service(&[
+            "controller",
+            "--settings",
+            s.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+            "--no-dispatcher",
+        ]);
+        let ms = spawn_memserver(&controller.addr, "32MiB");
+        wait_alive(&controller.addr, 1);
+        let (ok, _, stderr) = deploy(&controller.addr, &[], &pkgs);
+        assert!(ok, "{stderr}");
+        let fake = FakeRuntime::start(&controller.addr);
+        wait_runtime_alive(&controller.addr, &fake.addr);
+        let c = ControllerClient::connect(&controller.addr, &cluster_key(), Duration::from_secs(5))
+            .unwrap();
+        FakeCluster {
+            model,
+            controller,
+            ms,
+            fake,
+            c,
+            _tmp: tmp,
+        }
+    }
+}
+
 #[test]
 fn stage_workers_start_in_two_steps_and_sync_in_groups() {
-    let tmp = tempfile::tempdir().unwrap();
-    let pkgs = gen_tiny(tmp.path(), "resnet152", 1, 64 << 10);
-    let model = Package::open(&pkgs[0]).unwrap().manifest.name.clone();
-    // No dispatcher: training jobs do not need one.
-    let s = settings_dir();
-    let controller = spawn_service(&[
-        "controller",
-        "--settings",
-        s.to_str().unwrap(),
-        "--listen",
-        "127.0.0.1:0",
-        "--no-dispatcher",
-    ]);
-    let _ms = spawn_memserver(&controller.addr, "32MiB");
-    wait_alive(&controller.addr, 1);
-    let (ok, _, stderr) = deploy(&controller.addr, &[], &pkgs);
-    assert!(ok, "{stderr}");
-    let fake = FakeRuntime::start(&controller.addr);
-    wait_runtime_alive(&controller.addr, &fake.addr);
-    let mut c = ControllerClient::connect(&controller.addr, &cluster_key(), Duration::from_secs(5))
-        .unwrap();
+    let FakeCluster {
+        model,
+        controller,
+        ms: _ms,
+        fake,
+        mut c,
+        _tmp,
+    } = FakeCluster::start();
 
     // allreduce, 2 pipelines x 2 stages: started in two steps (the peers'
     // data addresses checked in start_job), then every pipeline's replica
@@ -694,26 +727,14 @@ fn write_part(addr: &str, job: &str, stage: u32, bytes: usize) -> GroupLocation 
 
 #[test]
 fn checkpoint_parts_that_never_complete_are_freed_on_the_memory_server() {
-    let tmp = tempfile::tempdir().unwrap();
-    let pkgs = gen_tiny(tmp.path(), "resnet152", 1, 64 << 10);
-    let model = Package::open(&pkgs[0]).unwrap().manifest.name.clone();
-    let s = settings_dir();
-    let controller = spawn_service(&[
-        "controller",
-        "--settings",
-        s.to_str().unwrap(),
-        "--listen",
-        "127.0.0.1:0",
-        "--no-dispatcher",
-    ]);
-    let ms = spawn_memserver(&controller.addr, "32MiB");
-    wait_alive(&controller.addr, 1);
-    let (ok, _, stderr) = deploy(&controller.addr, &[], &pkgs);
-    assert!(ok, "{stderr}");
-    let fake = FakeRuntime::start(&controller.addr);
-    wait_runtime_alive(&controller.addr, &fake.addr);
-    let mut c = ControllerClient::connect(&controller.addr, &cluster_key(), Duration::from_secs(5))
-        .unwrap();
+    let FakeCluster {
+        model,
+        controller: _controller,
+        ms,
+        fake,
+        mut c,
+        _tmp,
+    } = FakeCluster::start();
     // One pipeline of two stages, a periodic checkpoint every iteration.
     let id = start_job(
         &mut c,

@@ -4,7 +4,7 @@
 //! arena under a read lease, exactly like the data path reads them.
 //!
 //! Preprocessing and feature extraction run on the server's own pool of
-//! `--prep-workers` threads ([`PrepPool`]), never on the tasks that serve
+//! `--prep-workers` threads (`PrepPool`), never on the tasks that serve
 //! reads: a slow decode delays only the sample requests queued behind it.
 //! Requests wait for a queue slot (bounded), so a client that sends faster
 //! than the workers decode is slowed down, not buffered without limit.

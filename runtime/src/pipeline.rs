@@ -171,7 +171,7 @@ pub const STAGE_THREADS: usize = 2;
 /// spawned per request. Work is handed over in FIFO order, so a request's
 /// fetch always starts before its upload (which waits for the fetch's
 /// groups) and before the stages of any later request; it may borrow from
-/// the request: [`StageThreads::scope`] returns only once everything handed
+/// the request: `StageThreads::scope` returns only once everything handed
 /// over in it finished.
 pub struct StageThreads {
     pool: rayon::ThreadPool,

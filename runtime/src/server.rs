@@ -30,27 +30,27 @@
 //!   empty and checks the queue again after each, so inference waits for at
 //!   most one iteration (`TimingMsg.train_yield_ms` says how long).
 //! * `TrainStage`, `TrainStageStart`, `TrainStageStop`: a distributed
-//!   training job's stage workers, at most one per device ([`stage`]), each
+//!   training job's stage workers, at most one per device (`stage`), each
 //!   on its own thread; their forward and backward ops share the device
-//!   with inference through its lock ([`device_lock`]), inference first.
-//! * [`conn`]: one task per connection; requests are pipelined and replies
+//!   with inference through its lock (`device_lock`), inference first.
+//! * `conn`: one task per connection; requests are pipelined and replies
 //!   carry the request id, in completion order.
-//! * [`plan`]: one compiled `ModelPlan` per model (typed manifest, layout
+//! * `plan`: one compiled `ModelPlan` per model (typed manifest, layout
 //!   checked once) and catalog version. The connection attaches it to the
 //!   job; a model new to the runtime, forgotten, or older than the request's
 //!   `catalog_version` is refreshed on a blocking thread, one controller call
 //!   per model however many requests wait for it, never on a device's serial
 //!   path.
-//! * [`worker`]: runs [`pipeline::cold_start`](crate::pipeline::cold_start)
+//! * `worker`: runs [`pipeline::cold_start`](crate::pipeline::cold_start)
 //!   ([`pipeline::sequential`](crate::pipeline::sequential) with
 //!   `whole_model`, the baselines' whole-model loads; [`pipeline::load`](crate::pipeline::load)
 //!   for a prefetch), runs the
 //!   training iterations, encodes the replies.
-//! * [`register`]: registration and heartbeats (with a snapshot of queues,
+//! * `register`: registration and heartbeats (with a snapshot of queues,
 //!   resident models, training jobs and the host cache) to the controller.
-//! * [`preload`] (`preload` on: the baselines): keeps every catalog model
+//! * `preload` (`preload` on: the baselines): keeps every catalog model
 //!   in the host cache.
-//! * [`metrics`]: Prometheus metrics ([`RuntimeMonitor::render_metrics`]),
+//! * `metrics`: Prometheus metrics ([`RuntimeMonitor::render_metrics`]),
 //!   served over HTTP at `metrics_listen` when set.
 
 mod batch;

@@ -18,7 +18,7 @@
 //! same run directory path on that host (`nohup`, stdin from /dev/null);
 //! ssh is invoked as `<--ssh...> -o BatchMode=yes <user>@<host> sh -s`,
 //! the script (every argument in it single-quoted) on its stdin. Addresses
-//! are explicit (see [`plan`]): metrics on the service's port +
+//! are explicit (see `plan`): metrics on the service's port +
 //! `--metrics-port-offset`.
 //! Readiness is the same rule, checked over the network (`/health`) plus
 //! the ready lines read back over ssh; a service that fails shows the tail
@@ -67,8 +67,8 @@ pub enum ClusterCommand {
     /// of username.txt, the controller on the metadata host (first line of storage_list.txt), a
     /// memory server on each later storage_list.txt line, a GPU server (`distmind runtime`,
     /// `slots` devices) on each serverhost_list.txt host, listening on
-    /// <host>:GLOBAL_CAHCE_PORT_FOR_SERVER; the dispatcher on
-    /// <metadata host>:GLOBAL_LOAD_BALANCER_PORT_FOR_CLIENT. Every host needs this binary and the
+    /// `<host>:GLOBAL_CAHCE_PORT_FOR_SERVER`; the dispatcher on
+    /// `<metadata host>:GLOBAL_LOAD_BALANCER_PORT_FOR_CLIENT`. Every host needs this binary and the
     /// settings directory at the same paths as here (the run directory path is created there).
     /// Metrics (/health, /metrics) listen on each service's port + --metrics-port-offset.
     Up(UpArgs),
@@ -88,7 +88,7 @@ pub struct CommonArgs {
     /// Settings directory.
     #[arg(long, default_value = "settings")]
     pub settings: PathBuf,
-    /// Where pids, logs and cluster.json go (default: <repository>/run, next to settings/). In
+    /// Where pids, logs and cluster.json go (default: `<repository>/run`, next to settings/). In
     /// remote mode the same path holds each host's logs on that host.
     #[arg(long)]
     pub run_dir: Option<PathBuf>,

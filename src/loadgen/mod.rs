@@ -114,7 +114,7 @@ pub struct ClientArgs {
     /// Models to request, most popular first (default: every model in the catalog, by name).
     #[arg(long, value_delimiter = ',')]
     pub models: Vec<String>,
-    /// CSV trace: header time_s,model[,slo_ms], then one request per line in time order.
+    /// CSV trace: header `time_s,model[,slo_ms]`, then one request per line in time order.
     #[arg(long)]
     pub trace: Option<PathBuf>,
     /// Seed of model draws, arrival times and inputs.

@@ -29,7 +29,7 @@
 //!
 //! Every figure carries a caption under the plot area saying which executor
 //! produced the numbers, built from the plotted rows ([`executor_caption`]):
-//! `sim` rows give "GPU time simulated from <profiles>", `cpu` rows
+//! `sim` rows give "GPU time simulated from `<profiles>`", `cpu` rows
 //! "executor: cpu (real model math on this CPU)", `cuda` rows
 //! "executor: cuda (measured on a GPU)"; a figure mixing executors lists
 //! each, joined by "; ". `--caption TEXT` is appended after " | ".
@@ -128,7 +128,7 @@ pub struct BarsArgs {
     /// Numeric column: upper end of a whisker on each bar (e.g. p99).
     #[arg(long, value_name = "COL", requires = "whisker_low")]
     pub whisker_high: Option<String>,
-    /// A value of the series column drawn as a dashed "<value> (bound)" line
+    /// A value of the series column drawn as a dashed "`<value>` (bound)" line
     /// per category (or one line across the chart) instead of bars.
     #[arg(long, value_name = "SERIES_VALUE", requires = "series")]
     pub reference: Option<String>,

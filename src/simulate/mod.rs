@@ -97,7 +97,7 @@ pub struct SimulateArgs {
     /// Interval of --timeline, simulated seconds.
     #[arg(long, default_value_t = 1.0)]
     pub timeline_interval: f64,
-    /// GPU profile (default: <settings>/profiles/v100-estimated.json).
+    /// GPU profile (default: `<settings>/profiles/v100-estimated.json`).
     #[arg(long)]
     pub profile: Option<PathBuf>,
     /// Every host's NIC (GPU servers and memory servers), e.g. 100gbit, 12.5GB/s.
@@ -125,7 +125,7 @@ pub struct SimulateArgs {
     /// Open loop: connections the requests are spread over (as the client's).
     #[arg(long, default_value_t = 4)]
     pub connections: usize,
-    /// CSV trace (--mode trace): header time_s,model[,slo_ms], one request per
+    /// CSV trace (--mode trace): header `time_s,model[,slo_ms]`, one request per
     /// line in time order. Every model it names is a variant of --family.
     #[arg(long)]
     pub trace: Option<PathBuf>,

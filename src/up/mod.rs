@@ -123,7 +123,7 @@ pub struct UpArgs {
     /// The runtime's host cache (default: room for every model in whole cache blocks, at most 4 GiB).
     #[arg(long, value_parser = parse_size)]
     pub cache: Option<u64>,
-    /// GPU profile for the sim executor (default: <settings>/profiles/h200-estimated.json).
+    /// GPU profile for the sim executor (default: `<settings>/profiles/h200-estimated.json`).
     #[arg(long)]
     pub profile: Option<PathBuf>,
     /// Where the model packages go; kept afterwards (default: a temporary directory, removed).
@@ -373,7 +373,7 @@ impl Drop for WorkDir {
 pub const DURATION_DEFAULT: Duration = Duration::from_secs(60);
 
 /// Runs `distmind up`: see the module documentation. Without `--system` on
-/// the sim executor (no GPU here), the side-by-side of [`compare`].
+/// the sim executor (no GPU here), the side-by-side of `compare`.
 pub fn run(args: &UpArgs) -> anyhow::Result<()> {
     let (executor, why) = choose_executor(args.executor, cfg!(feature = "cuda"), || {
         println!("up: probing CUDA device 0 ...");

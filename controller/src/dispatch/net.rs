@@ -18,7 +18,7 @@
 //! * Clients speak the runtime protocol (`RuntimeRequest::Infer` + one
 //!   input frame; `RuntimeReply::Output` + output frames), so the same
 //!   client talks to a runtime or to the dispatcher; replies carry the
-//!   client's id and a [`DispatchInfo`](distmind_common::proto::DispatchInfo).
+//!   client's id and a [`DispatchInfo`].
 //! * Bounded everywhere: connections, requests in flight per connection,
 //!   the event channel, the bytes waiting for each socket, requests in the
 //!   dispatcher, the input bytes it holds.

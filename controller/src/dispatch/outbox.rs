@@ -13,7 +13,8 @@
 //! one client shares a syscall.
 //!
 //! Bounded: staged and waiting bytes together at most the outbox's bound;
-//! past it [`Outbox::stage`] refuses (the peer is not keeping up).
+//! past it [`Outbox::stage_request`], [`Outbox::stage_reply`] and
+//! [`Outbox::stage_raw`] refuse (the peer is not keeping up).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -122,7 +123,7 @@ impl Outbox {
         )
     }
 
-    /// Like [`Outbox::stage`] with the message frame's payload given as
+    /// Like [`Outbox::stage_reply`] with the message frame's payload given as
     /// bytes already encoded, in parts.
     pub fn stage_raw(
         &self,

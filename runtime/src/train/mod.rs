@@ -28,11 +28,11 @@
 //! Every op of `models/OPS.md` trains, with the cpu executor's inference
 //! semantics: `conv2d`, `batch_norm`, `relu`, `tanh`, `max_pool2d` and
 //! `avg_pool2d` (exact -inf / zero padding, `count_include_pad`,
-//! `ceil_mode`, with their own backward, [`pool`]), `adaptive_avg_pool2d`,
-//! `add`, `concat`, `flatten`, `linear` ([`layers`]); `embedding` (the
+//! `ceil_mode`, with their own backward, `pool`), `adaptive_avg_pool2d`,
+//! `add`, `concat`, `flatten`, `linear` (`layers`); `embedding` (the
 //! gradient goes to the table, never to the ids), `layer_norm`, `gelu` (erf
 //! and tanh, exact derivatives), `attention` (causal or not, three inputs
-//! or fused qkv) and `select` ([`transformer`]).
+//! or fused qkv) and `select` (`transformer`).
 //!
 //! The loss ([`LossKind`], chosen from the manifest's family):
 //! * CNNs: softmax cross-entropy of the logits (the last output,
@@ -47,7 +47,7 @@
 //! Steps run in f32 ([`Precision::F32`]); every function can run the same
 //! graph in f64 for gradient checks.
 //!
-//! Module map: [`boundary`] (which tensors cross a cut of the layer list),
+//! Module map: [`boundary`](mod@boundary) (which tensors cross a cut of the layer list),
 //! [`stage`] ([`StageModel`]), [`loss`], [`packed`] (params in the packed
 //! layout), [`whole`] (the whole-model API the server and `distmind train`
 //! call), [`sgd`] (the update rule).

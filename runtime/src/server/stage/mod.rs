@@ -217,7 +217,7 @@ pub struct StageWorkerStatus {
     /// started at `start_iteration` reports from there).
     pub iterations: u64,
     /// The last stage's mean loss of each iteration it ran (the last
-    /// [`LOSS_HISTORY_MAX`]); empty on other stages.
+    /// `LOSS_HISTORY_MAX`); empty on other stages.
     pub losses: Vec<f64>,
     /// xxh3-64 of the stage's `params_flat` (its f32 values' bytes) after
     /// the last iteration's sync: replicas that averaged together hold

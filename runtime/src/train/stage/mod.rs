@@ -6,7 +6,7 @@
 //!   (half precision widened to f32), or from other stages' exported
 //!   layers ([`PackedLayers`]) when the partition changes.
 //! * [`StageModel::forward`] takes the boundary tensors of its first cut
-//!   ([`super::boundary`]) and returns those of its last, in training
+//!   ([`super::boundary`](fn@super::boundary)) and returns those of its last, in training
 //!   mode (BatchNorm batch statistics; running statistics updated as the
 //!   forward runs, as PyTorch does), and keeps the microbatch's graph for
 //!   its backward.
