@@ -19,11 +19,18 @@ fn up_runs_a_workload_and_stops_everything() {
         "5",
         "--executor",
         "cpu",
+        "--warm-devices",
         "--work-dir",
         dir.path().to_str().unwrap(),
     ]);
     assert!(ok, "distmind up failed:\n{stdout}\n{stderr}");
     assert!(stdout.contains("All threads finished."), "{stdout}");
+    // The device ran its first inference before the workload, straight to
+    // the runtime.
+    assert!(
+        stdout.contains("up: warmed 1 device(s): one inference of "),
+        "{stdout}"
+    );
     // Every child it started reports a clean exit.
     for who in ["controller", "runtime", "memserver-1", "memserver-2"] {
         assert!(

@@ -1007,6 +1007,16 @@ pub struct TimingMsg {
     /// Requests that ran in the same batch (1: alone).
     #[serde(default = "one")]
     pub batch_requests: u32,
+    /// The device's first inference since the runtime started. It pays
+    /// one-time costs: on an H200 the cuda executor's first run of a
+    /// ResNet-152 took 150 ms against about 5 ms after (CUDA loads
+    /// kernels lazily, pools grow). Not a service time to learn from.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub warmup: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 fn one() -> u32 {
@@ -1107,6 +1117,9 @@ pub enum RuntimeReply {
         /// `Cold` when it was fetched, `HostCached` when only uploaded,
         /// `DeviceResident` when there was nothing to do.
         path: ServePath,
+        /// How long the load took (the fetch when `Cold`, the upload to
+        /// the device), not counting its wait behind the device's queue.
+        /// A host-cache prefetch's is its whole time, waits included.
         ms: f64,
     },
     Training {

@@ -65,7 +65,7 @@ mod worker;
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -290,6 +290,9 @@ pub(crate) struct DeviceState {
     pub lock: device_lock::DeviceLock,
     /// What stage workers ran on this device, every job.
     pub stage_counters: StageCounters,
+    /// An inference has run here: the next is not the warm-up
+    /// ([`TimingMsg::warmup`](distmind_common::proto::TimingMsg::warmup)).
+    pub inferred: AtomicBool,
 }
 
 /// Per-device counters of training stage workers (every job).
@@ -306,6 +309,11 @@ pub(crate) struct StageCounters {
 impl DeviceState {
     pub fn training(&self) -> MutexGuard<'_, TrainingStatus> {
         self.training.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether the inference that just ran was this device's first.
+    pub fn first_inference(&self) -> bool {
+        !self.inferred.swap(true, Ordering::Relaxed)
     }
 
     /// Adds the time since `since` to the busy time.
@@ -742,6 +750,7 @@ impl RuntimeServer {
                     training: Mutex::new(TrainingStatus::default()),
                     lock: device_lock::DeviceLock::default(),
                     stage_counters: StageCounters::default(),
+                    inferred: AtomicBool::new(false),
                 })
                 .collect(),
             catalog: plan::Catalog::new(config.controller.clone(), config.key.clone()),

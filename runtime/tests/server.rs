@@ -213,6 +213,7 @@ fn infer_on_a_named_device_lists_resident_models_and_prefetches() {
     assert_eq!((r.timing.device, r.timing.path), (3, ServePath::Cold));
     assert_eq!(r.resident, [a.as_str()]);
     assert_eq!(r.timing.train_yield_ms, 0.0, "no training job");
+    assert!(r.timing.warmup, "device 3's first inference is its warm-up");
     let e = client.infer_with(&a, &c.input(0), on(7)).unwrap_err();
     assert_eq!(e.code(), Some(ErrorCode::BadRequest));
     let text = e.to_string();
@@ -238,6 +239,10 @@ fn infer_on_a_named_device_lists_resident_models_and_prefetches() {
     let r = client.infer_with(&b, &c.input(1), on(0)).unwrap();
     assert_eq!(r.timing.path, ServePath::DeviceResident, "prefetched");
     assert_eq!(r.timing.fetched_bytes, 0);
+    assert!(
+        r.timing.warmup,
+        "prefetches run nothing: device 0's first inference"
+    );
     assert_eq!(
         r.resident,
         [b.clone(), d.clone()],
@@ -245,6 +250,7 @@ fn infer_on_a_named_device_lists_resident_models_and_prefetches() {
     );
     let r = client.infer_with(&a, &c.input(0), on(0)).unwrap();
     assert_eq!(r.timing.path, ServePath::HostCached);
+    assert!(!r.timing.warmup, "device 0 ran one already");
     assert_eq!(r.resident, [a.clone(), b.clone(), d.clone()]);
 
     // Errors name what was wrong.

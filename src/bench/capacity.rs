@@ -5,8 +5,9 @@
 //! configuration and in one run; the ratio of the two is the figure.
 //!
 //! The configuration is the end-to-end test's (`ae/2_e2e`): ResNet-152
-//! variants on one simulated GPU (`sim` executor, GPU time from a profile)
-//! with parameter memory for half of them, 2 memory servers, Zipf 0.9,
+//! variants on one GPU with parameter memory for half of them (by default
+//! simulated: the `sim` executor, GPU time from a profile; `--executor cuda`
+//! runs real kernels on CUDA device 0), 2 memory servers, Zipf 0.9,
 //! batch 1, and equal memory: every system holds the whole set in its GPU
 //! server's host memory (`--half-cached`: DistMind holds half, warm). Every
 //! point is a real cluster of processes (`distmind up`); `--emulate-link`
@@ -22,6 +23,8 @@ use std::time::Duration;
 
 use clap::{Args, Parser};
 use distmind_common::metrics::sample_value;
+
+use distmind_runtime::exec::ExecutorKind;
 
 use crate::up::{self, UpArgs};
 
@@ -57,6 +60,10 @@ pub struct CapacityArgs {
     /// Zipf exponent of model popularity.
     #[arg(long, default_value_t = 0.9)]
     pub zipf: f64,
+    /// The GPU: sim (GPU time from a profile) or cuda (real kernels on
+    /// CUDA device 0; needs a build with `--features cuda`).
+    #[arg(long, value_enum, default_value = "sim")]
+    pub executor: GpuExecutor,
     /// GPU profile of the sim executor (default: `distmind up`'s).
     #[arg(long)]
     pub profile: Option<PathBuf>,
@@ -78,6 +85,22 @@ pub struct CapacityArgs {
     pub seed: u64,
     #[command(flatten)]
     pub emulate: crate::emulate::EmulateArgs,
+}
+
+/// The executors the bench runs: full-size models on one GPU.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuExecutor {
+    Sim,
+    Cuda,
+}
+
+impl GpuExecutor {
+    fn kind(self) -> ExecutorKind {
+        match self {
+            GpuExecutor::Sim => ExecutorKind::Sim,
+            GpuExecutor::Cuda => ExecutorKind::Cuda,
+        }
+    }
 }
 
 /// One point of a sweep.
@@ -130,6 +153,18 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
         "--models must be at least 2, got {}",
         a.models
     );
+    let executor = a.executor.kind();
+    if executor == ExecutorKind::Cuda {
+        anyhow::ensure!(
+            cfg!(feature = "cuda"),
+            "--executor cuda: {}",
+            distmind_runtime::exec::cuda::NOT_COMPILED
+        );
+        anyhow::ensure!(
+            a.profile.is_none(),
+            "--profile gives the sim executor its GPU times; the cuda executor times real kernels"
+        );
+    }
     let mut rates = a.rates.clone();
     rates.sort_by(f64::total_cmp);
     rates.dedup();
@@ -150,15 +185,17 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| "loopback".into());
     println!(
-        "capacity bench: {} ResNet-152 variants, 1 sim GPU (memory for half), 2 memory servers, Zipf {}, \
+        "capacity bench: {} ResNet-152 variants, 1 {} GPU (memory for half), 2 memory servers, Zipf {}, \
          batch 1, {} ms SLO, target {:.1}% within; DistMind's host cache: {}; link: {link}; {:.0} s per rate",
         n,
+        if executor == ExecutorKind::Cuda { "CUDA" } else { "sim" },
         a.zipf,
         a.slo_ms,
         a.target * 1e2,
         if a.half_cached { "half the set" } else { "the whole set" },
         a.duration.as_secs_f64()
     );
+    let executor_name = executor.to_string();
     let mut all = Vec::new();
     let mut caps = Vec::new();
     for (system, cache) in [
@@ -170,7 +207,7 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
             let mut argv: Vec<String> = [
                 "up",
                 "--executor",
-                "sim",
+                &executor_name,
                 "--family",
                 "resnet152",
                 "--mode",
@@ -224,11 +261,7 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
                 .map_err(|e| anyhow::anyhow!("the up flags of a point: {e}"))?
                 .up;
             println!("\n== {system} at {rate} req/s ==");
-            let o = up::run_one(
-                &up_args,
-                distmind_runtime::exec::ExecutorKind::Sim,
-                "the capacity bench runs the sim executor",
-            )?;
+            let o = up::run_one(&up_args, executor, "asked for by the capacity bench")?;
             let r = &o.report;
             let sent = r.sent.max(1) as f64;
             let within = r
@@ -430,5 +463,30 @@ mod tests {
         assert_eq!(a.rate, 150.0);
         assert_eq!(a.duration, Some(Duration::from_millis(1500)));
         assert_eq!(a.models, Some(8));
+    }
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        capacity: CapacityArgs,
+    }
+
+    #[test]
+    fn cuda_is_refused_with_the_reason_before_any_point_runs() {
+        let run_with = |extra: &[&str]| {
+            let mut argv = vec!["capacity", "--executor", "cuda", "--rates", "100"];
+            argv.extend_from_slice(extra);
+            run(&Cli::try_parse_from(argv).unwrap().capacity)
+                .unwrap_err()
+                .to_string()
+        };
+        if cfg!(feature = "cuda") {
+            let e = run_with(&["--profile", "settings/profiles/h200-estimated.json"]);
+            assert!(e.contains("--profile"), "{e}");
+        } else {
+            let e = run_with(&[]);
+            assert!(e.contains("--executor cuda"), "{e}");
+        }
+        assert!(Cli::try_parse_from(["capacity", "--executor", "cpu"]).is_err());
     }
 }

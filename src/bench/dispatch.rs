@@ -158,6 +158,7 @@ fn decisions(policy: PolicyKind, a: &DispatchArgs) -> anyhow::Result<Decisions> 
         fetched_bytes: 0,
         train_yield_ms: 0.0,
         batch_requests: 1,
+        warmup: false,
     };
     let mut samples = Vec::with_capacity((a.decisions / 16) as usize + 1);
     let (mut sent, mut rejected, mut sends) = (0u64, 0u64, 0u64);

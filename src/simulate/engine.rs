@@ -1130,6 +1130,7 @@ impl Sim {
                     },
                     train_yield_ms: 0.0,
                     batch_requests: n,
+                    warmup: false,
                 };
                 let resident: Vec<String> = self.devices[gi]
                     .residency

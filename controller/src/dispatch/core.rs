@@ -1762,9 +1762,12 @@ impl Dispatcher {
         let answered = open_batch(&self.batches, self.reqs.get(&req)).map(|b| (b.base, b.n));
         let r = self.take(req)?;
         let gi = r.gpu?;
+        // The device's first run pays one-time costs (TimingMsg::warmup):
+        // neither its serial time nor its service time is learnt from.
+        let warmup = c.timing.is_some_and(|t| t.warmup);
         if let Some((base, n)) = answered {
             let mut g = self.gpus.get_mut(gi);
-            if let Some(since) = g.busy_since {
+            if let Some(since) = g.busy_since.filter(|_| !warmup) {
                 // Capped: one stall (a page fault storm, a descheduled
                 // server) must not shut admission for a while.
                 let extra = (now.saturating_sub(since).saturating_sub(base)).min(4 * base);
@@ -1789,7 +1792,14 @@ impl Dispatcher {
             let rtt = r.sent_at.map(|s| (now - s) as f64 / 1e3);
             let meta = &self.models[r.model as usize].meta;
             let service_ms = t.total_ms - t.queue_ms;
-            if t.batch_requests <= 1 {
+            if warmup {
+                log::debug!(
+                    "dispatcher: {}'s {:.1} ms on {} is its device's warm-up, not learnt from",
+                    meta.name,
+                    service_ms,
+                    self.gpus[gi].gpu
+                );
+            } else if t.batch_requests <= 1 {
                 self.cost
                     .observe(r.model, meta, at, service_ms, rtt, t.total_ms);
             } else if answered.is_some() {

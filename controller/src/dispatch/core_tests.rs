@@ -84,6 +84,7 @@ fn timing(path: ServePath, service_ms: f64) -> TimingMsg {
         fetched_bytes: 0,
         train_yield_ms: 0.0,
         batch_requests: 1,
+        warmup: false,
     }
 }
 
@@ -1711,4 +1712,50 @@ fn every_lane_follows_its_gpu_through_a_busy_run() {
         c.sent > 500 && batched > 10 && c.completed > 500,
         "the run was not busy: {c:?}, {batched} batches"
     );
+}
+
+/// A device's first run pays one-time costs (on an H200, 150 ms for a
+/// ResNet-152 that then runs in 5): learnt from, it would shut the model
+/// out of a 100 ms SLO until other samples wore it down. The runtime marks
+/// it `warmup`; the dispatcher learns neither a service time nor a serial
+/// time from it.
+#[test]
+fn the_devices_warm_up_run_teaches_the_cost_model_nothing() {
+    let run = |warmup: bool| {
+        let mut d = dispatcher(PolicyKind::Slo, 1);
+        let m = model(&mut d, "a");
+        make_resident(&mut d, 0, "a");
+        let mut out = Vec::new();
+        let first = d.submit(0, m, Some(1000.0), &mut out);
+        let second = d.submit(0, m, Some(1000.0), &mut out);
+        out.clear();
+        let slow = TimingMsg {
+            warmup,
+            ..timing(ServePath::DeviceResident, 150.0)
+        };
+        d.complete(150 * MS, first, &c_of(&slow, &[]), &mut out);
+        // The second waited behind it at the runtime.
+        let t = TimingMsg {
+            queue_ms: 150.0,
+            total_ms: 155.0,
+            ..timing(ServePath::DeviceResident, 5.0)
+        };
+        d.complete(155 * MS, second, &c_of(&t, &[]), &mut out);
+        out.clear();
+        let meta = d.models[m as usize].meta.clone();
+        let estimate = d.cost.estimate(m, &meta, Where::Resident);
+        let admitted = {
+            let r = d.submit(200 * MS, m, Some(100.0), &mut out);
+            !failed(&out).iter().any(|&(id, _)| id == r)
+        };
+        (estimate, d.serial_us(0), admitted)
+    };
+    let (estimate, serial, admitted) = run(true);
+    assert_eq!(estimate, 5 * MS, "only the second run was learnt from");
+    assert!(serial <= MS, "{serial} us of serial time");
+    assert!(admitted);
+    // The same replies without the mark: the 150 ms shuts the model out.
+    let (estimate, _, admitted) = run(false);
+    assert!(estimate > 100 * MS, "{estimate}");
+    assert!(!admitted);
 }

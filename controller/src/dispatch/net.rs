@@ -1293,6 +1293,7 @@ mod tests {
                 fetched_bytes: 0,
                 train_yield_ms: 0.0,
                 batch_requests: 2,
+                warmup: false,
             },
             outputs: vec!["logits".into()],
             trace: None,

@@ -18,6 +18,15 @@ use std::collections::HashMap;
 
 use super::{Ewma, Micros, Where};
 
+/// A sample counts for at most this many times the observed estimate it
+/// updates (the model's own on that path, else its family's). One stall,
+/// such as a load that waited behind a queue or a page-fault storm, must
+/// not lift an estimate past the SLO: the requests it then rejects would
+/// bring no sample to lower it again, and the model would stay shut out.
+/// A real slowdown still raises the estimate by up to 60% a sample
+/// (`Ewma::ALPHA` x 3).
+pub const SAMPLE_CAP_FACTOR: f64 = 4.0;
+
 /// What the dispatcher knows of a model.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelMeta {
@@ -208,6 +217,12 @@ impl CostModel {
         if !service_ms.is_finite() || service_ms < 0.0 {
             return;
         }
+        // One sample moves an observed estimate up by at most
+        // `SAMPLE_CAP_FACTOR` times itself (see there).
+        let service_ms = match self.observed(id, &meta.family, at) {
+            Some(e) => service_ms.min(e * SAMPLE_CAP_FACTOR),
+            None => service_ms,
+        };
         let i = at as usize;
         let m = id as usize;
         if self.by_model.len() <= m {
@@ -282,6 +297,32 @@ mod tests {
         // Bad samples are ignored.
         c.observe(0, &m, Where::Remote, f64::NAN, None, 0.0);
         assert_eq!(c.estimate(0, &m, Where::Remote), 50_000);
+    }
+
+    #[test]
+    fn one_stalled_sample_cannot_shut_a_model_out() {
+        let mut c = CostModel::new(Priors::default());
+        let m = meta(240_000_000);
+        // The family's host-cached path is known: about 13 ms.
+        for _ in 0..5 {
+            c.observe(0, &m, Where::HostCached, 13.0, None, 13.0);
+        }
+        // Model 1's first sample stalled for 190 ms: it counts as 52 ms,
+        // an estimate that still fits a 100 ms SLO, so its next requests
+        // run and bring it back down.
+        c.observe(1, &m, Where::HostCached, 190.0, None, 190.0);
+        assert_eq!(c.estimate(1, &m, Where::HostCached), 52_000);
+        for _ in 0..20 {
+            c.observe(1, &m, Where::HostCached, 13.0, None, 13.0);
+        }
+        assert!(c.estimate(1, &m, Where::HostCached) < 14_000);
+        // A real slowdown is still followed, by up to 60% a sample.
+        c.observe(1, &m, Where::HostCached, 1_000.0, None, 1_000.0);
+        let e = c.estimate(1, &m, Where::HostCached);
+        assert!(e > 20_000 && e < 22_000, "{e}");
+        // With nothing observed on the path yet, a sample is taken whole.
+        c.observe(2, &m, Where::Remote, 500.0, None, 500.0);
+        assert_eq!(c.estimate(2, &m, Where::Remote), 500_000);
     }
 
     #[test]

@@ -679,6 +679,7 @@ fn run_group(
     let mut timing = timing_msg(&timing, device.id);
     timing.train_yield_ms = ms(train_yield);
     timing.batch_requests = members.len() as u32;
+    timing.warmup = device.first_inference();
     let names: Vec<String> = m.outputs.iter().map(|o| o.name.clone()).collect();
     let resident = device.residency.resident_mru();
     let mut per_output: Vec<std::vec::IntoIter<HostTensor>> =
@@ -770,7 +771,10 @@ fn prefetch_device(core: &Core, index: usize, p: &PrefetchJob) -> (Outgoing, Dur
                     id: p.id,
                     model: p.model.clone(),
                     path: serve_path(timing.path),
-                    ms: ms(p.arrived.elapsed()),
+                    // The load's own time, not its wait in the device's
+                    // queue: the dispatcher takes it as what a request
+                    // that finds the model where it was pays beyond compute.
+                    ms: ms(ran),
                 },
                 frames: Vec::new(),
                 permit: None,
@@ -1174,6 +1178,7 @@ pub(crate) fn timing_msg(t: &Timing, device: u32) -> TimingMsg {
         fetched_bytes: t.fetched_bytes,
         train_yield_ms: 0.0,
         batch_requests: 1,
+        warmup: false,
     }
 }
 
