@@ -5,17 +5,41 @@ mod support;
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Mutex, MutexGuard};
 
 use support::*;
 
-/// Free loopback ports (bound, then released: the cluster binds them next).
+/// Free loopback ports for the cluster's fixed addresses, checked free here
+/// and bound by the services next. They come from below Linux's ephemeral
+/// range (32768-60999), so no port-0 bind and no outgoing connection of
+/// other processes can take one in between (a port that the kernel handed
+/// out and took back could be), and no two tests of this binary get the
+/// same one.
 fn free_ports(n: usize) -> Vec<u16> {
-    let held: Vec<TcpListener> = (0..n)
-        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    held.iter()
-        .map(|l| l.local_addr().unwrap().port())
-        .collect()
+    const LOW: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    // Another run of this binary at the same time starts elsewhere.
+    let start = std::process::id() % SPAN;
+    let mut ports = Vec::with_capacity(n);
+    while ports.len() < n {
+        let k = NEXT.fetch_add(1, Ordering::Relaxed);
+        assert!(k < SPAN, "no free loopback port in {LOW}..{}", LOW + SPAN);
+        let port = (LOW + (start + k) % SPAN) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            ports.push(port);
+        }
+    }
+    ports
+}
+
+/// One test's cluster at a time: a cluster's metrics ports sit at an
+/// offset from its fixed ones ([`free_offset`]), which another test's
+/// running cluster could hold.
+fn one_cluster_at_a_time() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// The shipped settings in `dir/settings`, the metadata endpoint, the two
@@ -71,6 +95,7 @@ const SMALL: [&str; 4] = ["--memserver-capacity", "64MiB", "--cache", "128MiB"];
 
 #[test]
 fn up_status_down_start_and_stop_exactly_the_cluster() {
+    let _one = one_cluster_at_a_time();
     let tmp = tempfile::tempdir().unwrap();
     let settings = settings_copy(tmp.path(), &free_ports(7));
     let run = tmp.path().join("run");
@@ -106,6 +131,7 @@ fn up_status_down_start_and_stop_exactly_the_cluster() {
 
 #[test]
 fn a_service_that_cannot_start_stops_the_bring_up_and_what_was_started() {
+    let _one = one_cluster_at_a_time();
     let tmp = tempfile::tempdir().unwrap();
     let ports = free_ports(7);
     let settings = settings_copy(tmp.path(), &ports);
@@ -184,6 +210,7 @@ fn free_offset(ports: &[u16]) -> u16 {
 
 #[test]
 fn remote_mode_needs_username_txt() {
+    let _one = one_cluster_at_a_time();
     let tmp = tempfile::tempdir().unwrap();
     let settings = remote_copy(tmp.path(), &free_ports(7));
     std::fs::remove_file(settings.join("username.txt")).unwrap();
@@ -198,6 +225,7 @@ fn remote_mode_needs_username_txt() {
 
 #[test]
 fn remote_mode_names_the_host_ssh_cannot_reach() {
+    let _one = one_cluster_at_a_time();
     let tmp = tempfile::tempdir().unwrap();
     let settings = remote_copy(tmp.path(), &free_ports(7));
     let run = tmp.path().join("run");
@@ -224,6 +252,7 @@ fn remote_mode_names_the_host_ssh_cannot_reach() {
 
 #[test]
 fn remote_mode_over_a_local_ssh_stand_in_starts_and_stops_by_pid() {
+    let _one = one_cluster_at_a_time();
     let tmp = tempfile::tempdir().unwrap();
     let ports = free_ports(7);
     let settings = remote_copy(tmp.path(), &ports);
@@ -301,6 +330,7 @@ fn remote_mode_over_a_local_ssh_stand_in_starts_and_stops_by_pid() {
 
 #[test]
 fn remote_mode_shows_the_remote_log_of_a_service_that_fails_and_stops_the_rest() {
+    let _one = one_cluster_at_a_time();
     let tmp = tempfile::tempdir().unwrap();
     let ports = free_ports(7);
     let settings = remote_copy(tmp.path(), &ports);
