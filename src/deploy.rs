@@ -261,7 +261,7 @@ pub fn deploy(target: &Target, model: &Model<'_>, opts: &Options) -> anyhow::Res
     let written = written.into_inner().unwrap();
     if let Err(e) = result {
         bar.abandon();
-        free_locations(&target.key, written.values());
+        free_locations(&target.key, model.name, written.values());
         return Err(e);
     }
 
@@ -304,7 +304,7 @@ pub fn deploy(target: &Target, model: &Model<'_>, opts: &Options) -> anyhow::Res
     let replaced = match controller.put_model(entry.clone()) {
         Ok(r) => r,
         Err(e) => {
-            free_locations(&target.key, written.values());
+            free_locations(&target.key, model.name, written.values());
             return Err(
                 anyhow::Error::new(e).context(format!("registering {} in the catalog", model.name))
             );
@@ -317,7 +317,7 @@ pub fn deploy(target: &Target, model: &Model<'_>, opts: &Options) -> anyhow::Res
             .iter()
             .flat_map(|g| g.slices.iter().flat_map(|s| s.replicas.iter()))
             .collect();
-        free_locations(&target.key, old_locs.into_iter());
+        free_locations(&target.key, &old.name, old_locs.into_iter());
     }
     Ok(Deployed {
         entry,
@@ -351,12 +351,14 @@ pub fn free_entry(key: &ClusterKey, entry: &ModelEntry) -> usize {
         .flat_map(|g| g.slices.iter().flat_map(|s| s.replicas.iter()))
         .collect();
     let n = locs.len();
-    free_locations(key, locs.into_iter());
+    free_locations(key, &entry.name, locs.into_iter());
     n
 }
 
-/// Frees extents, best effort: a memory server that is gone has lost them anyway.
-fn free_locations<'a>(key: &ClusterKey, locs: impl Iterator<Item = &'a Location>) {
+/// Frees extents allocated for `owner`, best effort: a memory server that is
+/// gone has lost them anyway, and one refuses an extent that another owner
+/// holds now.
+fn free_locations<'a>(key: &ClusterKey, owner: &str, locs: impl Iterator<Item = &'a Location>) {
     let mut by_addr: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
     for l in locs {
         by_addr.entry(&l.addr).or_default().push(l.offset);
@@ -365,8 +367,10 @@ fn free_locations<'a>(key: &ClusterKey, locs: impl Iterator<Item = &'a Location>
         match MemserverClient::connect(addr, key, CONNECT_TIMEOUT) {
             Ok(mut c) => {
                 for off in offsets {
-                    if let Err(e) = c.free(off) {
-                        log::warn!("memory server {addr}: cannot free extent at {off}: {e}");
+                    if let Err(e) = c.free(off, owner) {
+                        log::warn!(
+                            "memory server {addr}: cannot free {owner}'s extent at {off}: {e}"
+                        );
                     }
                 }
             }

@@ -35,7 +35,7 @@ fn memserver_still_serves(addr: &str) {
     let off = c
         .alloc(4096, "probe")
         .expect("memserver serves a good client after bad input");
-    c.free(off).unwrap();
+    c.free(off, "probe").unwrap();
 }
 
 /// Reads whatever the server says before it closes (or times out).

@@ -173,9 +173,15 @@ impl MemserverClient {
         }
     }
 
-    /// Frees the extent at `offset` (its space is reused once reads end).
-    pub fn free(&mut self, offset: u64) -> Result<(), ClientError> {
-        match self.request(&MemserverRequest::Free { offset })? {
+    /// Frees the extent at `offset`, allocated for `owner` (its space is
+    /// reused once reads end). The server refuses, freeing nothing, when
+    /// the extent there belongs to another owner.
+    pub fn free(&mut self, offset: u64, owner: &str) -> Result<(), ClientError> {
+        let req = MemserverRequest::Free {
+            offset,
+            owner: Some(owner.to_owned()),
+        };
+        match self.request(&req)? {
             MemserverReply::Freed { offset: o } if o == offset => Ok(()),
             r => Err(self.unexpected(r)),
         }

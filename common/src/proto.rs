@@ -91,8 +91,13 @@ pub enum MemserverRequest {
         checksum: String,
     },
     /// Releases an extent; its space is reused once in-flight reads finish.
+    /// With `owner`, only an extent allocated for that owner: a free that
+    /// names another owner (the offset was freed and reused since) is
+    /// refused and frees nothing.
     Free {
         offset: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        owner: Option<String>,
     },
     Stats,
     /// Which one-sided data paths this server offers besides tcp (always

@@ -43,7 +43,7 @@ mod requests;
 
 pub use dynpipe::{plan_repartition, RepartitionInput};
 use job::StageProgress;
-pub use job::{Job, Received, ReportOutcome, StageReport};
+pub use job::{Job, OwnedExtent, Received, ReportOutcome, StageReport};
 pub use launch::{Launch, LaunchStep};
 pub use repartition::{CheckpointParts, Drain, DrainPhase};
 pub use requests::{

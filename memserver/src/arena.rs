@@ -76,8 +76,9 @@ impl Arena {
         self.table().alloc(bytes, owner)
     }
 
-    pub fn free(&self, offset: u64) -> Result<FreeOutcome, ExtentError> {
-        self.table().free(offset)
+    /// Frees the extent at `offset` (see [`ExtentTable::free`]).
+    pub fn free(&self, offset: u64, owner: Option<&str>) -> Result<FreeOutcome, ExtentError> {
+        self.table().free(offset, owner)
     }
 
     /// Bytes of the live, Committed extent starting at `offset`.
@@ -210,7 +211,7 @@ mod tests {
         let r = arena.read(a + 10, 5).unwrap();
         assert_eq!(r.bytes(), b"hello");
         assert_ne!(sum, 0);
-        arena.free(a).unwrap();
+        arena.free(a, Some("m")).unwrap();
         // Still leased: the space is not reused yet.
         let b = arena.alloc(4096, "n");
         assert!(b.is_err());

@@ -216,7 +216,7 @@ async fn handle(
             }
             commit(shared, peer, offset, &checksum).await
         }
-        MemserverRequest::Free { offset } => {
+        MemserverRequest::Free { offset, owner } => {
             // One-sided reads take no lease: hold one for them a while (see
             // `onesided`), so reads posted before the free finish on the old bytes.
             let grace = shared
@@ -225,7 +225,7 @@ async fn handle(
                 .then(|| shared.arena.committed_len(offset))
                 .flatten()
                 .and_then(|len| shared.arena.read(offset, len).ok());
-            match shared.arena.free(offset) {
+            match shared.arena.free(offset, owner.as_deref()) {
                 Ok(outcome) => {
                     debug!("{peer}: freed extent at {offset} ({outcome:?})");
                     if let Some(lease) = grace {

@@ -64,6 +64,12 @@ pub enum ExtentError {
     Busy { offset: u64 },
     #[error("extent at {offset} is being freed")]
     Freeing { offset: u64 },
+    #[error("extent at {offset} belongs to {owner}, not {asked}: not freed")]
+    NotOwner {
+        offset: u64,
+        owner: String,
+        asked: String,
+    },
 }
 
 impl ExtentError {
@@ -73,7 +79,7 @@ impl ExtentError {
             ExtentError::Alloc(AllocError::Full { .. }) => ErrorCode::Full,
             ExtentError::Alloc(AllocError::Empty) => ErrorCode::BadRequest,
             ExtentError::Alloc(_) | ExtentError::UnknownExtent(_) => ErrorCode::UnknownExtent,
-            ExtentError::Freeing { .. } => ErrorCode::UnknownExtent,
+            ExtentError::Freeing { .. } | ExtentError::NotOwner { .. } => ErrorCode::UnknownExtent,
             ExtentError::OutOfRange { .. } | ExtentError::NotWriting { .. } => {
                 ErrorCode::BadRequest
             }
@@ -228,8 +234,16 @@ impl ExtentTable {
     }
 
     /// Frees the extent at `offset` now, or when its last lease drops.
-    pub fn free(&mut self, offset: u64) -> Result<FreeOutcome, ExtentError> {
+    /// With `owner`, only if the extent was allocated for that owner.
+    pub fn free(&mut self, offset: u64, owner: Option<&str>) -> Result<FreeOutcome, ExtentError> {
         let e = self.live_mut(offset)?;
+        if let Some(asked) = owner.filter(|o| *o != e.owner) {
+            return Err(ExtentError::NotOwner {
+                offset,
+                owner: e.owner.clone(),
+                asked: asked.to_string(),
+            });
+        }
         e.freeing = true;
         if self.release_if_freed(offset).is_some() {
             Ok(FreeOutcome::Released)
@@ -362,10 +376,10 @@ mod tests {
         let a = committed(&mut t, 2048);
         t.begin_read(a, 10).unwrap();
         t.begin_read(a, 10).unwrap();
-        assert_eq!(t.free(a).unwrap(), FreeOutcome::Deferred);
+        assert_eq!(t.free(a, None).unwrap(), FreeOutcome::Deferred);
         // No new leases, no double free, and the space is still taken.
         assert!(t.begin_read(a, 10).is_err());
-        assert!(matches!(t.free(a), Err(ExtentError::Freeing { .. })));
+        assert!(matches!(t.free(a, None), Err(ExtentError::Freeing { .. })));
         assert!(matches!(
             t.alloc(512, "x"),
             Err(ExtentError::Alloc(AllocError::Full { .. }))
@@ -380,10 +394,10 @@ mod tests {
         let mut t = ExtentTable::new(1024);
         let w = t.alloc(1024, "w").unwrap();
         t.begin_write(w, 10).unwrap();
-        assert_eq!(t.free(w).unwrap(), FreeOutcome::Deferred);
+        assert_eq!(t.free(w, None).unwrap(), FreeOutcome::Deferred);
         assert_eq!(t.end_exclusive(w, false), Some(1024));
         assert_eq!(t.stats().alloc.used_bytes, 0);
-        assert_eq!(t.free(w), Err(ExtentError::UnknownExtent(w)));
+        assert_eq!(t.free(w, None), Err(ExtentError::UnknownExtent(w)));
     }
 
     #[test]
@@ -395,8 +409,30 @@ mod tests {
             .to_string()
             .contains("asked 4096 bytes, 1024 free (largest run 1024)"));
         assert_eq!(
-            t.free(7).unwrap_err().to_reply().code,
+            t.free(7, None).unwrap_err().to_reply().code,
             ErrorCode::UnknownExtent
         );
+    }
+
+    #[test]
+    fn a_free_naming_another_owner_frees_nothing() {
+        let mut t = ExtentTable::new(2048);
+        let a = committed(&mut t, 1024);
+        let e = t.free(a, Some("gpt2")).unwrap_err();
+        assert_eq!(
+            e,
+            ExtentError::NotOwner {
+                offset: a,
+                owner: "m".into(),
+                asked: "gpt2".into()
+            }
+        );
+        assert!(e.to_string().contains("belongs to m, not gpt2"), "{e}");
+        assert_eq!(e.to_reply().code, ErrorCode::UnknownExtent);
+        // Still there and readable; its owner frees it.
+        assert!(t.begin_read(a, 10).is_ok());
+        assert_eq!(t.end_read(a), None);
+        assert_eq!(t.free(a, Some("m")).unwrap(), FreeOutcome::Released);
+        assert_eq!(t.stats().alloc.used_bytes, 0);
     }
 }

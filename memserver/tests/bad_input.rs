@@ -168,7 +168,7 @@ fn checksum_mismatch_and_unknown_extents() {
     assert_eq!(read(&mut d, 2, off, 10).0.status, ReadStatus::Ok);
     for e in [
         c.commit(off + 512, 0).unwrap_err(),
-        c.free(123_456).unwrap_err(),
+        c.free(123_456, "m").unwrap_err(),
     ] {
         assert_eq!(
             e.server_error().unwrap().code,
@@ -176,6 +176,35 @@ fn checksum_mismatch_and_unknown_extents() {
             "{e}"
         );
     }
+    assert_still_serving(&server);
+}
+
+#[test]
+fn a_free_naming_another_owner_frees_nothing() {
+    let server = start(1 << 20);
+    let mut c = server.client();
+    let data = pattern(4096, 7);
+    let off = c.alloc(4096, "resnet152").unwrap();
+    c.write(off, &data).unwrap();
+    c.commit(off, checksum(&data)).unwrap();
+    let e = c.free(off, "gpt2").unwrap_err();
+    let reply = e.server_error().unwrap();
+    assert_eq!(reply.code, ErrorCode::UnknownExtent, "{e}");
+    assert!(
+        reply.message.contains("belongs to resnet152, not gpt2"),
+        "{}",
+        reply.message
+    );
+    // Nothing was freed: the bytes are still served.
+    let mut d = raw(server.addr, Role::Data);
+    let (r, got) = read(&mut d, 1, off, 4096);
+    assert_eq!((r.status, got), (ReadStatus::Ok, data));
+    // A free that names no owner (as older clients send it) frees any.
+    let mut ctl = raw(server.addr, Role::Control);
+    let old_free = format!(r#"{{"op":"free","offset":{off}}}"#);
+    wire::write_frame_sync(&mut ctl, FrameKind::Message, &[old_free.as_bytes()]).unwrap();
+    assert_eq!(recv(&mut ctl), MemserverReply::Freed { offset: off });
+    assert_eq!(c.stats().unwrap().extents, 0);
     assert_still_serving(&server);
 }
 
@@ -254,7 +283,7 @@ fn full_memory_server_says_how_full() {
     let mut c = server.client();
     let a = c.alloc(512 << 10, "a").unwrap();
     c.alloc(256 << 10, "b").unwrap();
-    c.free(a).unwrap();
+    c.free(a, "a").unwrap();
     // 768 KiB free in total, the largest run is 512 KiB.
     let e = c.alloc(32_768_000, "huge").unwrap_err();
     let reply = e.server_error().unwrap();

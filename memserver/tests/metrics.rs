@@ -59,7 +59,7 @@ fn counters_and_gauges_move_with_traffic() {
     let (r, _) = read(&mut d, 9, off + 200_000, 10);
     assert_eq!(r.status, ReadStatus::OutOfRange);
     assert!(c.alloc(2 << 20, "too-big").is_err());
-    assert!(c.free(12345).is_err());
+    assert!(c.free(12345, "nobody").is_err());
     c.stats().unwrap();
 
     let text = metrics(&server);
@@ -98,7 +98,7 @@ fn counters_and_gauges_move_with_traffic() {
         },
     );
     assert!(format!("{reply:?}").contains("BadRequest"), "{reply:?}");
-    c.free(off).unwrap();
+    c.free(off, "resnet152").unwrap();
     drop((d, ctl));
     eventually("the closed connections to leave the gauge", || {
         sample_value(&metrics(&server), "memserver_connections", &[]) == Some(1.0)

@@ -74,7 +74,7 @@ fn a_fabric_server_offers_its_arena_and_holds_freed_extents_for_the_grace() {
     // A freed committed extent stays allocated for the grace, then goes.
     let off = deploy(&mut c, &[7u8; 1 << 20], "m");
     let used = c.stats().unwrap().used_bytes;
-    c.free(off).unwrap();
+    c.free(off, "m").unwrap();
     assert_eq!(
         c.stats().unwrap().used_bytes,
         used,

@@ -59,7 +59,7 @@ fn deploy_read_back_free_and_reuse() {
     assert_eq!(s.reads_served, 4);
 
     // Free, then the same space holds different bytes.
-    c.free(off).unwrap();
+    c.free(off, "resnet152").unwrap();
     let (r, _) = read(&mut d, 8, off, 10);
     assert_eq!(r.status, ReadStatus::OutOfRange);
     let second = pattern(100_000, 2);

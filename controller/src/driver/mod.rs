@@ -32,12 +32,12 @@ use std::time::{Duration, Instant};
 
 use distmind_common::handshake::ClusterKey;
 use distmind_common::memserver_client::MemserverClient;
-use distmind_common::proto::{Location, RepartitionDecision};
+use distmind_common::proto::RepartitionDecision;
 use distmind_common::train_spec::STAGE_WORKERS_MAX;
 use tokio::sync::{mpsc, watch, Notify};
 use tokio::task::JoinSet;
 
-use crate::jobs::{plan_repartition, StageRequest, JOBS_ACTIVE_MAX};
+use crate::jobs::{plan_repartition, OwnedExtent, StageRequest, JOBS_ACTIVE_MAX};
 use crate::state::{ControllerState, StageAnswer, StagePhase, TrainAction};
 use links::{LinkDown, StageLink};
 
@@ -270,15 +270,17 @@ impl Driver {
 }
 
 /// Frees `extents` (job `job`'s abandoned checkpoint parts) on their
-/// memory servers, one connection per server; best effort: an extent that
-/// cannot be freed is logged, naming where it is, and stays allocated.
-/// Returns how many were freed.
-pub fn free_extents(job: &str, key: &ClusterKey, extents: &[Location]) -> usize {
-    let mut by_server: Vec<(&str, Vec<u64>)> = Vec::new();
-    for l in extents {
-        match by_server.iter_mut().find(|(a, _)| *a == l.addr) {
-            Some((_, offsets)) => offsets.push(l.offset),
-            None => by_server.push((&l.addr, vec![l.offset])),
+/// memory servers, one connection per server, each free naming the
+/// extent's owner; best effort: an extent that cannot be freed (a server
+/// gone, or the offset held by another owner now) is logged, naming where
+/// it is, and stays allocated. Returns how many were freed.
+pub fn free_extents(job: &str, key: &ClusterKey, extents: &[OwnedExtent]) -> usize {
+    let mut by_server: Vec<(&str, Vec<(u64, &str)>)> = Vec::new();
+    for e in extents {
+        let one = (e.at.offset, e.owner.as_str());
+        match by_server.iter_mut().find(|(a, _)| *a == e.at.addr) {
+            Some((_, offsets)) => offsets.push(one),
+            None => by_server.push((&e.at.addr, vec![one])),
         }
     }
     let mut freed = 0;
@@ -287,18 +289,19 @@ pub fn free_extents(job: &str, key: &ClusterKey, extents: &[Location]) -> usize 
             Ok(c) => c,
             Err(e) => {
                 log::warn!(
-                    "job {job}: cannot free the {} abandoned checkpoint extents at offsets \
-                     {offsets:?}: {e}",
+                    "job {job}: cannot free the {} abandoned checkpoint extents (offset, \
+                     checkpoint) {offsets:?}: {e}",
                     offsets.len()
                 );
                 continue;
             }
         };
-        for offset in offsets {
-            match client.free(offset) {
+        for (offset, owner) in offsets {
+            match client.free(offset, owner) {
                 Ok(()) => freed += 1,
                 Err(e) => log::warn!(
-                    "job {job}: cannot free the abandoned checkpoint extent at offset {offset}: {e}"
+                    "job {job}: cannot free the abandoned extent of checkpoint {owner} at \
+                     offset {offset}: {e}"
                 ),
             }
         }

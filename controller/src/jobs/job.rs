@@ -96,7 +96,16 @@ pub struct Job {
     pub(super) last_checkpoint: Option<LastCheckpoint>,
     /// Extents of checkpoint parts that will never be in the catalog (see
     /// [`Job::abandon`]), until the controller takes them to free.
-    pub(super) abandoned: Vec<Location>,
+    pub(super) abandoned: Vec<OwnedExtent>,
+}
+
+/// An extent of an abandoned checkpoint part: where it is, and the owner it
+/// was allocated for on its memory server (the checkpoint's name), which
+/// the free names so that it never frees what another owner holds there now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OwnedExtent {
+    pub owner: String,
+    pub at: Location,
 }
 
 impl Job {

@@ -20,14 +20,15 @@
 //! while pipeline 0 wrote it, a newer periodic checkpoint began before it
 //! completed, or the catalog refused it) are abandoned ([`Job::abandon`]):
 //! the controller's training driver frees their extents on the memory
-//! servers. A part the controller refuses was never recorded, so the
-//! worker that wrote it frees it; a part whose worker died before its
-//! notice came in is known to no one and stays allocated.
+//! servers, each free naming the checkpoint as the extent's owner. A part
+//! the controller refuses was never recorded, so the worker that wrote it
+//! frees it; a part whose worker died before its notice came in is known
+//! to no one and stays allocated.
 
-use distmind_common::proto::{GroupLocation, LastCheckpoint, Location, TrainJobState};
+use distmind_common::proto::{GroupLocation, LastCheckpoint, TrainJobState};
 
 use super::checkpoint::{combine, periodic_checkpoint_name, periodic_due};
-use super::{CheckpointParts, Job, JobError};
+use super::{CheckpointParts, Job, JobError, OwnedExtent};
 
 /// One worker's part, as its `TrainCheckpointed` says.
 #[derive(Debug, Clone)]
@@ -66,10 +67,12 @@ impl Job {
 
     /// Checkpoint parts that will never be in the catalog: their extents
     /// (every replica of every slice) wait in [`Job::abandoned`] for the
-    /// controller to free them. `what` names the checkpoint and `why` says
-    /// why it will never be in the catalog, for the log.
+    /// controller to free them. `owner` is the checkpoint's name (what its
+    /// extents were allocated for), `what` names the checkpoint and `why`
+    /// says why it will never be in the catalog, for the log.
     pub(super) fn abandon(
         &mut self,
+        owner: &str,
         what: &str,
         why: &str,
         parts: impl IntoIterator<Item = GroupLocation>,
@@ -78,7 +81,15 @@ impl Job {
         for g in parts {
             n += 1;
             self.abandoned
-                .extend(g.slices.into_iter().flat_map(|s| s.replicas));
+                .extend(
+                    g.slices
+                        .into_iter()
+                        .flat_map(|s| s.replicas)
+                        .map(|at| OwnedExtent {
+                            owner: owner.to_string(),
+                            at,
+                        }),
+                );
         }
         if n > 0 {
             log::warn!(
@@ -96,26 +107,29 @@ impl Job {
     pub(super) fn abandon_unfinished_checkpoints(&mut self) {
         let why = format!("the job is {}", self.state.name());
         if let Some(w) = self.periodic.take() {
-            let what = format!(
-                "periodic checkpoint {} after iteration {}",
-                periodic_checkpoint_name(&self.id),
-                w.iteration
+            let name = periodic_checkpoint_name(&self.id);
+            let what = format!("periodic checkpoint {name} after iteration {}", w.iteration);
+            self.abandon(
+                &name,
+                &what,
+                &why,
+                w.parts.into_iter().flatten().map(|(g, _)| g),
             );
-            self.abandon(&what, &why, w.parts.into_iter().flatten().map(|(g, _)| g));
         }
         let draining = self
             .drain
             .as_mut()
             .filter(|d| d.phase == super::DrainPhase::Draining);
         if let Some(d) = draining {
-            let what = format!("re-partitioning checkpoint {}", d.checkpoint);
+            let owner = d.checkpoint.clone();
+            let what = format!("re-partitioning checkpoint {owner}");
             let parts: Vec<GroupLocation> = d
                 .parts
                 .iter_mut()
                 .filter_map(Option::take)
                 .map(|(g, _)| g)
                 .collect();
-            self.abandon(&what, &why, parts);
+            self.abandon(&owner, &what, &why, parts);
         }
     }
 
@@ -194,7 +208,7 @@ impl Job {
                         p.iteration, p.generation
                     );
                     let parts = w.parts.into_iter().flatten().map(|(g, _)| g);
-                    self.abandon(&what, &why, parts);
+                    self.abandon(&name, &what, &why, parts);
                 }
                 self.periodic = Some(Periodic {
                     generation: p.generation,
@@ -267,7 +281,7 @@ impl Job {
 impl super::JobRegistry {
     /// Takes the extents of every job's abandoned checkpoint parts, to
     /// free: per job, its id and the extents.
-    pub fn take_abandoned(&mut self) -> Vec<(String, Vec<Location>)> {
+    pub fn take_abandoned(&mut self) -> Vec<(String, Vec<OwnedExtent>)> {
         self.jobs
             .values_mut()
             .filter(|j| !j.abandoned.is_empty())
@@ -290,6 +304,7 @@ impl super::JobRegistry {
                     parts.name, parts.iteration
                 );
                 job.abandon(
+                    &parts.name,
                     &what,
                     "the catalog refused it",
                     parts.groups.iter().cloned(),

@@ -773,7 +773,18 @@ fn checkpoint_parts_that_will_never_be_in_the_catalog_are_abandoned_to_be_freed(
     sp.checkpoint_every = Some(2);
     let (mut r, id) = started(sp.clone(), t0);
     let name = name_of(&id);
-    let at = |offset| part_at(0, offset).slices[0].replicas.clone();
+    // The extents of a part at `offset`, owned by checkpoint `owner`.
+    let owned = |owner: &str, offset| -> Vec<OwnedExtent> {
+        part_at(0, offset).slices[0]
+            .replicas
+            .iter()
+            .map(|at| OwnedExtent {
+                owner: owner.to_string(),
+                at: at.clone(),
+            })
+            .collect()
+    };
+    let at = |offset| owned(&name, offset);
     // A complete checkpoint, and a refused part, abandon nothing.
     for (stage, offset) in [(0, 100), (1, 200)] {
         r.checkpointed(
@@ -814,7 +825,10 @@ fn checkpoint_parts_that_will_never_be_in_the_catalog_are_abandoned_to_be_freed(
     r.checkpointed(&id, 0, 0, 1, 2, &name_of(&id), part_at(1, 600), vec![1; 5])
         .unwrap();
     r.stop(&id, t0).unwrap();
-    assert_eq!(r.take_abandoned(), vec![(id.clone(), at(600))]);
+    assert_eq!(
+        r.take_abandoned(),
+        vec![(id.clone(), owned(&name_of(&id), 600))]
+    );
     let (mut r, id) = started(sp.clone(), t0);
     r.checkpointed(&id, 0, 0, 0, 2, &name_of(&id), part_at(0, 700), vec![1; 5])
         .unwrap();
@@ -825,7 +839,10 @@ fn checkpoint_parts_that_will_never_be_in_the_catalog_are_abandoned_to_be_freed(
     assert!(r.abandon_checkpoint(&id, &parts));
     assert_eq!(
         r.take_abandoned(),
-        vec![(id.clone(), [at(700), at(800)].concat())]
+        vec![(
+            id.clone(),
+            [owned(&name_of(&id), 700), owned(&name_of(&id), 800)].concat()
+        )]
     );
     // A re-partitioning's parts, while it drains, when the job stops.
     sp.checkpoint_every = None;
@@ -840,7 +857,7 @@ fn checkpoint_parts_that_will_never_be_in_the_catalog_are_abandoned_to_be_freed(
         .unwrap();
     assert!(!r.has_abandoned());
     r.stop(&id, t0).unwrap();
-    assert_eq!(r.take_abandoned(), vec![(id.clone(), at(900))]);
+    assert_eq!(r.take_abandoned(), vec![(id.clone(), owned(&drained, 900))]);
 }
 
 fn name_of(id: &str) -> String {

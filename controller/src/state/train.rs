@@ -38,7 +38,8 @@ use serde::Deserialize;
 use super::ControllerState;
 use crate::jobs::checkpoint::checkpoint_manifest;
 use crate::jobs::{
-    self, placement, JobError, LaunchStep, RepartitionInput, StageRequest, JOBS_KEPT_MAX,
+    self, placement, JobError, LaunchStep, OwnedExtent, RepartitionInput, StageRequest,
+    JOBS_KEPT_MAX,
 };
 
 /// Most actions waiting for the driver: per kept job at most a setup, a
@@ -94,7 +95,10 @@ pub enum TrainAction {
     /// Free these extents on their memory servers (off the lock, best
     /// effort, logged): parts of job `job`'s checkpoints that will never
     /// be in the catalog.
-    Free { job: String, extents: Vec<Location> },
+    Free {
+        job: String,
+        extents: Vec<OwnedExtent>,
+    },
 }
 
 /// A GPU server's answer to one stage request, or why there is none.

@@ -820,13 +820,17 @@ fn checkpointed(id: &str, stage: u32, iteration: u64, offset: u64) -> Controller
     }
 }
 
-/// The `Free` actions queued, as (job, extents' offsets).
+/// The `Free` actions queued, as (job, extents' offsets); each extent
+/// names its owner, the job's periodic checkpoint.
 fn frees(s: &mut ControllerState) -> Vec<(String, Vec<u64>)> {
     s.take_train_actions()
         .into_iter()
         .filter_map(|a| match a {
             TrainAction::Free { job, extents } => {
-                Some((job, extents.iter().map(|l| l.offset).collect()))
+                for e in &extents {
+                    assert_eq!(e.owner, format!("{job}-ckpt"), "{e:?}");
+                }
+                Some((job, extents.iter().map(|e| e.at.offset).collect()))
             }
             _ => None,
         })

@@ -148,7 +148,7 @@ pub fn assert_still_serving(server: &TestServer) {
     let (r, got) = read(&mut d, 1, off, data.len() as u64);
     assert_eq!(r.status, ReadStatus::Ok);
     assert_eq!(got, data);
-    c.free(off).unwrap();
+    c.free(off, "liveness").unwrap();
 }
 
 /// Sends a raw control request and returns the reply.

@@ -134,7 +134,7 @@ pub(crate) fn write_bytes(
             match write_slice(config, &addr, name, data, &mut written, ms) {
                 Ok(l) => replicas.push(l),
                 Err(e) => {
-                    free(config, &written);
+                    free(config, name, &written);
                     return Err(format!("memory server {ms} at {addr}: {e}"));
                 }
             }
@@ -181,14 +181,15 @@ fn write_slice(
     Ok(l)
 }
 
-/// Frees extents, best effort (logged).
-pub(crate) fn free(config: &StageConfig, locations: &[Location]) {
+/// Frees extents of checkpoint `name` (their owner on the memory servers),
+/// best effort (logged).
+pub(crate) fn free(config: &StageConfig, name: &str, locations: &[Location]) {
     for l in locations {
         let r = MemserverClient::connect(&l.addr, &config.key, CHECKPOINT_IO_TIMEOUT)
-            .and_then(|mut c| c.free(l.offset));
+            .and_then(|mut c| c.free(l.offset, name));
         if let Err(e) = r {
             log::warn!(
-                "memory server {} at {}: cannot free a checkpoint extent at {}: {e}",
+                "memory server {} at {}: cannot free an extent of checkpoint {name} at {}: {e}",
                 l.memserver,
                 l.addr,
                 l.offset

@@ -563,7 +563,7 @@ impl Worker<'_> {
                     self.a.job,
                     written.len()
                 );
-                checkpoint::free(self.config, &written);
+                checkpoint::free(self.config, name, &written);
             }
         }
         answer
@@ -608,7 +608,7 @@ impl Worker<'_> {
                 self.a.job,
                 free.len()
             );
-            checkpoint::free(self.config, &free);
+            checkpoint::free(self.config, &name, &free);
         }
         self.fail_if_failed(&state)?;
         Ok(())
