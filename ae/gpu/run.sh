@@ -12,9 +12,20 @@
 #      the profile just measured (same machine, same loopback);
 #   4. `up`: DistMind (half of 8 ResNet-152 in host cache and GPU memory)
 #      next to mps (all 8 in host memory), closed loop, 4 clients, Zipf
-#      0.9, SLO 100 ms, on the GPU and then on the sim executor.
+#      0.9, SLO 100 ms, on the GPU and then on the sim executor;
+#   5. `bench capacity` (capacity at SLO, mps against DistMind with the slo
+#      policy, Poisson, equal memory) on the GPU and then on the sim executor
+#      with the profile just measured: how far the simulator's capacity is
+#      from the GPU's. At most 40 fresh clusters of 5 s (not timed yet);
+#      CAPACITY=0 skips it.
 #
 # Usage: bash ae/gpu/run.sh            (OUT=DIR puts the results elsewhere)
+#
+# It builds with cargo (`--features cuda`). On a GPU machine without a Rust
+# toolchain, build here and carry the binaries: DISTMIND_BIN=<distmind built
+# with --features cuda> and CUDA_GPU_TEST=<the cuda_gpu test binary, from
+# `cargo test -p distmind-runtime --release --features cuda --test cuda_gpu
+# --no-run`>; with both set, nothing is built.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-ae/gpu/results}
@@ -23,9 +34,18 @@ LOG=$OUT/gpu.log
 : >"$LOG"
 log() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
 
-cargo build --release --features cuda
-cargo test -p distmind-runtime --release --features cuda --test cuda_gpu --no-run
-BIN=target/release/distmind
+if [ -n "${DISTMIND_BIN:-}" ] && [ -n "${CUDA_GPU_TEST:-}" ]; then
+    BIN=$DISTMIND_BIN
+    GPU_TESTS=("$CUDA_GPU_TEST")
+elif command -v cargo >/dev/null; then
+    cargo build --release --features cuda || exit 1
+    cargo test -p distmind-runtime --release --features cuda --test cuda_gpu --no-run || exit 1
+    BIN=target/release/distmind
+    GPU_TESTS=(cargo test -p distmind-runtime --release --features cuda --test cuda_gpu --)
+else
+    echo "no cargo here: set DISTMIND_BIN and CUDA_GPU_TEST to binaries built with --features cuda" >&2
+    exit 1
+fi
 if [ -z "${DISTMIND_SKIP_LIBPATH:-}" ]; then
     # cudarc loads libnvrtc and libcublas at run time: find them.
     LIBS=$(find /usr/local /opt /usr/lib -xdev \( -name 'libnvrtc.so.1*' -o -name 'libcublas.so.1*' \) \
@@ -38,8 +58,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.l
     --format=csv 2>&1 | tee -a "$LOG"
 
 log cuda executor on the GPU
-cargo test -p distmind-runtime --release --features cuda --test cuda_gpu -- \
-    --ignored --nocapture --test-threads=1 2>&1 | tee -a "$LOG"
+"${GPU_TESTS[@]}" --ignored --nocapture --test-threads=1 2>&1 | tee -a "$LOG"
 
 PROFILE=$OUT/$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 |
     awk '{print tolower($2)}')-measured-$(date -u +%F).json
@@ -67,4 +86,19 @@ for ex in cuda sim; do
     $BIN --log-level warn up --executor $ex "${P[@]}" "${COMMON[@]}" --system mps \
         --label "mps_$ex" 2>&1 | tee -a "$LOG"
 done
+
+if [ "${CAPACITY:-1}" != 0 ]; then
+    for ex in cuda sim; do
+        P=()
+        [ "$ex" = sim ] && P=(--profile "$PROFILE")
+        log "capacity at SLO on $ex"
+        rm -f "$OUT/capacity_$ex.csv"
+        # A fresh cluster per rate; `up` runs one untimed inference per
+        # device first on cuda (--warm-devices), so no point pays the
+        # runtime's first run.
+        $BIN --log-level warn bench capacity --executor $ex "${P[@]}" \
+            --rates 25,50,75,100,125,150,200,250,300,400 --duration 5s \
+            --csv "$OUT/capacity_$ex.csv" 2>&1 | grep -v '^up: ' | tee -a "$LOG"
+    done
+fi
 log done

@@ -165,6 +165,18 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
             "--profile gives the sim executor its GPU times; the cuda executor times real kernels"
         );
     }
+    // The emulation every point's `up` would resolve (flags, else
+    // transport.json's): a bad pair, or one with real kernels, is refused
+    // here rather than when the first point starts.
+    let emulated = a
+        .emulate
+        .resolve(&crate::services::load_settings(&a.settings)?)?;
+    anyhow::ensure!(
+        emulated.is_none() || executor == ExecutorKind::Sim,
+        "--executor cuda cannot run on an emulated link's dilated clock (real kernels would look \
+         K times faster): drop --emulate-link, or the `emulate` section of {}",
+        a.settings.join("transport.json").display()
+    );
     let mut rates = a.rates.clone();
     rates.sort_by(f64::total_cmp);
     rates.dedup();
@@ -488,5 +500,31 @@ mod tests {
             assert!(e.contains("--executor cuda"), "{e}");
         }
         assert!(Cli::try_parse_from(["capacity", "--executor", "cpu"]).is_err());
+    }
+
+    #[test]
+    fn an_emulated_link_is_refused_for_cuda_and_a_bad_pair_for_any_executor() {
+        let run_with = |argv: &[&str]| {
+            let mut all = vec!["capacity", "--rates", "100"];
+            all.extend_from_slice(argv);
+            run(&Cli::try_parse_from(all).unwrap().capacity)
+                .unwrap_err()
+                .to_string()
+        };
+        // Without its loopback rate (the shipped transport.json has no
+        // `emulate` section), for every executor: nothing was generated.
+        let e = run_with(&["--emulate-link", "100gbit"]);
+        assert!(e.contains("needs --emulate-loopback"), "{e}");
+        if cfg!(feature = "cuda") {
+            let e = run_with(&[
+                "--executor",
+                "cuda",
+                "--emulate-link",
+                "100gbit",
+                "--emulate-loopback",
+                "1GB/s",
+            ]);
+            assert!(e.contains("dilated clock"), "{e}");
+        }
     }
 }
