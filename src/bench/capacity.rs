@@ -164,19 +164,17 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
             a.profile.is_none(),
             "--profile gives the sim executor its GPU times; the cuda executor times real kernels"
         );
+        // Every point's `up` would refuse an emulated link (the flag, else
+        // transport.json's) with real kernels: refused here, before any
+        // package is generated.
+        let settings = crate::services::load_settings(&a.settings)?;
+        anyhow::ensure!(
+            a.emulate.emulate_link.is_none() && settings.transport.emulate.is_none(),
+            "--executor cuda cannot run on an emulated link's dilated clock (real kernels would \
+             look K times faster): drop --emulate-link, or the `emulate` section of {}",
+            a.settings.join("transport.json").display()
+        );
     }
-    // The emulation every point's `up` would resolve (flags, else
-    // transport.json's): a bad pair, or one with real kernels, is refused
-    // here rather than when the first point starts.
-    let emulated = a
-        .emulate
-        .resolve(&crate::services::load_settings(&a.settings)?)?;
-    anyhow::ensure!(
-        emulated.is_none() || executor == ExecutorKind::Sim,
-        "--executor cuda cannot run on an emulated link's dilated clock (real kernels would look \
-         K times faster): drop --emulate-link, or the `emulate` section of {}",
-        a.settings.join("transport.json").display()
-    );
     let mut rates = a.rates.clone();
     rates.sort_by(f64::total_cmp);
     rates.dedup();
@@ -502,28 +500,18 @@ mod tests {
         assert!(Cli::try_parse_from(["capacity", "--executor", "cpu"]).is_err());
     }
 
+    #[cfg(feature = "cuda")]
     #[test]
-    fn an_emulated_link_is_refused_for_cuda_and_a_bad_pair_for_any_executor() {
-        let run_with = |argv: &[&str]| {
-            let mut all = vec!["capacity", "--rates", "100"];
-            all.extend_from_slice(argv);
-            run(&Cli::try_parse_from(all).unwrap().capacity)
+    fn an_emulated_link_is_refused_for_cuda_before_any_point_runs() {
+        for link in [
+            &["--emulate-link", "100gbit"][..],
+            &["--emulate-link", "100gbit", "--emulate-loopback", "1GB/s"],
+        ] {
+            let mut argv = vec!["capacity", "--executor", "cuda", "--rates", "100"];
+            argv.extend_from_slice(link);
+            let e = run(&Cli::try_parse_from(argv).unwrap().capacity)
                 .unwrap_err()
-                .to_string()
-        };
-        // Without its loopback rate (the shipped transport.json has no
-        // `emulate` section), for every executor: nothing was generated.
-        let e = run_with(&["--emulate-link", "100gbit"]);
-        assert!(e.contains("needs --emulate-loopback"), "{e}");
-        if cfg!(feature = "cuda") {
-            let e = run_with(&[
-                "--executor",
-                "cuda",
-                "--emulate-link",
-                "100gbit",
-                "--emulate-loopback",
-                "1GB/s",
-            ]);
+                .to_string();
             assert!(e.contains("dilated clock"), "{e}");
         }
     }
