@@ -1397,10 +1397,10 @@ impl Dispatcher {
         let at = self.batch_at(gi, lead);
         let serial = self.serial_us(gi);
         let one = self.cost.estimate(lead, meta, at) + serial;
-        let inc = self.cost.batch_increment(lead, meta) + serial;
         let max = self.batch_max(lead) as usize;
         let start = g.busy_until.max(now) + self.cost.overhead();
-        let batch_time = |n: usize| one + (n as u64 - 1) * inc;
+        let batch_time =
+            |n: usize| one + self.cost.batch_extra(lead, meta, n as u32) + (n as u64 - 1) * serial;
         let mut members: Vec<Slot> = Vec::new();
         let mut member_deadline = Micros::MAX;
         // Greedy: a request of `lead` joins while the batch still ends by

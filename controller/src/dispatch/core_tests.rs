@@ -1222,14 +1222,15 @@ fn next_batch(
     (queue, send)
 }
 
-/// Device time of a request for `model` alone and of each extra request,
-/// on the dispatcher's cost model (as the schedule below uses them).
-fn costs(d: &Dispatcher, model: u32) -> (Micros, Micros) {
+/// Device time of a request for `model` alone and of a batch of `n`
+/// beyond it, on the dispatcher's cost model (as the schedule below uses
+/// them).
+fn costs(d: &Dispatcher, model: u32, n: usize) -> (Micros, Micros) {
     let meta = &d.models[model as usize].meta;
     let at = d.where_is(0, model);
     (
         d.cost.estimate(model, meta, at),
-        d.cost.batch_increment(model, meta),
+        d.cost.batch_extra(model, meta, n as u32),
     )
 }
 
@@ -1246,15 +1247,15 @@ fn check_batch(
         .chain(send.1.iter().map(|m| m.req))
         .collect();
     let lead = queue.iter().find(|q| q.3 == send.0).unwrap().2;
-    let (one, inc) = costs(d, lead);
+    let (one, extra) = costs(d, lead, ids.len());
     let start = now + d.cost.overhead();
-    let batch_end = start + one + inc * (ids.len() as u64 - 1);
+    let batch_end = start + one + extra;
     let mut t = batch_end;
     let mut edf = start;
     for (i, &(slot, s, model, id)) in queue.iter().enumerate() {
         // EDF runs its head where the head's model is now; the rest as
         // admitted.
-        let s = if i == 0 { costs(d, model).0 } else { s };
+        let s = if i == 0 { costs(d, model, 1).0 } else { s };
         edf += s;
         if ids.contains(&id) {
             assert_eq!(model, lead, "a batch carries one model");
@@ -1381,9 +1382,9 @@ fn a_batch_is_answered_per_request_and_frees_its_slot_once() {
     );
     assert_eq!(d.gpus[0].outstanding, 1);
     assert!(d.batches.len() == 1, "only b's batch is open");
-    // The batch of 3 fitted the increment: 1 ms per extra request.
+    // The batch of 3 was learnt: 2 ms over one request.
     let meta = d.models[a as usize].meta.clone();
-    assert_eq!(d.cost.batch_increment(a, &meta), 1_000);
+    assert_eq!(d.cost.batch_extra(a, &meta, 3), 2_000);
 }
 
 /// An idle GPU prefetching a hot model was charged the prior's load time

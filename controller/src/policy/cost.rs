@@ -9,10 +9,17 @@
 //! request: it is latency, not device time.
 //!
 //! Batches: a batch of `n` requests costs the single request's time plus
-//! `n - 1` times a per-request increment, fitted per family from replies
-//! that ran batched (`TimingMsg::batch_requests`), else a prior fraction of
-//! the compute time. Profiles are close to linear in the batch (ResNet-152
-//! on an H200: 2.79 ms at 1, 3.96 ms at 8, 0.17 ms per extra request).
+//! what `n` adds over one, learnt per family and batch size from replies
+//! that ran batched (`TimingMsg::batch_requests`): a size observed is
+//! taken as observed, one between two observed sizes interpolated
+//! linearly, one above the largest observed scaled from it in proportion
+//! to `n - 1` (an overestimate where, as on a GPU, each extra request
+//! costs less than the one before), and with no batch observed yet a prior
+//! fraction of the compute time per extra request. Kernels are far from linear in the
+//! batch: ResNet-152 on an H200 with the `cuda` executor measured 4.45 ms
+//! at 1, 8.58 at 2, 10.65 at 4 and 15.78 at 8, so one increment fitted to a
+//! mix of sizes misjudges every size (batch 2 adds 4.1 ms, batch 8 1.6 ms
+//! a request).
 
 use std::collections::HashMap;
 
@@ -75,8 +82,12 @@ pub struct CostModel {
     family_of: Vec<Option<u32>>,
     family_ids: HashMap<String, u32>,
     by_family: Vec<[Ewma; 3]>,
-    /// Per family: the time each extra request adds to a batch, ms.
-    increment: Vec<Ewma>,
+    /// Per family: what a batch of `n` adds over one request, ms, observed
+    /// (index `n - 2`, `n` up to [`BATCH_SIZES`]).
+    extra: Vec<Vec<Ewma>>,
+    /// Per family: the same for every size, from those observed (see the
+    /// module's doc); `None` before any batch was observed.
+    curve: Vec<Option<Vec<f64>>>,
     /// Dispatcher-to-runtime round trip not spent at the device, ms.
     overhead: Ewma,
 }
@@ -106,7 +117,8 @@ impl CostModel {
         let f = self.by_family.len() as u32;
         self.family_ids.insert(family.to_string(), f);
         self.by_family.push([Ewma::default(); 3]);
-        self.increment.push(Ewma::default());
+        self.extra.push(vec![Ewma::default(); BATCH_SIZES - 1]);
+        self.curve.push(None);
         f
     }
 
@@ -122,27 +134,41 @@ impl CostModel {
         us(self.service_ms(id, meta, at))
     }
 
-    /// What each request beyond the first adds to a batch of model `id`.
-    pub fn batch_increment(&self, id: u32, meta: &ModelMeta) -> Micros {
-        (self.increment_ms(id, meta) * 1e3).round() as Micros
+    /// What a batch of `n` requests for model `id` takes beyond one
+    /// request (never more than `n - 1` requests alone).
+    pub fn batch_extra(&self, id: u32, meta: &ModelMeta, n: u32) -> Micros {
+        (self.batch_extra_ms(id, meta, n) * 1e3).round() as Micros
     }
 
-    fn increment_ms(&self, id: u32, meta: &ModelMeta) -> f64 {
+    fn batch_extra_ms(&self, id: u32, meta: &ModelMeta, n: u32) -> f64 {
+        if n <= 1 {
+            return 0.0;
+        }
         let compute = self.service_ms(id, meta, Where::Resident);
+        let alone = f64::from(n - 1) * compute;
+        let i = (n.min(BATCH_SIZES as u32) - 2) as usize;
         let fitted = self
             .family_index(id, &meta.family)
-            .and_then(|f| self.increment[f as usize].get());
-        // Never above a request alone: batching never costs more than
-        // running the requests one after another.
+            .and_then(|f| self.curve[f as usize].as_ref())
+            .map(|c| {
+                let e = c[i];
+                // Past the sizes tracked: in proportion to the last.
+                if n as usize > BATCH_SIZES {
+                    e * f64::from(n - 1) / (BATCH_SIZES - 1) as f64
+                } else {
+                    e
+                }
+            });
+        // Batching never costs more than running the requests one after
+        // another.
         fitted
-            .unwrap_or(compute * self.priors.batch_increment)
-            .clamp(0.0, compute)
+            .unwrap_or(alone * self.priors.batch_increment)
+            .clamp(0.0, alone)
     }
 
     /// Device time of a batch of `n` requests for model `id` where it is `at`.
     pub fn estimate_batch(&self, id: u32, meta: &ModelMeta, at: Where, n: u32) -> Micros {
-        let extra = u64::from(n.max(1) - 1) * self.batch_increment(id, meta);
-        self.estimate(id, meta, at) + extra
+        self.estimate(id, meta, at) + self.batch_extra(id, meta, n)
     }
 
     /// The latency a request pays beyond its device time (dispatcher to
@@ -188,19 +214,26 @@ impl CostModel {
 
     /// Records one batch of `n` requests (one observation per batch):
     /// `service_ms` at the device for the whole batch. A batch of one is
-    /// [`observe`](Self::observe)d; a larger one fits the per-request
-    /// increment over what one request costs at `at`.
+    /// [`observe`](Self::observe)d; a larger one is what `n` added over what
+    /// one request costs at `at` (a batch above [`BATCH_SIZES`] counts, in
+    /// proportion, for the largest size tracked).
     pub fn observe_batch(&mut self, id: u32, meta: &ModelMeta, at: Where, n: u32, service_ms: f64) {
         if n <= 1 || !service_ms.is_finite() || service_ms < 0.0 {
             return;
         }
         let one = self.service_ms(id, meta, at);
-        let inc = ((service_ms - one) / f64::from(n - 1)).max(0.0);
+        let mut extra = (service_ms - one).max(0.0);
+        let mut n = n as usize;
+        if n > BATCH_SIZES {
+            extra *= (BATCH_SIZES - 1) as f64 / (n - 1) as f64;
+            n = BATCH_SIZES;
+        }
         let f = match self.family_index(id, &meta.family) {
             Some(f) => f,
             None => self.family(&meta.family),
-        };
-        self.increment[f as usize].observe(inc);
+        } as usize;
+        self.extra[f][n - 2].observe(extra);
+        self.curve[f] = Some(fill_curve(&self.extra[f]));
     }
 
     /// Records one served request: `service_ms` at the device (the runtime's
@@ -254,6 +287,40 @@ impl CostModel {
             *e = [Ewma::default(); 3];
         }
     }
+}
+
+/// Batch sizes whose cost is learnt one by one (2 to this): the protocol's
+/// largest batch.
+pub const BATCH_SIZES: usize = distmind_common::proto::BATCH_MEMBERS_MAX + 1;
+
+/// Every size's extra time (index `n - 2`) from the sizes observed: exact
+/// where observed, linear between observed sizes (from 0 at a batch of 1),
+/// in proportion to `n - 1` above the largest observed. At least one size
+/// is observed.
+fn fill_curve(observed: &[Ewma]) -> Vec<f64> {
+    let points: Vec<(f64, f64)> = std::iter::once((1.0, 0.0))
+        .chain(
+            observed
+                .iter()
+                .enumerate()
+                .filter_map(|(i, e)| e.get().map(|x| ((i + 2) as f64, x))),
+        )
+        .collect();
+    let &(last_n, last_e) = points.last().expect("the batch of one");
+    let mut j = 0;
+    (2..=observed.len() + 1)
+        .map(|n| {
+            let n = n as f64;
+            if n >= last_n {
+                return last_e * (n - 1.0) / (last_n - 1.0);
+            }
+            while points[j + 1].0 < n {
+                j += 1;
+            }
+            let ((n0, e0), (n1, e1)) = (points[j], points[j + 1]);
+            e0 + (e1 - e0) * (n - n0) / (n1 - n0)
+        })
+        .collect()
 }
 
 fn us(ms: f64) -> Micros {
@@ -326,7 +393,7 @@ mod tests {
     }
 
     #[test]
-    fn batches_cost_one_request_plus_a_fitted_increment() {
+    fn batches_cost_what_their_size_was_seen_to_add() {
         let mut c = CostModel::new(Priors {
             batch_increment: 0.25,
             ..Priors::default()
@@ -336,15 +403,38 @@ mod tests {
         // Prior: a quarter of the compute per extra request.
         assert_eq!(c.estimate_batch(0, &m, Where::Resident, 1), 4_000);
         assert_eq!(c.estimate_batch(0, &m, Where::Resident, 5), 8_000);
-        // A batch of 8 observed at 5.4 ms: 0.2 ms per extra request.
+        // A batch of 8 observed at 5.4 ms adds 1.4 ms: every size up to it
+        // on the line from a batch of 1, larger ones in proportion.
         c.observe_batch(0, &m, Where::Resident, 8, 5.4);
-        assert_eq!(c.batch_increment(0, &m), 200);
         assert_eq!(c.estimate_batch(0, &m, Where::Resident, 8), 5_400);
-        // The same family shares it; never more than a request alone.
-        assert_eq!(c.batch_increment(1, &m), 200);
+        assert_eq!(c.batch_extra(0, &m, 2), 200);
+        assert_eq!(c.batch_extra(0, &m, 15), 2_800);
+        // The same family shares it.
+        assert_eq!(c.batch_extra(1, &m, 8), 1_400);
+        // A GPU's curve: batch 2 costs almost two requests, 4 and 8 far
+        // less each. Each size keeps its own cost; sizes between observed
+        // ones are interpolated.
+        for _ in 0..50 {
+            c.observe_batch(0, &m, Where::Resident, 2, 7.7);
+            c.observe_batch(0, &m, Where::Resident, 4, 9.6);
+            c.observe_batch(0, &m, Where::Resident, 8, 14.2);
+        }
+        let extra = |n| c.batch_extra(0, &m, n) as f64 / 1e3;
+        assert!((extra(2) - 3.7).abs() < 0.01, "{}", extra(2));
+        assert!((extra(3) - 4.65).abs() < 0.01, "{}", extra(3));
+        assert!((extra(4) - 5.6).abs() < 0.01, "{}", extra(4));
+        assert!((extra(6) - 7.9).abs() < 0.01, "{}", extra(6));
+        assert!((extra(8) - 10.2).abs() < 0.01, "{}", extra(8));
+        // A batch far past the protocol's sizes is scaled from the largest.
+        let top = BATCH_SIZES as u32;
+        assert_eq!(
+            c.batch_extra(0, &m, 2 * top - 1),
+            2 * c.batch_extra(0, &m, top)
+        );
+        // Never more than the requests alone.
         for _ in 0..50 {
             c.observe_batch(0, &m, Where::Resident, 2, 100.0);
         }
-        assert_eq!(c.batch_increment(0, &m), 4_000);
+        assert_eq!(c.batch_extra(0, &m, 2), 4_000);
     }
 }

@@ -7,7 +7,11 @@
 //!   `upload` checks the range and sleeps `bytes / h2d_bytes_per_s` for
 //!   the stored bytes it is given (a synchronous copy at the assumed PCIe
 //!   rate of the bytes that cross it: half of a half-precision group's
-//!   device bytes; the bytes are dropped).
+//!   device bytes; the bytes are dropped). Copies keep a timeline, as
+//!   compute does ([`CopyTimeline`]): a copy asked for as soon as the one
+//!   before it returned starts where that one ended, so the sleeps'
+//!   overshoot does not add up over a model's groups (a GPU's copy engine
+//!   runs copies queued on its stream back to back).
 //! - [`SimProgram::run`] gates exactly like a real executor: `gate(g)` once
 //!   per group, before the first layer whose params live in group g, and
 //!   records `GroupReady`, `LayerStart`, `LayerEnd`.
@@ -65,6 +69,12 @@ pub const SLEEP_DEBT_MIN: Duration = Duration::from_micros(100);
 /// A gate that returns within this long did not wait: its group was
 /// uploaded before it was asked for.
 pub const GATE_INSTANT_MAX: Duration = Duration::from_micros(20);
+
+/// An upload asked for within this long of the previous one's return
+/// follows it back to back (its caller did nothing else in between): it
+/// starts where the previous copy ended on the timeline, not when the
+/// previous sleep's overshoot let its caller go on.
+pub const COPY_BACK_TO_BACK_MAX: Duration = Duration::from_micros(50);
 
 /// The largest time dilation a sim executor accepts (as
 /// [`distmind_common::emulate::DILATION_MAX`]).
@@ -159,6 +169,7 @@ impl Executor for SimExecutor {
         Ok(Arc::new(SimArena {
             len: bytes,
             h2d_bytes_per_s: self.profile.peaks.h2d_bytes_per_s / self.dilation,
+            copies: Mutex::default(),
         }))
     }
 
@@ -363,6 +374,43 @@ impl SimExecutor {
 pub struct SimArena {
     len: u64,
     h2d_bytes_per_s: f64,
+    copies: Mutex<CopyTimeline>,
+}
+
+/// The simulated copy engine of one arena: when its last copy ends, and
+/// when that copy's caller got control back.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CopyTimeline {
+    due: Option<Instant>,
+    returned: Option<Instant>,
+}
+
+impl CopyTimeline {
+    /// Books a copy of `time` asked for at `now` and returns when it ends:
+    /// behind a copy still running; right after the last one when its
+    /// caller asks within [`COPY_BACK_TO_BACK_MAX`] of that one's return
+    /// (whatever the sleep overshot); else from `now`.
+    pub fn book(&mut self, now: Instant, time: Duration) -> Instant {
+        let start = match (self.due, self.returned) {
+            (Some(due), _) if due >= now => due,
+            (Some(due), Some(ret))
+                if ret >= due && now.saturating_duration_since(ret) <= COPY_BACK_TO_BACK_MAX =>
+            {
+                due
+            }
+            _ => now,
+        };
+        let due = start + time;
+        self.due = Some(due);
+        due
+    }
+
+    /// The caller of the copy ending at `due` got control back at `at`.
+    pub fn returned(&mut self, due: Instant, at: Instant) {
+        if self.due == Some(due) {
+            self.returned = Some(at);
+        }
+    }
 }
 
 impl SimArena {
@@ -389,7 +437,20 @@ impl Arena for SimArena {
         super::device_range(group, offset, stored, bytes, self.len)?;
         // The stored bytes are what crosses the link; a GPU widens half
         // precision in device memory, at a rate far above PCIe's.
-        std::thread::sleep(self.upload_time(bytes.len() as u64));
+        let time = self.upload_time(bytes.len() as u64);
+        let due = self
+            .copies
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .book(Instant::now(), time);
+        let now = Instant::now();
+        if due > now {
+            std::thread::sleep(due - now);
+        }
+        self.copies
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .returned(due, Instant::now());
         Ok(())
     }
 }
@@ -609,5 +670,48 @@ impl Program for SimProgram {
 
     fn simulated(&self) -> bool {
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn copies_asked_for_back_to_back_do_not_add_up_their_sleeps_overshoot() {
+        let t0 = Instant::now();
+        let mut c = CopyTimeline::default();
+        // The first copy starts when it is asked for.
+        let due = c.book(t0, MS);
+        assert_eq!(due, t0 + MS);
+        // Its sleep overshot by 80 us; the next copy, asked for right after
+        // the return, starts where the first ended.
+        let back = due + Duration::from_micros(80);
+        c.returned(due, back);
+        let due2 = c.book(back + Duration::from_micros(10), MS);
+        assert_eq!(due2, t0 + 2 * MS);
+        // A copy asked for long after the last return (its bytes were still
+        // on their way) starts when asked for.
+        c.returned(due2, due2 + Duration::from_micros(80));
+        let late = due2 + 3 * MS;
+        assert_eq!(c.book(late, MS), late + MS);
+        // One asked for while another runs queues behind it.
+        let t1 = late + Duration::from_micros(300);
+        assert_eq!(c.book(t1, MS), late + 2 * MS);
+    }
+
+    #[test]
+    fn a_return_for_a_copy_that_is_no_longer_the_last_is_ignored() {
+        let t0 = Instant::now();
+        let mut c = CopyTimeline::default();
+        let first = c.book(t0, MS);
+        let second = c.book(t0, MS);
+        assert_eq!(second, t0 + 2 * MS);
+        // The first copy's caller returning says nothing of the second.
+        c.returned(first, first);
+        let next = second + Duration::from_micros(500);
+        assert_eq!(c.book(next, MS), next + MS);
     }
 }
