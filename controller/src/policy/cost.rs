@@ -216,22 +216,29 @@ impl CostModel {
     /// `service_ms` at the device for the whole batch. A batch of one is
     /// [`observe`](Self::observe)d; a larger one is what `n` added over what
     /// one request costs at `at` (a batch above [`BATCH_SIZES`] counts, in
-    /// proportion, for the largest size tracked).
+    /// proportion, for the largest size tracked). Once the family has a
+    /// curve, a sample counts for at most [`SAMPLE_CAP_FACTOR`] times the
+    /// batch's estimate: a stalled batch must not price its size out of
+    /// every later plan, which would leave no sample to correct it.
     pub fn observe_batch(&mut self, id: u32, meta: &ModelMeta, at: Where, n: u32, service_ms: f64) {
         if n <= 1 || !service_ms.is_finite() || service_ms < 0.0 {
             return;
         }
         let one = self.service_ms(id, meta, at);
+        let f = match self.family_index(id, &meta.family) {
+            Some(f) => f,
+            None => self.family(&meta.family),
+        } as usize;
+        let estimate = self.curve[f]
+            .is_some()
+            .then(|| one + self.batch_extra_ms(id, meta, n));
+        let service_ms = estimate.map_or(service_ms, |e| service_ms.min(e * SAMPLE_CAP_FACTOR));
         let mut extra = (service_ms - one).max(0.0);
         let mut n = n as usize;
         if n > BATCH_SIZES {
             extra *= (BATCH_SIZES - 1) as f64 / (n - 1) as f64;
             n = BATCH_SIZES;
         }
-        let f = match self.family_index(id, &meta.family) {
-            Some(f) => f,
-            None => self.family(&meta.family),
-        } as usize;
         self.extra[f][n - 2].observe(extra);
         self.curve[f] = Some(fill_curve(&self.extra[f]));
     }
@@ -419,18 +426,30 @@ mod tests {
             c.observe_batch(0, &m, Where::Resident, 4, 9.6);
             c.observe_batch(0, &m, Where::Resident, 8, 14.2);
         }
-        let extra = |n| c.batch_extra(0, &m, n) as f64 / 1e3;
-        assert!((extra(2) - 3.7).abs() < 0.01, "{}", extra(2));
-        assert!((extra(3) - 4.65).abs() < 0.01, "{}", extra(3));
-        assert!((extra(4) - 5.6).abs() < 0.01, "{}", extra(4));
-        assert!((extra(6) - 7.9).abs() < 0.01, "{}", extra(6));
-        assert!((extra(8) - 10.2).abs() < 0.01, "{}", extra(8));
+        let extra = |c: &CostModel, n| c.batch_extra(0, &m, n) as f64 / 1e3;
+        assert!((extra(&c, 2) - 3.7).abs() < 0.01, "{}", extra(&c, 2));
+        assert!((extra(&c, 3) - 4.65).abs() < 0.01, "{}", extra(&c, 3));
+        assert!((extra(&c, 4) - 5.6).abs() < 0.01, "{}", extra(&c, 4));
+        assert!((extra(&c, 6) - 7.9).abs() < 0.01, "{}", extra(&c, 6));
+        assert!((extra(&c, 8) - 10.2).abs() < 0.01, "{}", extra(&c, 8));
         // A batch far past the protocol's sizes is scaled from the largest.
         let top = BATCH_SIZES as u32;
         assert_eq!(
             c.batch_extra(0, &m, 2 * top - 1),
             2 * c.batch_extra(0, &m, top)
         );
+        // One stalled batch of 4 counts for at most 4x its estimate (9.6
+        // ms), and the next samples bring it back.
+        c.observe_batch(0, &m, Where::Resident, 4, 500.0);
+        let stalled = extra(&c, 4);
+        assert!(
+            (stalled - (5.6 + 0.2 * (38.4 - 4.0 - 5.6))).abs() < 0.01,
+            "{stalled}"
+        );
+        for _ in 0..50 {
+            c.observe_batch(0, &m, Where::Resident, 4, 9.6);
+        }
+        assert!((extra(&c, 4) - 5.6).abs() < 0.01, "{}", extra(&c, 4));
         // Never more than the requests alone.
         for _ in 0..50 {
             c.observe_batch(0, &m, Where::Resident, 2, 100.0);
