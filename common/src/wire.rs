@@ -145,9 +145,33 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
     }
     r.read_exact(&mut hb[n..]).await?;
     let h = FrameHeader::decode(&hb, max_len)?;
-    let mut payload = vec![0u8; h.len as usize];
-    r.read_exact(&mut payload).await?;
+    let payload = read_payload(r, h.len as usize).await?;
     Ok(Some((h.kind, payload)))
+}
+
+/// Reads exactly `len` bytes into a new vector that is not zero-filled
+/// first: for an input tensor the fill costs as much CPU as the kernel's
+/// copy out of the socket. A stream that ends first is `UnexpectedEof`,
+/// as `read_exact`'s. The caller bounds `len`.
+pub async fn read_payload<R: AsyncRead + Unpin>(r: &mut R, len: usize) -> std::io::Result<Vec<u8>> {
+    let mut payload = Vec::with_capacity(len);
+    let mut rest = (&mut *r).take(len as u64);
+    while payload.len() < len {
+        if rest.read_buf(&mut payload).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+    Ok(payload)
+}
+
+/// Blocking twin of [`read_payload`].
+pub fn read_payload_sync<R: Read>(r: &mut R, len: usize) -> std::io::Result<Vec<u8>> {
+    let mut payload = Vec::with_capacity(len);
+    (&mut *r).take(len as u64).read_to_end(&mut payload)?;
+    if payload.len() < len {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
+    Ok(payload)
 }
 
 pub async fn write_frame<W: AsyncWrite + Unpin>(
@@ -185,8 +209,7 @@ pub fn read_frame_sync<R: Read>(
     }
     r.read_exact(&mut hb[n..])?;
     let h = FrameHeader::decode(&hb, max_len)?;
-    let mut payload = vec![0u8; h.len as usize];
-    r.read_exact(&mut payload)?;
+    let payload = read_payload_sync(r, h.len as usize)?;
     Ok(Some((h.kind, payload)))
 }
 

@@ -74,25 +74,21 @@ pub fn write_npy(path: &Path, t: &HostTensor) -> Result<(), NpyError> {
         .map_err(io("cannot write"))
 }
 
+// `encode_npy` writes the values' own bytes as little-endian ones.
+#[cfg(target_endian = "big")]
+compile_error!("npy encoding assumes a little-endian host");
+
 /// The whole file for `t` in memory.
 pub fn encode_npy(t: &HostTensor) -> Vec<u8> {
     let mut out = encode_header(t);
-    let header = out.len();
-    // One allocation, then fixed-width stores the compiler vectorizes.
-    match &t.data {
-        TensorData::F32(v) => {
-            out.resize(header + 4 * v.len(), 0);
-            for (b, x) in out[header..].chunks_exact_mut(4).zip(v) {
-                b.copy_from_slice(&x.to_le_bytes());
-            }
-        }
-        TensorData::I64(v) => {
-            out.resize(header + 8 * v.len(), 0);
-            for (b, x) in out[header..].chunks_exact_mut(8).zip(v) {
-                b.copy_from_slice(&x.to_le_bytes());
-            }
-        }
-    }
+    // One allocation and one copy: the values' bytes are already in the
+    // file's little-endian order (on the little-endian hosts supported).
+    let data: &[u8] = match &t.data {
+        TensorData::F32(v) => bytemuck::cast_slice(v),
+        TensorData::I64(v) => bytemuck::cast_slice(v),
+    };
+    out.reserve_exact(data.len());
+    out.extend_from_slice(data);
     out
 }
 
@@ -226,18 +222,21 @@ pub fn parse_npy(bytes: &[u8], path: &Path) -> Result<HostTensor, NpyError> {
             dict.shape
         )));
     }
-    // One allocation, then fixed-width loads the compiler vectorizes.
+    // One allocation, then one copy (the bytes may sit at any alignment),
+    // with no zero fill before it.
     Ok(if item == 4 {
-        let mut v = vec![0f32; count];
-        for (x, b) in v.iter_mut().zip(data.chunks_exact(4)) {
-            *x = f32::from_le_bytes(b.try_into().expect("4 bytes"));
-        }
+        let mut v = Vec::<f32>::with_capacity(count);
+        v.extend(
+            data.chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes"))),
+        );
         HostTensor::f32(dict.shape, v)
     } else {
-        let mut v = vec![0i64; count];
-        for (x, b) in v.iter_mut().zip(data.chunks_exact(8)) {
-            *x = i64::from_le_bytes(b.try_into().expect("8 bytes"));
-        }
+        let mut v = Vec::<i64>::with_capacity(count);
+        v.extend(
+            data.chunks_exact(8)
+                .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes"))),
+        );
         HostTensor::i64(dict.shape, v)
     })
 }

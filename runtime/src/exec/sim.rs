@@ -29,16 +29,15 @@
 //!
 //! Timing: the run keeps a simulated GPU timeline since run start. A layer
 //! starts when the previous one ended, or when its gate returned if that is
-//! later, and ends its profiled time after. The wall clock is brought up to
-//! the timeline by sleeping whenever it lags by more than
-//! [`SLEEP_DEBT_MIN`] (100 us): long layers sleep once each, short layers
-//! accumulate debt and sleep together, so the per-layer cost of timers and
-//! sleeps (tens of microseconds) does not inflate models of hundreds of
-//! microsecond-scale layers. Sleep overshoot is absorbed by later layers
-//! because the timeline, not the wall clock, decides when a layer starts. At
-//! the end of a run the whole debt is paid, so a run's wall time is at least
-//! its profile's total (never less; more by the gates' waits and one sleep's
-//! overshoot).
+//! later, and ends its profiled time after. The run does not sleep layer by
+//! layer: it calls each gate as soon as it reaches it on the timeline (a
+//! gate that blocks returns when its group arrived, whenever it was called),
+//! and waits once, at the end, until the timeline's end ([`wait_until`]: a
+//! sleep with the thread's timer slack tightened to 1 ns). So a run's wall
+//! time is its profile's total plus the gates' waits and one wakeup:
+//! neither the per-layer cost of timers (models have hundreds of
+//! microsecond-scale layers) nor Linux's default 50 us of timer slack per
+//! sleep is added to it. Copies wait the same way.
 //!
 //! Gates: a gate that blocks (returns after more than [`GATE_INSTANT_MAX`],
 //! 20 us) marks its group ready when it returned, and the layer starts then
@@ -62,10 +61,6 @@ use super::plan::{self, PerShape};
 use super::{Arena, ExecError, Executor, ExecutorKind, HostTensor, Program, Trace, TraceEvent};
 use crate::profile::{model_key, profiled_seq_len, ModelProfile, Profile};
 
-/// The simulated timeline may run ahead of the wall clock by this much
-/// before the run sleeps.
-pub const SLEEP_DEBT_MIN: Duration = Duration::from_micros(100);
-
 /// A gate that returns within this long did not wait: its group was
 /// uploaded before it was asked for.
 pub const GATE_INSTANT_MAX: Duration = Duration::from_micros(20);
@@ -73,7 +68,7 @@ pub const GATE_INSTANT_MAX: Duration = Duration::from_micros(20);
 /// An upload asked for within this long of the previous one's return
 /// follows it back to back (its caller did nothing else in between): it
 /// starts where the previous copy ended on the timeline, not when the
-/// previous sleep's overshoot let its caller go on.
+/// previous wait's wakeup let its caller go on.
 pub const COPY_BACK_TO_BACK_MAX: Duration = Duration::from_micros(50);
 
 /// The largest time dilation a sim executor accepts (as
@@ -443,15 +438,23 @@ impl Arena for SimArena {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .book(Instant::now(), time);
-        let now = Instant::now();
-        if due > now {
-            std::thread::sleep(due - now);
-        }
+        wait_until(due);
         self.copies
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .returned(due, Instant::now());
         Ok(())
+    }
+}
+
+/// Returns at `due`, or at once if it has passed: sleeps with the thread's
+/// timer slack tightened to 1 ns, so the wait ends when the device's
+/// kernel or copy would, not up to 50 us later (Linux's default slack).
+pub fn wait_until(due: Instant) {
+    distmind_transport::priority::tighten_timer_slack();
+    let now = Instant::now();
+    if due > now {
+        std::thread::sleep(due - now);
     }
 }
 
@@ -644,15 +647,8 @@ impl Program for SimProgram {
             trace.push((due, TraceEvent::LayerStart { layer: i }));
             due += times[i];
             trace.push((due, TraceEvent::LayerEnd { layer: i }));
-            let now = start.elapsed();
-            if due > now + SLEEP_DEBT_MIN {
-                std::thread::sleep(due - now);
-            }
         }
-        let now = start.elapsed();
-        if due > now {
-            std::thread::sleep(due - now);
-        }
+        wait_until(start + due);
         Ok(self
             .outputs
             .iter()
@@ -713,5 +709,27 @@ mod tests {
         c.returned(first, first);
         let next = second + Duration::from_micros(500);
         assert_eq!(c.book(next, MS), next + MS);
+    }
+
+    #[test]
+    fn a_wait_never_returns_before_its_due_and_tightens_the_slack() {
+        std::thread::spawn(|| {
+            for wait in [Duration::ZERO, Duration::from_micros(30), 2 * MS] {
+                let due = Instant::now() + wait;
+                wait_until(due);
+                assert!(
+                    Instant::now() >= due,
+                    "returned before the due of a {wait:?} wait"
+                );
+            }
+            if cfg!(target_os = "linux") {
+                assert_eq!(
+                    distmind_transport::priority::current_timer_slack_ns(),
+                    Some(1)
+                );
+            }
+        })
+        .join()
+        .unwrap();
     }
 }

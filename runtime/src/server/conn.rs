@@ -191,11 +191,10 @@ async fn read_incoming(rd: &mut OwnedReadHalf) -> Incoming {
             Err(e) => Incoming::Fatal(e.into()),
         };
     }
-    let mut payload = vec![0u8; h.len as usize];
-    if let Err(e) = rd.read_exact(&mut payload).await {
-        return Incoming::Fatal(e.into());
+    match distmind_common::wire::read_payload(rd, h.len as usize).await {
+        Ok(payload) => Incoming::Frame(h.kind, payload),
+        Err(e) => Incoming::Fatal(e.into()),
     }
-    Incoming::Frame(h.kind, payload)
 }
 
 fn error_reply(
@@ -211,7 +210,7 @@ fn error_reply(
         },
         frames: Vec::new(),
         permit: Some(permit),
-        spent: None,
+        spent: Vec::new(),
     }
 }
 
@@ -298,7 +297,7 @@ async fn read_loop(
                         },
                         frames: Vec::new(),
                         permit: Some(permit),
-                        spent: None,
+                        spent: Vec::new(),
                     },
                     Ok(RuntimeRequest::Evict {
                         id,
@@ -392,7 +391,7 @@ async fn read_loop(
                                 },
                                 frames: Vec::new(),
                                 permit: None,
-                                spent: None,
+                                spent: Vec::new(),
                             });
                             for out in std::iter::once(first).chain(rest) {
                                 if tx.send(out).await.is_err() {
@@ -704,8 +703,18 @@ fn queue(
     plan: Arc<ModelPlan>,
 ) -> Vec<Outgoing> {
     let model = req.model;
+    // Several inputs of one shape past dimension 0 batch here, on the
+    // connection's task; else the worker batches what it can.
+    let batched = (req.members.len() > 1)
+        .then(|| {
+            let parts: Vec<&crate::exec::HostTensor> =
+                req.members.iter().map(|m| &m.input).collect();
+            super::batch::concat_rows(&parts).ok()
+        })
+        .flatten();
     let job = Job {
         model: model.clone(),
+        batched,
         requests: req.members,
         arrived: req.arrived,
         device: 0,
@@ -927,7 +936,7 @@ fn evict(
         },
         frames: Vec::new(),
         permit: Some(permit),
-        spent: None,
+        spent: Vec::new(),
     }
 }
 

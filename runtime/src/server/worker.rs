@@ -61,10 +61,10 @@ pub(crate) struct Outgoing {
     pub reply: RuntimeReply,
     pub frames: Vec<HostTensor>,
     pub permit: Option<OwnedSemaphorePermit>,
-    /// The request's input, freed by the writer: freeing hundreds of
-    /// kilobytes returns pages to the kernel, which is kept off the
-    /// device's serial path.
-    pub spent: Option<HostTensor>,
+    /// The request's input (and its batch's), freed by the writer:
+    /// freeing hundreds of kilobytes returns pages to the kernel, which is
+    /// kept off the device's serial path.
+    pub spent: Vec<HostTensor>,
 }
 
 /// The output frames of a reply, as `.npy` bytes.
@@ -90,6 +90,12 @@ pub struct Job {
     /// The model as compiled from the catalog (resolved by the connection,
     /// so the worker never asks the controller for an inference).
     pub(crate) plan: Arc<ModelPlan>,
+    /// Every request's input concatenated along dimension 0, in order, when
+    /// there are several and they can batch (one shape past dimension 0):
+    /// made by the connection, so the copy is off the device's serial path.
+    /// The worker uses it when every request runs; else it concatenates
+    /// those that do.
+    pub(crate) batched: Option<HostTensor>,
 }
 
 /// One request of a [`Job`].
@@ -351,6 +357,8 @@ fn handle(core: &Core, index: usize, task: Task, last: Option<Iteration>) -> Dur
             let train_yield = yield_of(job.queued_at);
             let (outs, work) = serve(core, index, &job, train_yield);
             device.queued.fetch_sub(job.len() as u64, Ordering::Relaxed);
+            // Freed with the first reply, by its writer.
+            let mut batched = job.batched.take();
             for (out, mut m) in outs.into_iter().zip(job.requests.drain(..)) {
                 let status = match &out.reply {
                     RuntimeReply::Output { timing, .. } => {
@@ -370,7 +378,7 @@ fn handle(core: &Core, index: usize, task: Task, last: Option<Iteration>) -> Dur
                     .observe_request(&job.model, status, job.arrived.elapsed());
                 let out = Outgoing {
                     permit: m.permit.take(),
-                    spent: Some(m.input),
+                    spent: std::iter::once(m.input).chain(batched.take()).collect(),
                     ..out
                 };
                 // The connection may be gone; its reply goes nowhere then
@@ -416,7 +424,7 @@ pub(crate) fn error(id: u64, code: ErrorCode, message: String) -> Outgoing {
         },
         frames: Vec::new(),
         permit: None,
-        spent: None,
+        spent: Vec::new(),
     }
 }
 
@@ -580,8 +588,13 @@ fn run_group(
                 replies[k] = Some(error(id_of(k), code, why(id_of(k))));
             }
         };
-    // A request alone runs on its own input, uncopied.
-    let batched = if members.len() == 1 {
+    // A request alone runs on its own input, uncopied; a whole job on the
+    // batch its connection made.
+    let whole = job
+        .batched
+        .as_ref()
+        .filter(|_| members.len() > 1 && members.len() == job.len());
+    let batched = if members.len() == 1 || whole.is_some() {
         None
     } else {
         let parts: Vec<&HostTensor> = members.iter().map(|&k| &job.requests[k].input).collect();
@@ -598,9 +611,9 @@ fn run_group(
             }
         }
     };
-    let inputs = match &batched {
-        Some(t) => std::slice::from_ref(t),
-        None => std::slice::from_ref(&job.requests[members[0]].input),
+    let inputs = match (&batched, whole) {
+        (Some(t), _) | (None, Some(t)) => std::slice::from_ref(t),
+        (None, None) => std::slice::from_ref(&job.requests[members[0]].input),
     };
     let stages = Stages {
         cache: &core.cache,
@@ -719,7 +732,7 @@ fn run_group(
                 },
                 frames,
                 permit: None,
-                spent: None,
+                spent: Vec::new(),
             },
         });
     }
@@ -778,7 +791,7 @@ fn prefetch_device(core: &Core, index: usize, p: &PrefetchJob) -> (Outgoing, Dur
                 },
                 frames: Vec::new(),
                 permit: None,
-                spent: None,
+                spent: Vec::new(),
             };
             // A load overlaps its fetch and copies (never whole-model).
             (out, device_work(&timing, false))
@@ -810,7 +823,7 @@ pub(crate) fn prefetch_host(core: &Core, id: u64, model: &str, arrived: Instant)
             },
             frames: Vec::new(),
             permit: None,
-            spent: None,
+            spent: Vec::new(),
         },
         Err(e) => pipeline_error(core, id, model, &e),
     }
@@ -870,7 +883,7 @@ fn training_reply(id: u64, device: u32, model: Option<String>, iterations: u64) 
         },
         frames: Vec::new(),
         permit: None,
-        spent: None,
+        spent: Vec::new(),
     }
 }
 

@@ -291,7 +291,7 @@ impl Reply {
             reply,
             frames: Vec::new(),
             permit: self.permit.take(),
-            spent: None,
+            spent: Vec::new(),
         };
         // The connection may be gone; the reply goes nowhere then.
         let _ = self.tx.blocking_send(out);

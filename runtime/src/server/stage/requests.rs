@@ -188,7 +188,7 @@ pub(crate) fn ready_reply(
         },
         frames: Vec::new(),
         permit: None,
-        spent: None,
+        spent: Vec::new(),
     }
 }
 
@@ -284,7 +284,7 @@ pub(crate) fn train_stage_start(
                     reply: started_reply(id, &h.key),
                     frames: Vec::new(),
                     permit: Some(permit),
-                    spent: None,
+                    spent: Vec::new(),
                 })
             } else {
                 fail(
