@@ -114,10 +114,19 @@ struct Point {
     p99_ms: f64,
     mean_batch: f64,
     switches_per_s: f64,
+    /// The host's busy share of its cores during the point's workload: near
+    /// 1, requests also waited for a core (every process of the cluster and
+    /// the load generator share them).
+    host_cpu_busy: Option<f64>,
+}
+
+/// `97%`, or `?` when it could not be read.
+fn busy_pct(b: Option<f64>) -> String {
+    b.map_or("?".into(), |b| format!("{:.0}%", b * 1e2))
 }
 
 const CSV_HEADER: &str = "system,rate_rps,sent,within_slo,rejected_frac,p99_ms,mean_batch,\
-switches_per_s,models,slo_ms,memory,link";
+switches_per_s,models,slo_ms,memory,link,host_cpu_busy";
 
 /// `distmind up` as a parser, so every point runs with the flags `up` takes.
 #[derive(Parser)]
@@ -294,15 +303,17 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
                     0.0
                 },
                 switches_per_s: get("distmind_controller_model_switches") / r.elapsed_s.max(1e-9),
+                host_cpu_busy: o.host_cpu_busy,
             };
             println!(
                 "capacity point: {system} {rate} req/s: {:.2}% within the SLO, {:.2}% rejected, p99 {:.1} ms, \
-                 mean batch {:.2}, {:.1} model switches/s",
+                 mean batch {:.2}, {:.1} model switches/s, host CPU {} busy",
                 p.within * 1e2,
                 p.rejected * 1e2,
                 p.p99_ms,
                 p.mean_batch,
-                p.switches_per_s
+                p.switches_per_s,
+                busy_pct(p.host_cpu_busy)
             );
             let below = p.within < a.target;
             points.push(p);
@@ -314,12 +325,20 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
         all.extend(points);
     }
     println!(
-        "\n{:<9} {:>9} {:>8} {:>10} {:>9} {:>8} {:>10} {:>11}",
-        "system", "rate", "sent", "within", "rejected", "p99 ms", "mean batch", "switches/s"
+        "\n{:<9} {:>9} {:>8} {:>10} {:>9} {:>8} {:>10} {:>11} {:>9}",
+        "system",
+        "rate",
+        "sent",
+        "within",
+        "rejected",
+        "p99 ms",
+        "mean batch",
+        "switches/s",
+        "host CPU"
     );
     for p in &all {
         println!(
-            "{:<9} {:>9.0} {:>8} {:>9.2}% {:>8.2}% {:>8.1} {:>10.2} {:>11.1}",
+            "{:<9} {:>9.0} {:>8} {:>9.2}% {:>8.2}% {:>8.1} {:>10.2} {:>11.1} {:>9}",
             p.system,
             p.rate,
             p.sent,
@@ -327,7 +346,8 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
             p.rejected * 1e2,
             p.p99_ms,
             p.mean_batch,
-            p.switches_per_s
+            p.switches_per_s,
+            busy_pct(p.host_cpu_busy)
         );
     }
     let show = |c: Option<f64>| c.map_or_else(|| format!("below {}", rates[0]), |r| format!("{r}"));
@@ -371,7 +391,7 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
         let mut lines = String::new();
         for p in &all {
             lines.push_str(&format!(
-                "{},{},{},{:.4},{:.4},{:.2},{:.3},{:.2},{},{},{},{}\n",
+                "{},{},{},{:.4},{:.4},{:.2},{:.3},{:.2},{},{},{},{},{}\n",
                 p.system,
                 p.rate,
                 p.sent,
@@ -383,7 +403,8 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
                 n,
                 a.slo_ms,
                 memory,
-                link
+                link,
+                p.host_cpu_busy.map_or(String::new(), |b| format!("{b:.3}"))
             ));
         }
         super::append_csv(path, CSV_HEADER, &lines)?;
@@ -433,6 +454,7 @@ mod tests {
             p99_ms: 1.0,
             mean_batch: 1.0,
             switches_per_s: 0.0,
+            host_cpu_busy: None,
         }
     }
 

@@ -30,6 +30,7 @@
 //!   times) is left to `--models 20` on a machine with the memory.
 
 mod compare;
+pub mod cpu;
 mod metrics;
 pub(crate) mod procs;
 pub mod results;
@@ -410,6 +411,9 @@ pub struct Outcome {
     /// The controller's `/metrics` text at the end of the workload (empty
     /// when it could not be read).
     pub controller_metrics: String,
+    /// The host's busy share of its cores during the workload (every
+    /// process of the cluster and the load generator share them).
+    pub host_cpu_busy: Option<f64>,
 }
 
 /// One cluster, one system, one workload.
@@ -897,7 +901,14 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
         )?),
         None => None,
     };
+    let procs: Vec<(String, u32)> = cluster
+        .services()
+        .iter()
+        .map(|s| (s.name.clone(), s.pid()))
+        .collect();
+    let cpu_before = cpu::Snapshot::take(&procs);
     let report = loadgen::run_until(&ca, stop);
+    let cpu_used = cpu::Usage::between(&cpu_before, &cpu::Snapshot::take(&procs));
     // Stopped and joined on every path, the workload's errors included.
     let recorded = sampler.map(sampler::Sampler::finish);
     let report = report?;
@@ -943,6 +954,13 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
             }
         );
     }
+    println!(
+        "{}",
+        cpu_used.line(
+            report.ok,
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        )
+    );
     let died = cluster.exited();
     println!();
     for (name, pid, what) in cluster.stop_all() {
@@ -1039,6 +1057,7 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
         profile_label,
         emulated,
         controller_metrics,
+        host_cpu_busy: cpu_used.host_busy,
     })
 }
 

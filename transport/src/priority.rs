@@ -179,6 +179,40 @@ pub fn process_cpu_time() -> std::time::Duration {
     )
 }
 
+/// CPU time (user and system) process `pid` has used so far, from
+/// `/proc/<pid>/stat` (Linux; `None` elsewhere or when it is gone).
+pub fn pid_cpu_time(pid: u32) -> Option<std::time::Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may hold spaces and parentheses: fields count from
+    // the last ')'. utime and stime are fields 14 and 15 of the line.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace().skip(11);
+    let utime: u64 = fields.next()?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    // SAFETY: sysconf takes and returns plain integers.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (hz > 0).then(|| std::time::Duration::from_secs_f64((utime + stime) as f64 / hz as f64))
+}
+
+/// The host's CPU time so far over every core, as (busy, total) in clock
+/// ticks, from `/proc/stat` (Linux; `None` elsewhere). Idle and I/O wait
+/// are not busy; steal (another guest ran) is.
+pub fn host_cpu_ticks() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .map(|f| f.parse().ok())
+        .collect::<Option<_>>()?;
+    if v.len() < 5 {
+        return None;
+    }
+    let total: u64 = v.iter().sum();
+    Some((total - v[3] - v[4], total))
+}
+
 #[cfg(target_os = "linux")]
 fn nice_of(tid: libc::id_t) -> Option<i32> {
     // SAFETY: plain integers in and out; -1 is a valid nice value, so errno
