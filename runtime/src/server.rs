@@ -14,13 +14,16 @@
 //!   `Output` reply lists the models resident on that device afterwards,
 //!   most recently used first.
 //! * A batched `Infer` (its `batch` members, one input frame per request)
-//!   is one device job: the worker leaves out requests whose deadline passed
-//!   or whose input does not fit the model (each answered with its error),
-//!   concatenates the others' inputs along dimension 0, runs the model once
-//!   and answers each request under its own id with its own rows
-//!   (`timing.batch_requests`: how many ran together). Bounded by
+//!   is one device job: the connection concatenates the inputs along
+//!   dimension 0 (off the device's serial path); the worker leaves out
+//!   requests whose deadline passed or whose input does not fit the model
+//!   (each answered with its error), concatenating the others' inputs again
+//!   if it left any out, runs the model once and answers each request under
+//!   its own id with its own rows (`timing.batch_requests`: how many ran
+//!   together). Bounded by
 //!   [`BATCH_MEMBERS_MAX`](distmind_common::proto::BATCH_MEMBERS_MAX)
-//!   members and [`BATCH_INPUT_BYTES_MAX`] input bytes.
+//!   members and [`BATCH_INPUT_BYTES_MAX`] input bytes (held twice while
+//!   the job is queued: the frames and their concatenation).
 //! * `Prefetch` caches a model in without running it: with a device, through
 //!   that device's queue (ordered with its inference) into the host cache and
 //!   onto the device; without, into the host cache only, on a blocking
