@@ -34,7 +34,8 @@
 //!
 //! Every call returns the outputs with a [`Timing`] breakdown and a
 //! [`MergedTrace`]: host arrival, upload and gate events per group and the
-//! program's own trace, on one clock starting when the pipeline started.
+//! program's own trace, on one clock starting when the pipeline started
+//! (empty when [`PipelineOptions::trace`] is off).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
@@ -412,6 +413,12 @@ pub struct PipelineOptions {
     pub fetch: FetchOptions,
     /// Longest wait of a stage for one group of the previous stage.
     pub gate_timeout: Duration,
+    /// Build the [`MergedTrace`] (host arrival, upload, gate and layer
+    /// events on one clock). Off, a run returns an empty one: the runtime
+    /// turns it off for requests that did not ask for a trace, as merging
+    /// and sorting a model's thousand events costs the device's serial
+    /// path about as much as the rest of a run's bookkeeping.
+    pub trace: bool,
 }
 
 impl Default for PipelineOptions {
@@ -419,6 +426,7 @@ impl Default for PipelineOptions {
         PipelineOptions {
             fetch: FetchOptions::default(),
             gate_timeout: GATE_TIMEOUT_DEFAULT,
+            trace: true,
         }
     }
 }
@@ -485,7 +493,12 @@ pub fn load(
     req: &Request<'_>,
     opts: &PipelineOptions,
 ) -> Result<Timing, PipelineError> {
-    serve(stages, req, opts, Mode::LoadOnly).map(|(_, timing, _)| timing)
+    // Nothing reads a load's trace: it is not built.
+    let opts = PipelineOptions {
+        trace: false,
+        ..*opts
+    };
+    serve(stages, req, &opts, Mode::LoadOnly).map(|(_, timing, _)| timing)
 }
 
 /// Stage 1 alone: brings `entry`'s model into the host cache (fetching it
@@ -740,7 +753,9 @@ fn serve(
         let mut last = None;
         for g in 0..groups {
             if let Some(at) = m.ready_at(g).filter(|at| *at >= t0) {
-                events.push((since(at), PipelineEvent::HostReady { group: g }));
+                if opts.trace {
+                    events.push((since(at), PipelineEvent::HostReady { group: g }));
+                }
                 last = last.max(Some(at));
             }
         }
@@ -758,22 +773,24 @@ fn serve(
     if let (Some(a), Some(b)) = (first_upload, last_upload) {
         timing.h2d = b.saturating_duration_since(a);
     }
-    events.extend(uploads.into_iter().map(|(t, e)| (since(t), e)));
-    events.extend(
-        gate_times
-            .iter()
-            .map(|(t, g)| (since(*t), PipelineEvent::GateOpened { group: *g })),
-    );
     let (run_start, run_end) = run_window;
-    events.push((since(run_start), PipelineEvent::ComputeStart));
-    events.push((since(run_end), PipelineEvent::ComputeEnd));
-    let offset = since(run_start);
-    events.extend(
-        trace
-            .iter()
-            .map(|(d, e)| (offset + *d, PipelineEvent::Exec(*e))),
-    );
-    events.sort_by_key(|(t, _)| *t);
+    if opts.trace {
+        events.extend(uploads.into_iter().map(|(t, e)| (since(t), e)));
+        events.extend(
+            gate_times
+                .iter()
+                .map(|(t, g)| (since(*t), PipelineEvent::GateOpened { group: *g })),
+        );
+        events.push((since(run_start), PipelineEvent::ComputeStart));
+        events.push((since(run_end), PipelineEvent::ComputeEnd));
+        let offset = since(run_start);
+        events.extend(
+            trace
+                .iter()
+                .map(|(d, e)| (offset + *d, PipelineEvent::Exec(*e))),
+        );
+        events.sort_by_key(|(t, _)| *t);
+    }
 
     timing.compute = run_end.saturating_duration_since(run_start);
     timing.total = finished.saturating_duration_since(req.arrived);

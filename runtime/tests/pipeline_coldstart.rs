@@ -382,6 +382,7 @@ fn one_read_at_a_time() -> PipelineOptions {
             ..FetchOptions::default()
         },
         gate_timeout: Duration::from_secs(30),
+        trace: true,
     }
 }
 
@@ -445,6 +446,29 @@ fn pipeline_compute_of_each_group_starts_before_the_next_group_arrives() {
     assert_eq!(uploads, (0..n).collect::<Vec<_>>());
     // Compute began before the fetch ended: the stages overlapped.
     assert!(trace.time_of(PipelineEvent::ComputeStart).unwrap() < trace.host_ready(n - 1).unwrap());
+}
+
+#[test]
+fn pipeline_without_a_trace_computes_and_times_the_same_and_merges_no_events() {
+    let w = world(GROUP_BYTES);
+    let wk = worker(&w, Duration::from_millis(2), Duration::ZERO);
+    let opts = PipelineOptions {
+        trace: false,
+        ..one_read_at_a_time()
+    };
+    let (out, timing, trace) = cold_start(&wk.stages(), &request(&w), &opts).unwrap();
+    assert_eq!(sums(&out), w.group_sums);
+    assert!(trace.events.is_empty(), "{:?}", trace.events);
+    // The breakdown does not come from the trace: it is all there.
+    assert_eq!(timing.path, LoadPath::Cold);
+    assert_eq!(timing.fetched_bytes, w.entry.total_bytes);
+    assert!(timing.fetch > Duration::ZERO && timing.h2d > Duration::ZERO);
+    assert!(timing.compute > Duration::ZERO && timing.total >= timing.compute);
+    // Resident now: the next untraced run computes the same.
+    let (again, timing, trace) = cold_start(&wk.stages(), &request(&w), &opts).unwrap();
+    assert_eq!(again, out);
+    assert_eq!(timing.path, LoadPath::DeviceResident);
+    assert!(trace.events.is_empty());
 }
 
 #[test]

@@ -310,6 +310,36 @@ fn sim_program_errors_name_the_profile_and_key() {
 }
 
 #[test]
+fn sim_program_checks_the_profiles_layers_once_per_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let pkg = package(Family::Resnet152, Scale::Tiny, dir.path());
+    let exec = SimExecutor::new(shipped());
+    let program = |m: &distmind_models::Manifest| {
+        let arena = exec.alloc_arena(m.device_bytes()).unwrap();
+        exec.program(m, arena).map(|_| ())
+    };
+    // A manifest whose layer differs from the profile's is refused, with
+    // the layer named, however often it is asked for.
+    let mut renamed = pkg.manifest.clone();
+    renamed.name = "renamed-layer".into();
+    renamed.layers[3].name = "not-in-the-profile".into();
+    for _ in 0..2 {
+        let e = program(&renamed).expect_err("layer 3 differs");
+        assert!(e.to_string().contains("not-in-the-profile"), "{e}");
+    }
+    // The real one passes, and so does its next switch, on another device
+    // of the same executor too.
+    program(&pkg.manifest).unwrap();
+    program(&pkg.manifest).unwrap();
+    let other = exec.for_device(1).unwrap();
+    let arena = other.alloc_arena(pkg.manifest.device_bytes()).unwrap();
+    other.program(&pkg.manifest, arena).unwrap();
+    // Another model name is checked on its own.
+    renamed.name = "another-name".into();
+    assert!(program(&renamed).is_err());
+}
+
+#[test]
 fn sim_upload_takes_the_h2d_time_and_checks_range() {
     let exec = SimExecutor::new(shipped());
     let h2d = exec.profile().peaks.h2d_bytes_per_s;

@@ -50,7 +50,7 @@ use crate::npy::{encode_npy, encoded_len};
 use crate::pipeline::{
     cache_in, cold_start, load, sequential, LoadPath, MergedTrace, PipelineError,
 };
-use crate::pipeline::{PipelineEvent, Request, Stages, Timing};
+use crate::pipeline::{PipelineEvent, PipelineOptions, Request, Stages, Timing};
 use crate::train::{check_trainable, sgd_step_with_state, SgdState};
 
 /// A reply ready to write: the message and the outputs that follow it, one
@@ -626,11 +626,17 @@ fn run_group(
         inputs,
         arrived: job.arrived,
     };
+    // The merged trace is built only when a member asked for it.
+    let traced = members.iter().any(|&k| job.requests[k].trace);
+    let opts = PipelineOptions {
+        trace: traced,
+        ..core.pipeline
+    };
     let busy = Instant::now();
     let served = if core.whole_model {
-        sequential(&stages, &request, &core.pipeline)
+        sequential(&stages, &request, &opts)
     } else {
-        cold_start(&stages, &request, &core.pipeline)
+        cold_start(&stages, &request, &opts)
     };
     let ran = busy.elapsed();
     device.add_busy(busy);
@@ -682,7 +688,6 @@ fn run_group(
         }
         split
     };
-    let traced = members.iter().any(|&k| job.requests[k].trace);
     let (trace, trace_truncated) = if traced {
         let (t, cut) = trace_entries(&trace);
         (Some(t), cut)
