@@ -445,6 +445,13 @@ impl Dispatcher {
         self.reqs.len()
     }
 
+    /// Whether request `id` was sent to a runtime and not answered: a reply
+    /// for it is expected. A request that the loss of its runtime queued
+    /// again is not, until it is sent again.
+    pub fn awaits_reply(&self, id: ReqId) -> bool {
+        self.reqs.get(&id).is_some_and(|r| r.sent_at.is_some())
+    }
+
     /// Requests waiting at the dispatcher, per GPU queue and pending.
     pub fn queued(&self) -> usize {
         self.pending.len() + self.gpus.iter().map(|g| g.queue.len()).sum::<usize>()
@@ -1846,7 +1853,7 @@ impl Dispatcher {
         // Only a request in flight can be answered: one that is queued
         // again (its runtime was lost and its late reply came anyway) waits
         // for the GPU it is queued for.
-        if self.reqs.get(&req)?.sent_at.is_none() {
+        if !self.awaits_reply(req) {
             log::debug!(
                 "dispatcher: a reply for request {req}, which is not in flight, is dropped"
             );

@@ -307,8 +307,12 @@ fn a_late_reply_from_a_lost_runtime_does_not_answer_a_request_queued_again() {
     let queued = d.queued();
     let t = timing(ServePath::DeviceResident, 10.0);
     for &r in &requeued {
+        // The network layer asks first and drops the reply; the core drops
+        // it too.
+        assert!(!d.awaits_reply(r));
         assert!(d.complete(6 * MS, r, &c_of(&t, &[]), &mut out).is_none());
     }
+    assert!(again.iter().all(|&r| d.awaits_reply(r)));
     assert_eq!(
         d.queued(),
         queued,

@@ -654,6 +654,16 @@ impl CoreTask {
             }
             return;
         }
+        if self.inflight.contains_key(&id) && !self.d.awaits_reply(id) {
+            // A lost runtime's late reply for a request the loss queued
+            // again: it is answered once, when it runs where it waits now,
+            // and its input stays held for that send.
+            log::debug!(
+                "dispatcher: late reply from runtime {runtime} for request {id}, queued again \
+                 elsewhere since: dropped"
+            );
+            return;
+        }
         let Some(mut f) = self.inflight.remove(&id) else {
             log::debug!("dispatcher: reply for unknown request {id} from runtime {runtime}");
             return;
