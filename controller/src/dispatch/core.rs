@@ -445,11 +445,11 @@ impl Dispatcher {
         self.reqs.len()
     }
 
-    /// Whether request `id` was sent to a runtime and not answered: a reply
-    /// for it is expected. A request that the loss of its runtime queued
-    /// again is not, until it is sent again.
-    pub fn awaits_reply(&self, id: ReqId) -> bool {
-        self.reqs.get(&id).is_some_and(|r| r.sent_at.is_some())
+    /// Whether request `id` is alive here and not sent to a runtime (queued
+    /// or pending): no reply for it is expected until it is sent, as for
+    /// one that the loss of its runtime queued again.
+    pub fn waits_to_be_sent(&self, id: ReqId) -> bool {
+        self.reqs.get(&id).is_some_and(|r| r.sent_at.is_none())
     }
 
     /// Requests waiting at the dispatcher, per GPU queue and pending.
@@ -1853,7 +1853,7 @@ impl Dispatcher {
         // Only a request in flight can be answered: one that is queued
         // again (its runtime was lost and its late reply came anyway) waits
         // for the GPU it is queued for.
-        if !self.awaits_reply(req) {
+        if self.waits_to_be_sent(req) {
             log::debug!(
                 "dispatcher: a reply for request {req}, which is not in flight, is dropped"
             );

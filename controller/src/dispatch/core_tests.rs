@@ -309,10 +309,11 @@ fn a_late_reply_from_a_lost_runtime_does_not_answer_a_request_queued_again() {
     for &r in &requeued {
         // The network layer asks first and drops the reply; the core drops
         // it too.
-        assert!(!d.awaits_reply(r));
+        assert!(d.waits_to_be_sent(r));
         assert!(d.complete(6 * MS, r, &c_of(&t, &[]), &mut out).is_none());
     }
-    assert!(again.iter().all(|&r| d.awaits_reply(r)));
+    assert!(again.iter().all(|&r| !d.waits_to_be_sent(r)));
+    assert!(!d.waits_to_be_sent(ReqId::MAX), "an unknown request");
     assert_eq!(
         d.queued(),
         queued,

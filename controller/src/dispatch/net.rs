@@ -654,10 +654,11 @@ impl CoreTask {
             }
             return;
         }
-        if self.inflight.contains_key(&id) && !self.d.awaits_reply(id) {
+        if self.d.waits_to_be_sent(id) {
             // A lost runtime's late reply for a request the loss queued
             // again: it is answered once, when it runs where it waits now,
-            // and its input stays held for that send.
+            // and its input stays held for that send. (A request the
+            // dispatcher no longer knows is answered below, as before.)
             log::debug!(
                 "dispatcher: late reply from runtime {runtime} for request {id}, queued again \
                  elsewhere since: dropped"
