@@ -79,6 +79,8 @@ pub const ORDER_CANDIDATES_MAX: usize = 8;
 pub const SLO_MS_DEFAULT: f64 = 1000.0;
 /// A request sent to a runtime and not answered within this long is failed
 /// (the runtime hangs or lost it); its reply, if it ever comes, is dropped.
+/// Most requests are given up long before, past their deadline by their
+/// grace ([`overdue_at`]).
 pub const OUTSTANDING_TIMEOUT_US: Micros = 120_000_000;
 /// A GPU whose runtime refused the training job is asked again after this
 /// long (times the time dilation): the job's model may not be deployed yet.
@@ -574,6 +576,8 @@ impl Dispatcher {
                     serial_us: 0,
                     assigned: None,
                     link_up: self.hosts.get(&runtime).is_some_and(|h| h.link_up),
+                    silent: false,
+                    answered_at: now,
                 });
                 added = true;
             }
@@ -588,6 +592,12 @@ impl Dispatcher {
             if seq > h.snapshot_seq {
                 h.snapshot_seq = seq;
                 self.apply_snapshot(runtime, s);
+                // It heartbeats: its GPUs are routed to again.
+                self.gpus.for_each_mut(|g| {
+                    if g.gpu.runtime == runtime {
+                        g.silent = false;
+                    }
+                });
             }
         }
     }
@@ -687,6 +697,34 @@ impl Dispatcher {
         );
         self.training_started.retain(|g| g.runtime != runtime);
         let reason: Arc<str> = Arc::from(format!("runtime {runtime} was lost ({why})"));
+        self.move_requests(now, moved, &reason, out);
+        // With every GPU server lost, requests waiting for a GPU would
+        // only wait out their deadline.
+        if let Some(why) = self.every_gpu_lost() {
+            for id in std::mem::take(&mut self.pending) {
+                if let Some(r) = self.take(id) {
+                    let message = format!(
+                        "request for {}: {why}",
+                        self.models[r.model as usize].meta.name
+                    );
+                    self.fail(id, ErrorCode::Unavailable, message, out);
+                }
+            }
+        }
+    }
+
+    /// Moves requests off a GPU that `reason` says cannot run them,
+    /// earliest deadline first: those queued are routed again, those in
+    /// flight (inference is idempotent) are sent again once, each to a GPU
+    /// that can still meet its deadline; the rest fail `unavailable`,
+    /// naming the reason.
+    fn move_requests(
+        &mut self,
+        now: Micros,
+        moved: Vec<ReqId>,
+        reason: &Arc<str>,
+        out: &mut Vec<Action>,
+    ) {
         let mut moved: Vec<(Micros, ReqId, Req)> = moved
             .into_iter()
             .filter_map(|id| Some((id, self.take(id)?)))
@@ -711,19 +749,6 @@ impl Dispatcher {
             self.reroute(now, id, r, out);
             if was_in_flight && self.reqs.contains_key(&id) {
                 self.counters.retried += 1;
-            }
-        }
-        // With every GPU server lost, requests waiting for a GPU would
-        // only wait out their deadline.
-        if let Some(why) = self.every_gpu_lost() {
-            for id in std::mem::take(&mut self.pending) {
-                if let Some(r) = self.take(id) {
-                    let message = format!(
-                        "request for {}: {why}",
-                        self.models[r.model as usize].meta.name
-                    );
-                    self.fail(id, ErrorCode::Unavailable, message, out);
-                }
             }
         }
     }
@@ -1863,6 +1888,8 @@ impl Dispatcher {
         let answered = open_batch(&self.batches, self.reqs.get(&req)).map(|b| (b.base, b.n));
         let r = self.take(req)?;
         let gi = r.gpu?;
+        // It answers: it is routed to (again).
+        self.gpus.answered(gi, now);
         // The device's first run pays one-time costs (TimingMsg::warmup):
         // neither its serial time nor its service time is learnt from.
         let warmup = c.timing.is_some_and(|t| t.warmup);
@@ -1999,7 +2026,7 @@ impl Dispatcher {
             }
             self.last_rate_at = now;
         }
-        self.expire_outstanding(now, out);
+        self.expire_overdue(now, out);
         match self.cfg.policy {
             PolicyKind::DistMind => {
                 self.distmind.tick(now);
@@ -2015,30 +2042,96 @@ impl Dispatcher {
         }
     }
 
-    /// Fails requests a runtime has held for over [`OUTSTANDING_TIMEOUT_US`]
-    /// (times the time dilation).
-    fn expire_outstanding(&mut self, now: Micros, out: &mut Vec<Action>) {
+    /// Answers, at a tick, the requests that can only be late now: those
+    /// in flight past their deadline by their grace ([`overdue_at`]) and
+    /// those queued for a GPU past their deadline (a GPU that answers
+    /// nothing pumps its queue no more), both `deadline_exceeded`; and any
+    /// a runtime has held for over [`OUTSTANDING_TIMEOUT_US`] (times the
+    /// time dilation), `internal`. A reply that comes after its request was
+    /// given up is dropped. A GPU that left a request unanswered so long,
+    /// and answered nothing for longer than that request's grace, goes
+    /// [`silent`](GpuState::silent): its queue moves to other GPUs at once.
+    /// (One that answers is working through a backlog, not hung.) A runtime that hangs (stopped, or its host cut off) is
+    /// declared lost only after its missed heartbeats, seconds later; its
+    /// clients are answered, or served elsewhere, by then.
+    fn expire_overdue(&mut self, now: Micros, out: &mut Vec<Action>) {
         let timeout_us = (OUTSTANDING_TIMEOUT_US as f64 * self.cfg.time_dilation) as Micros;
-        let stuck: Vec<ReqId> = self
+        let stuck: Vec<(ReqId, bool)> = self
             .reqs
             .iter()
-            .filter(|(_, r)| {
-                r.sent_at
-                    .is_some_and(|s| now.saturating_sub(s) > timeout_us)
+            .filter_map(|(&id, r)| {
+                let sent = r.sent_at?;
+                if now.saturating_sub(sent) > timeout_us {
+                    Some((id, false))
+                } else {
+                    (now > overdue_at(r)).then_some((id, true))
+                }
             })
-            .map(|(&id, _)| id)
             .collect();
-        for id in stuck {
+        for (id, overdue) in stuck {
             let r = self.take(id).expect("listed above");
             let Some(gi) = r.gpu else { continue };
-            let g = &self.gpus[gi];
-            let message = format!(
-                "request for {} got no reply from {} within {} s; retry it",
-                self.models[r.model as usize].meta.name,
-                g.gpu,
-                timeout_us / 1_000_000
-            );
-            self.fail(id, ErrorCode::Internal, message, out);
+            let gpu = self.gpus[gi].gpu;
+            let name = &self.models[r.model as usize].meta.name;
+            let late_ms = now.saturating_sub(r.deadline) as f64 / 1e3;
+            let message = if overdue {
+                format!(
+                    "request for {name}: {gpu} has not answered it {late_ms:.0} ms past its \
+                     {:.0} ms SLO (it may hang); given up",
+                    r.slo_ms
+                )
+            } else {
+                format!(
+                    "request for {name} got no reply from {gpu} within {} s; retry it",
+                    timeout_us / 1_000_000
+                )
+            };
+            let code = if overdue {
+                ErrorCode::DeadlineExceeded
+            } else {
+                ErrorCode::Internal
+            };
+            self.fail(id, code, message, out);
+            let quiet = now.saturating_sub(self.gpus[gi].answered_at) > grace(&r);
+            if quiet && !self.gpus[gi].silent {
+                // Routed to no more until it answers or heartbeats; what is
+                // queued for it goes elsewhere now.
+                log::warn!(
+                    "dispatcher: {gpu} left a request unanswered {late_ms:.0} ms past its \
+                     deadline and answered nothing for {:.0} ms; nothing is routed to it until \
+                     it answers or heartbeats",
+                    now.saturating_sub(self.gpus[gi].answered_at) as f64 / 1e3
+                );
+                let mut g = self.gpus.get_mut(gi);
+                g.silent = true;
+                let queued: Vec<ReqId> = g.queue.drain();
+                g.queued_models.clear();
+                g.queued_ranked = 0;
+                drop(g);
+                let reason: Arc<str> = Arc::from(format!(
+                    "{gpu} has not answered a request {late_ms:.0} ms past its deadline"
+                ));
+                self.move_requests(now, queued, &reason, out);
+            }
+        }
+        for gi in 0..self.gpus.len() {
+            let late: Vec<(Slot, ReqId)> = self.gpus[gi]
+                .queue
+                .iter()
+                .take_while(|(slot, _, _)| slot.0 < now)
+                .map(|(slot, _, &id)| (slot, id))
+                .collect();
+            for (slot, id) in late {
+                self.gpus.get_mut(gi).queue.remove(slot);
+                self.unqueue_model(gi, id);
+                let r = self.take(id).expect("queued requests are alive");
+                let message = format!(
+                    "request for {} waited in the queue for {} past its {:.0} ms SLO: dropped \
+                     before it ran",
+                    self.models[r.model as usize].meta.name, self.gpus[gi].gpu, r.slo_ms
+                );
+                self.fail(id, ErrorCode::DeadlineExceeded, message, out);
+            }
         }
     }
 
@@ -2294,6 +2387,22 @@ impl Dispatcher {
 /// Whether `r` (alive) belongs to a batch none of whose members has been
 /// answered yet.
 /// The batch of `r` while it still holds its GPU's window slot.
+/// When a request in flight is given up: its deadline plus a grace of its
+/// SLO, or of four times its batch's estimated device time where that is
+/// longer. A runtime that works answers within its deadline and one batch
+/// (it drops a request whose deadline passed in its queue); the grace
+/// covers estimates that run short (a first load of a model) many times
+/// over.
+fn overdue_at(r: &Req) -> Micros {
+    r.deadline + grace(r)
+}
+
+/// [`overdue_at`]'s grace.
+fn grace(r: &Req) -> Micros {
+    let slo = (r.slo_ms * 1e3) as Micros;
+    slo.max(4 * r.service)
+}
+
 fn open_batch<'a>(batches: &'a IdMap<ReqId, Batch>, r: Option<&Req>) -> Option<&'a Batch> {
     r.and_then(|r| r.batch)
         .and_then(|h| batches.get(&h))

@@ -776,6 +776,146 @@ fn a_dilated_clock_stretches_the_outstanding_timeout() {
     assert!(Dispatcher::new(bad).unwrap_err().contains("dilation"));
 }
 
+/// A runtime that hangs (stopped, its host cut off) is declared lost only
+/// after missed heartbeats: a request it holds is answered
+/// `deadline_exceeded` once its deadline and grace are past, its reply (if
+/// it comes after) answers nothing, and its GPU goes silent: what is queued
+/// for it moves to another GPU at once, and nothing is routed to it until
+/// it heartbeats or answers.
+#[test]
+fn a_request_in_flight_unanswered_past_its_deadline_and_grace_is_given_up() {
+    let mut c = cfg(PolicyKind::Slo);
+    c.window = 1;
+    let mut d = Dispatcher::new(c).unwrap();
+    let mut out = Vec::new();
+    for r in 0..2 {
+        d.runtime_seen(0, r, 1, &[0], 1 << 30, 4, None, &mut out);
+        d.link_up(r);
+    }
+    let m = model(&mut d, "a");
+    // Resident on GPU 0 only (10 ms there, 120 ms to load on GPU 1): GPU 0
+    // takes the first and queues the next two.
+    make_resident(&mut d, 0, "a");
+    let first = d.submit(0, m, Some(100.0), &mut out);
+    let queued: Vec<ReqId> = (0..2)
+        .map(|_| d.submit(0, m, Some(1_000.0), &mut out))
+        .collect();
+    assert_eq!(sent(&out), vec![(first, gpu(0))]);
+    assert_eq!(d.queued(), 2);
+    out.clear();
+    // The grace is its SLO (the estimated device time, 10 ms, is shorter).
+    let overdue = 100 * MS + 100 * MS;
+    d.tick(overdue, &mut out);
+    assert!(out.is_empty(), "not yet: {out:?}");
+    d.tick(overdue + 1, &mut out);
+    assert_eq!(failed(&out), vec![(first, ErrorCode::DeadlineExceeded)]);
+    let Action::Fail { error, .. } = &out[0] else {
+        unreachable!()
+    };
+    assert!(
+        error.message.contains("has not answered") && error.message.contains("100 ms SLO"),
+        "{}",
+        error.message
+    );
+    assert_eq!(d.counters().deadline_exceeded, 1);
+    // Its queue went to GPU 1, which can still meet their deadlines.
+    assert_eq!(sent(&out), vec![(queued[0], gpu(1))]);
+    out.clear();
+    // Its late reply answers nothing and counts nothing.
+    let t = timing(ServePath::DeviceResident, 10.0);
+    assert!(d
+        .complete(overdue + 2, first, &c_of(&t, &[]), &mut out)
+        .is_none());
+    assert_eq!(d.counters().completed, 0);
+    // Silent, it gets no new request, though its model is resident there.
+    let next = d.submit(overdue + 3, m, Some(1_000.0), &mut out);
+    assert!(sent(&out).iter().all(|(_, g)| *g != gpu(0)), "{out:?}");
+    assert!(failed(&out).is_empty(), "{out:?}");
+    out.clear();
+    // Once it heartbeats it is routed to again.
+    make_resident(&mut d, 0, "a");
+    let later = d.submit(overdue + 4, m, Some(1_000.0), &mut out);
+    assert_eq!(sent(&out), vec![(later, gpu(0))]);
+    assert!(d.reqs.contains_key(&next));
+}
+
+/// A GPU that answers is working through a backlog, not hung: a request
+/// it holds past its deadline and grace is given up, but the GPU is still
+/// routed to.
+#[test]
+fn a_gpu_that_answers_is_not_silenced_by_a_request_given_up() {
+    let mut c = cfg(PolicyKind::Slo);
+    c.window = 2;
+    let mut d = Dispatcher::new(c).unwrap();
+    let mut out = Vec::new();
+    d.runtime_seen(0, 0, 1, &[0], 1 << 30, 4, None, &mut out);
+    d.link_up(0);
+    let m = model(&mut d, "a");
+    make_resident(&mut d, 0, "a");
+    let slow = d.submit(0, m, Some(1_000.0), &mut out);
+    let late = d.submit(0, m, Some(100.0), &mut out);
+    assert_eq!(sent(&out).len(), 2, "{out:?}");
+    out.clear();
+    let t = timing(ServePath::DeviceResident, 150.0);
+    assert!(d
+        .complete(150 * MS, slow, &c_of(&t, &[]), &mut out)
+        .is_some());
+    out.clear();
+    d.tick(200 * MS + 1, &mut out);
+    assert_eq!(failed(&out), vec![(late, ErrorCode::DeadlineExceeded)]);
+    out.clear();
+    // It answered 51 ms ago, within the grace (100 ms): still routed to.
+    let next = d.submit(200 * MS + 2, m, Some(1_000.0), &mut out);
+    assert_eq!(sent(&out), vec![(next, gpu(0))]);
+}
+
+/// A GPU that answers nothing pumps its queue no more: a request queued
+/// for it is answered `deadline_exceeded` at the first tick past its
+/// deadline, not when the GPU's runtime is declared lost.
+#[test]
+fn a_request_queued_for_a_gpu_that_runs_nothing_is_answered_at_its_deadline() {
+    let mut c = cfg(PolicyKind::Slo);
+    c.window = 1;
+    let mut d = Dispatcher::new(c).unwrap();
+    let mut out = Vec::new();
+    d.runtime_seen(0, 0, 1, &[0], 1 << 30, 4, None, &mut out);
+    d.link_up(0);
+    let m = model(&mut d, "a");
+    make_resident(&mut d, 0, "a");
+    // A window of one batch (of one here): the first runs, the next two queue.
+    let first = d.submit(0, m, Some(1_000.0), &mut out);
+    let second = d.submit(0, m, Some(100.0), &mut out);
+    let third = d.submit(0, m, Some(500.0), &mut out);
+    assert_eq!(sent(&out), vec![(first, gpu(0))]);
+    assert_eq!(d.queued(), 2);
+    out.clear();
+    d.tick(100 * MS, &mut out);
+    assert!(
+        failed(&out).is_empty(),
+        "at its deadline, not past it: {out:?}"
+    );
+    d.tick(100 * MS + 1, &mut out);
+    assert_eq!(failed(&out), vec![(second, ErrorCode::DeadlineExceeded)]);
+    let Action::Fail { error, .. } = &out[0] else {
+        unreachable!()
+    };
+    assert!(
+        error.message.contains("dropped before it ran"),
+        "{}",
+        error.message
+    );
+    assert!(sent(&out).is_empty(), "{out:?}");
+    assert_eq!(d.queued(), 1);
+    out.clear();
+    // The first's reply comes at last: the third runs.
+    let t = timing(ServePath::DeviceResident, 10.0);
+    assert!(d
+        .complete(150 * MS, first, &c_of(&t, &[]), &mut out)
+        .is_some());
+    assert_eq!(sent(&out), vec![(third, gpu(0))]);
+    assert_eq!(d.queued(), 0);
+}
+
 /// Drives a dispatcher and checks its invariant on every action: each
 /// request ends exactly once, in a `Send` that is completed or in a `Fail`;
 /// a `Send` to a runtime reported lost is replaced, in the same call, by

@@ -99,6 +99,15 @@ pub(super) struct GpuState {
     pub(super) assigned: Option<u32>,
     /// Its runtime's link is up (a copy of the host's flag, read per decision).
     pub(super) link_up: bool,
+    /// It left a request unanswered past the request's deadline and grace,
+    /// answering nothing for longer than that grace, and nothing since (a
+    /// reply, a heartbeat of its runtime) said it works: no request is
+    /// routed to it. A runtime that hangs is declared lost only after its
+    /// missed heartbeats, seconds later.
+    pub(super) silent: bool,
+    /// When it last answered a request (or was added): a GPU that answers
+    /// is working through its backlog, not hung. Not in its [`Lane`].
+    pub(super) answered_at: Micros,
     /// Its runtime refused the training job: ask again from then on.
     pub(super) train_retry_at: Option<Micros>,
     /// When its last batch was answered with another still outstanding
@@ -164,10 +173,11 @@ impl Lane {
 }
 
 impl GpuState {
-    /// Requests may be routed to it: its link is up and, under the
-    /// `distmind` policy, it is an inference GPU.
+    /// Requests may be routed to it: its link is up, it is not
+    /// [`silent`](Self::silent), and under the `distmind` policy it is an
+    /// inference GPU.
     pub(super) fn routable(&self, distmind_policy: bool) -> bool {
-        self.link_up && (!distmind_policy || self.role == GpuRole::Inference)
+        self.link_up && !self.silent && (!distmind_policy || self.role == GpuRole::Inference)
     }
 }
 
@@ -227,6 +237,15 @@ impl Gpus {
     pub(super) fn lanes_match_state(&self) -> bool {
         let policy = self.distmind_policy;
         (self.state.iter().zip(&self.lanes)).all(|(g, l)| Lane::of(g, policy) == *l)
+    }
+
+    /// GPU `gi` answered a request at `now`: clears [`GpuState::silent`]
+    /// (its lane follows) and notes the time, which no lane reads.
+    pub(super) fn answered(&mut self, gi: usize, now: Micros) {
+        if self.state[gi].silent {
+            self.get_mut(gi).silent = false;
+        }
+        self.state[gi].answered_at = now;
     }
 
     /// Applies `f` to every GPU's state, lanes following.
