@@ -655,9 +655,11 @@ impl CoreTask {
             return;
         }
         if self.d.waits_to_be_sent(id) {
-            // A lost runtime's late reply for a request the loss queued
-            // again: it is answered once, when it runs where it waits now,
-            // and its input stays held for that send. (A request the
+            // A reply for a request queued again (its runtime was lost):
+            // it is answered once, when it runs where it waits now, and
+            // its input stays held for that send. Replies on a link given
+            // up never get here (dropped by boot id on arrival); this
+            // keeps the input of any other such reply. (A request the
             // dispatcher no longer knows is answered below, as before.)
             log::debug!(
                 "dispatcher: late reply from runtime {runtime} for request {id}, queued again \
