@@ -592,12 +592,6 @@ impl Dispatcher {
             if seq > h.snapshot_seq {
                 h.snapshot_seq = seq;
                 self.apply_snapshot(runtime, s);
-                // It heartbeats: its GPUs are routed to again.
-                self.gpus.for_each_mut(|g| {
-                    if g.gpu.runtime == runtime {
-                        g.silent = false;
-                    }
-                });
             }
         }
     }
@@ -636,6 +630,12 @@ impl Dispatcher {
             let mut g = self.gpus.get_mut(gi);
             g.prefetching = false;
             g.prefetch_work = 0;
+            // Nothing waits there: a silent GPU is routed to again. (One
+            // whose device is stuck on a request heartbeats on, and stays
+            // silent.)
+            if d.queued == 0 {
+                g.silent = false;
+            }
             g.training = d.training.as_ref().map(|_| TrainingJob {
                 started_at: 0,
                 iteration: (d.train_iteration_ms * 1e3) as Micros,
@@ -2094,12 +2094,13 @@ impl Dispatcher {
             self.fail(id, code, message, out);
             let quiet = now.saturating_sub(self.gpus[gi].answered_at) > grace(&r);
             if quiet && !self.gpus[gi].silent {
-                // Routed to no more until it answers or heartbeats; what is
-                // queued for it goes elsewhere now.
+                // Routed to no more until it answers, or heartbeats with
+                // nothing waiting on it; what is queued for it goes
+                // elsewhere now.
                 log::warn!(
                     "dispatcher: {gpu} left a request unanswered {late_ms:.0} ms past its \
                      deadline and answered nothing for {:.0} ms; nothing is routed to it until \
-                     it answers or heartbeats",
+                     it answers, or heartbeats with nothing waiting on it",
                     now.saturating_sub(self.gpus[gi].answered_at) as f64 / 1e3
                 );
                 let mut g = self.gpus.get_mut(gi);

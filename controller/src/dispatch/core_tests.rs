@@ -832,9 +832,23 @@ fn a_request_in_flight_unanswered_past_its_deadline_and_grace_is_given_up() {
     assert!(sent(&out).iter().all(|(_, g)| *g != gpu(0)), "{out:?}");
     assert!(failed(&out).is_empty(), "{out:?}");
     out.clear();
-    // Once it heartbeats it is routed to again.
+    // A heartbeat saying a request still waits on its device (stuck there)
+    // changes nothing; one saying nothing waits does.
+    let stuck = RuntimeSnapshot {
+        devices: vec![DeviceSnapshot {
+            device: 0,
+            queued: 1,
+            resident: vec!["a".into()],
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    heartbeat(&mut d, 0, 1 << 30, &stuck);
+    d.submit(overdue + 4, m, Some(1_000.0), &mut out);
+    assert!(sent(&out).iter().all(|(_, g)| *g != gpu(0)), "{out:?}");
+    out.clear();
     make_resident(&mut d, 0, "a");
-    let later = d.submit(overdue + 4, m, Some(1_000.0), &mut out);
+    let later = d.submit(overdue + 5, m, Some(1_000.0), &mut out);
     assert_eq!(sent(&out), vec![(later, gpu(0))]);
     assert!(d.reqs.contains_key(&next));
 }

@@ -101,9 +101,10 @@ pub(super) struct GpuState {
     pub(super) link_up: bool,
     /// It left a request unanswered past the request's deadline and grace,
     /// answering nothing for longer than that grace, and nothing since (a
-    /// reply, a heartbeat of its runtime) said it works: no request is
-    /// routed to it. A runtime that hangs is declared lost only after its
-    /// missed heartbeats, seconds later.
+    /// reply, or a heartbeat saying nothing waits on the device) said it
+    /// works: no request is routed to it. A runtime that hangs is declared
+    /// lost only after its missed heartbeats, seconds later; one whose
+    /// device is stuck heartbeats on.
     pub(super) silent: bool,
     /// When it last answered a request (or was added): a GPU that answers
     /// is working through its backlog, not hung. Not in its [`Lane`].
