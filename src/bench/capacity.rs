@@ -73,6 +73,12 @@ pub struct CapacityArgs {
     /// Keep sweeping a system past its first rate below the target.
     #[arg(long)]
     pub full_sweep: bool,
+    /// After a system's sweep, bisect this many times between its capacity
+    /// and the next rate swept (whole req/s), so that a capacity is not
+    /// just a point of the grid: 100 and 200 bracket a capacity of 150
+    /// within 12.5 req/s after 3 steps. Each step is one more point.
+    #[arg(long, default_value_t = 0, value_name = "STEPS")]
+    pub refine: u32,
     /// Append one row per (system, rate) to this CSV.
     #[arg(long)]
     pub csv: Option<PathBuf>,
@@ -135,14 +141,24 @@ struct UpCli {
     up: UpArgs,
 }
 
-/// The highest rate of a sweep before its first miss (`None`: even the
-/// lowest missed).
+/// The highest rate of a sweep before its first miss, in rate order
+/// (`None`: even the lowest missed).
 fn capacity(points: &[Point], target: f64) -> Option<f64> {
     points
         .iter()
         .take_while(|p| p.within >= target)
         .map(|p| p.rate)
         .last()
+}
+
+/// The rate that halves the gap between a sweep's capacity and its first
+/// miss (points in rate order), in whole req/s; `None` when there is no
+/// such gap or it is down to 1 req/s.
+fn bisect(points: &[Point], target: f64) -> Option<f64> {
+    let lo = capacity(points, target)?;
+    let hi = points.iter().find(|p| p.rate > lo)?.rate;
+    let mid = ((lo + hi) / 2.0).round();
+    (mid > lo && mid < hi).then_some(mid)
 }
 
 pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
@@ -221,8 +237,7 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
         ("mps", &whole),
         ("distmind", if a.half_cached { &half } else { &whole }),
     ] {
-        let mut points = Vec::new();
-        for &rate in &rates {
+        let run_point = |rate: f64| -> anyhow::Result<Point> {
             let mut argv: Vec<String> = [
                 "up",
                 "--executor",
@@ -315,11 +330,23 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
                 p.switches_per_s,
                 busy_pct(p.host_cpu_busy)
             );
+            Ok(p)
+        };
+        let mut points = Vec::new();
+        for &rate in &rates {
+            let p = run_point(rate)?;
             let below = p.within < a.target;
             points.push(p);
             if below && !a.full_sweep {
                 break;
             }
+        }
+        for _ in 0..a.refine {
+            let Some(rate) = bisect(&points, a.target) else {
+                break;
+            };
+            points.push(run_point(rate)?);
+            points.sort_by(|x, y| x.rate.total_cmp(&y.rate));
         }
         caps.push(capacity(&points, a.target));
         all.extend(points);
@@ -456,6 +483,24 @@ mod tests {
             switches_per_s: 0.0,
             host_cpu_busy: None,
         }
+    }
+
+    #[test]
+    fn refining_halves_the_gap_between_the_capacity_and_the_first_miss() {
+        let mut pts = vec![p("mps", 100.0, 1.0), p("mps", 200.0, 0.5)];
+        assert_eq!(bisect(&pts, 0.99), Some(150.0));
+        pts.insert(1, p("mps", 150.0, 0.995));
+        assert_eq!(bisect(&pts, 0.99), Some(175.0));
+        pts.insert(2, p("mps", 175.0, 0.98));
+        assert_eq!(bisect(&pts, 0.99), Some(163.0), "whole req/s");
+        assert_eq!(capacity(&pts, 0.99), Some(150.0));
+        // Down to 1 req/s, no miss above the capacity, or no capacity: done.
+        assert_eq!(
+            bisect(&[p("mps", 150.0, 1.0), p("mps", 151.0, 0.9)], 0.99),
+            None
+        );
+        assert_eq!(bisect(&[p("mps", 150.0, 1.0)], 0.99), None);
+        assert_eq!(bisect(&[p("mps", 150.0, 0.5)], 0.99), None);
     }
 
     #[test]
