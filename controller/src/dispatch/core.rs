@@ -79,8 +79,8 @@ pub const ORDER_CANDIDATES_MAX: usize = 8;
 pub const SLO_MS_DEFAULT: f64 = 1000.0;
 /// A request sent to a runtime and not answered within this long is failed
 /// (the runtime hangs or lost it); its reply, if it ever comes, is dropped.
-/// Most requests are given up long before, past their deadline by their
-/// grace ([`overdue_at`]).
+/// Most requests are given up long before: past their deadline by a grace
+/// of their SLO, or of four times their estimated device time if longer.
 pub const OUTSTANDING_TIMEOUT_US: Micros = 120_000_000;
 /// A GPU whose runtime refused the training job is asked again after this
 /// long (times the time dilation): the job's model may not be deployed yet.
@@ -2051,9 +2051,10 @@ impl Dispatcher {
     /// given up is dropped. A GPU that left a request unanswered so long,
     /// and answered nothing for longer than that request's grace, goes
     /// [`silent`](GpuState::silent): its queue moves to other GPUs at once.
-    /// (One that answers is working through a backlog, not hung.) A runtime that hangs (stopped, or its host cut off) is
-    /// declared lost only after its missed heartbeats, seconds later; its
-    /// clients are answered, or served elsewhere, by then.
+    /// (One that answers is working through a backlog, not hung.) A
+    /// runtime that hangs (stopped, or its host cut off) is declared lost
+    /// only after its missed heartbeats, seconds later; its clients are
+    /// answered, or served elsewhere, by then.
     fn expire_overdue(&mut self, now: Micros, out: &mut Vec<Action>) {
         let timeout_us = (OUTSTANDING_TIMEOUT_US as f64 * self.cfg.time_dilation) as Micros;
         let stuck: Vec<(ReqId, bool)> = self
@@ -2385,9 +2386,6 @@ impl Dispatcher {
     }
 }
 
-/// Whether `r` (alive) belongs to a batch none of whose members has been
-/// answered yet.
-/// The batch of `r` while it still holds its GPU's window slot.
 /// When a request in flight is given up: its deadline plus a grace of its
 /// SLO, or of four times its batch's estimated device time where that is
 /// longer. A runtime that works answers within its deadline and one batch
@@ -2404,6 +2402,9 @@ fn grace(r: &Req) -> Micros {
     slo.max(4 * r.service)
 }
 
+/// Whether `r` (alive) belongs to a batch none of whose members has been
+/// answered yet.
+/// The batch of `r` while it still holds its GPU's window slot.
 fn open_batch<'a>(batches: &'a IdMap<ReqId, Batch>, r: Option<&Req>) -> Option<&'a Batch> {
     r.and_then(|r| r.batch)
         .and_then(|h| batches.get(&h))

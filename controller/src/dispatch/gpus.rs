@@ -107,7 +107,7 @@ pub(super) struct GpuState {
     /// device is stuck heartbeats on.
     pub(super) silent: bool,
     /// When it last answered a request (or was added): a GPU that answers
-    /// is working through its backlog, not hung. Not in its [`Lane`].
+    /// is working through its backlog, not hung.
     pub(super) answered_at: Micros,
     /// Its runtime refused the training job: ask again from then on.
     pub(super) train_retry_at: Option<Micros>,
@@ -241,12 +241,11 @@ impl Gpus {
     }
 
     /// GPU `gi` answered a request at `now`: clears [`GpuState::silent`]
-    /// (its lane follows) and notes the time, which no lane reads.
+    /// and notes the time.
     pub(super) fn answered(&mut self, gi: usize, now: Micros) {
-        if self.state[gi].silent {
-            self.get_mut(gi).silent = false;
-        }
-        self.state[gi].answered_at = now;
+        let mut g = self.get_mut(gi);
+        g.silent = false;
+        g.answered_at = now;
     }
 
     /// Applies `f` to every GPU's state, lanes following.
