@@ -394,6 +394,33 @@ fn retried(c: &Cluster) -> f64 {
     sample_value(&text, "distmind_controller_retried", &[]).expect("the retried gauge")
 }
 
+/// Two GPU servers under `slo` (about 8 ms per request), the models and
+/// their inputs, and the id and pid of the server that served the most of
+/// a warm-up: the one whose loss hurts.
+fn slo_pair_and_victim() -> (
+    Cluster,
+    Vec<(String, distmind_runtime::exec::HostTensor)>,
+    u32,
+    u32,
+) {
+    let c = start("slo", 2, 30.0, &[]);
+    let ms = models(&c);
+    let victim = busiest(&c, &ms);
+    let victim_id = runtime_id(&c, &c.runtimes[victim].addr);
+    let pid = c.runtimes[victim].pid();
+    (c, ms, victim_id, pid)
+}
+
+/// Sends `sig` (`-STOP`, `-CONT`) to the process `pid`, one this test
+/// started.
+fn signal(sig: &str, pid: u32) {
+    let ok = std::process::Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "kill {sig} {pid}");
+}
+
 /// Runs the load on `c`, killing `c.runtimes[victim]` (SIGKILL) on time.
 fn run_with_kill(
     c: &mut Cluster,
@@ -520,11 +547,7 @@ fn a_gpu_server_that_hangs_silently_is_given_up_within_its_heartbeat_timeout() {
     // nothing, as a host that lost power or its network would. Only the
     // missed heartbeats tell: 3 intervals of the controller's 1 s default.
     let dead_after = Duration::from_secs(3);
-    let mut c = start("slo", 2, 30.0, &[]);
-    let ms = models(&c);
-    let victim = busiest(&c, &ms);
-    let victim_id = runtime_id(&c, &c.runtimes[victim].addr);
-    let pid = c.runtimes[victim].pid();
+    let (mut c, ms, victim_id, pid) = slo_pair_and_victim();
     let load = Load {
         rate: 100.0,
         duration: Duration::from_secs(6),
@@ -533,13 +556,7 @@ fn a_gpu_server_that_hangs_silently_is_given_up_within_its_heartbeat_timeout() {
     };
     let (ended, stopped_at) = {
         let Cluster { client, .. } = &c;
-        poisson(client, &ms, load, || {
-            let ok = std::process::Command::new("kill")
-                .args(["-STOP", &pid.to_string()])
-                .status()
-                .is_ok_and(|s| s.success());
-            assert!(ok, "kill -STOP {pid}");
-        })
+        poisson(client, &ms, load, || signal("-STOP", pid))
     };
     print_summary(
         &format!(
@@ -609,18 +626,7 @@ fn a_hung_gpu_server_that_wakes_is_linked_again_and_answers_nobody_twice() {
     // sent again or failed; each is answered once. The server heartbeats
     // again and, with the same boot id, is linked again and serves.
     let dead_after = Duration::from_secs(3);
-    let mut c = start("slo", 2, 30.0, &[]);
-    let ms = models(&c);
-    let victim = busiest(&c, &ms);
-    let victim_id = runtime_id(&c, &c.runtimes[victim].addr);
-    let pid = c.runtimes[victim].pid().to_string();
-    let signal = |sig: &str, pid: &str| {
-        let ok = std::process::Command::new("kill")
-            .args([sig, pid])
-            .status()
-            .is_ok_and(|s| s.success());
-        assert!(ok, "kill {sig} {pid}");
-    };
+    let (mut c, ms, victim_id, pid) = slo_pair_and_victim();
     let load = Load {
         rate: 100.0,
         duration: Duration::from_secs(9),
@@ -633,11 +639,10 @@ fn a_hung_gpu_server_that_wakes_is_linked_again_and_answers_nobody_twice() {
     let (ended, stopped_at) = {
         let Cluster { client, .. } = &c;
         poisson(client, &ms, load, || {
-            signal("-STOP", &pid);
-            let pid = pid.clone();
+            signal("-STOP", pid);
             waker = Some(std::thread::spawn(move || {
                 std::thread::sleep(asleep);
-                signal("-CONT", &pid);
+                signal("-CONT", pid);
             }));
         })
     };

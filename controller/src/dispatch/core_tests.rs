@@ -34,7 +34,19 @@ fn cfg(policy: PolicyKind) -> DispatchConfig {
 
 /// A dispatcher with `gpus` single-device runtimes, links up.
 fn dispatcher(policy: PolicyKind, gpus: u32) -> Dispatcher {
-    let mut d = Dispatcher::new(cfg(policy)).unwrap();
+    dispatcher_with(cfg(policy), gpus)
+}
+
+/// [`dispatcher`] with the `slo` policy and `window` batches outstanding
+/// per GPU.
+fn slo_window(window: u32, gpus: u32) -> Dispatcher {
+    let mut c = cfg(PolicyKind::Slo);
+    c.window = window;
+    dispatcher_with(c, gpus)
+}
+
+fn dispatcher_with(c: DispatchConfig, gpus: u32) -> Dispatcher {
+    let mut d = Dispatcher::new(c).unwrap();
     let mut out = Vec::new();
     for r in 0..gpus {
         d.runtime_seen(0, r, 1, &[0], 1 << 30, 4, None, &mut out);
@@ -784,14 +796,8 @@ fn a_dilated_clock_stretches_the_outstanding_timeout() {
 /// it heartbeats or answers.
 #[test]
 fn a_request_in_flight_unanswered_past_its_deadline_and_grace_is_given_up() {
-    let mut c = cfg(PolicyKind::Slo);
-    c.window = 1;
-    let mut d = Dispatcher::new(c).unwrap();
+    let mut d = slo_window(1, 2);
     let mut out = Vec::new();
-    for r in 0..2 {
-        d.runtime_seen(0, r, 1, &[0], 1 << 30, 4, None, &mut out);
-        d.link_up(r);
-    }
     let m = model(&mut d, "a");
     // Resident on GPU 0 only (10 ms there, 120 ms to load on GPU 1): GPU 0
     // takes the first and queues the next two.
@@ -858,12 +864,8 @@ fn a_request_in_flight_unanswered_past_its_deadline_and_grace_is_given_up() {
 /// routed to.
 #[test]
 fn a_gpu_that_answers_is_not_silenced_by_a_request_given_up() {
-    let mut c = cfg(PolicyKind::Slo);
-    c.window = 2;
-    let mut d = Dispatcher::new(c).unwrap();
+    let mut d = slo_window(2, 1);
     let mut out = Vec::new();
-    d.runtime_seen(0, 0, 1, &[0], 1 << 30, 4, None, &mut out);
-    d.link_up(0);
     let m = model(&mut d, "a");
     make_resident(&mut d, 0, "a");
     let slow = d.submit(0, m, Some(1_000.0), &mut out);
@@ -888,12 +890,8 @@ fn a_gpu_that_answers_is_not_silenced_by_a_request_given_up() {
 /// deadline, not when the GPU's runtime is declared lost.
 #[test]
 fn a_request_queued_for_a_gpu_that_runs_nothing_is_answered_at_its_deadline() {
-    let mut c = cfg(PolicyKind::Slo);
-    c.window = 1;
-    let mut d = Dispatcher::new(c).unwrap();
+    let mut d = slo_window(1, 1);
     let mut out = Vec::new();
-    d.runtime_seen(0, 0, 1, &[0], 1 << 30, 4, None, &mut out);
-    d.link_up(0);
     let m = model(&mut d, "a");
     make_resident(&mut d, 0, "a");
     // A window of one batch (of one here): the first runs, the next two queue.
