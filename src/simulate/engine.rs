@@ -23,7 +23,9 @@
 //! shares its bandwidth max-min fairly ([`Network`]).
 //!
 //! Not modelled: CPU time of any process (routing, framing, checksums,
-//! wake-ups), heartbeat jitter, loading the training job's own weights.
+//! wake-ups), the dispatcher-to-runtime round trip (a job reaches its
+//! device's queue, and its reply the dispatcher, at the instant it is
+//! sent), heartbeat jitter, loading the training job's own weights.
 //! Simplified: two GPUs of one server that miss on the same model at once
 //! fetch it twice (the runtime's cache makes the second wait for the
 //! first); a training iteration takes the profile's estimate
