@@ -447,6 +447,15 @@ impl Dispatcher {
         self.reqs.len()
     }
 
+    /// `gpu` answered at `now` a request this dispatcher no longer holds
+    /// (given up, or failed): it works, so it is routed to again if it was
+    /// silent. (Replies for requests it holds reach [`Self::complete`].)
+    pub fn answered_late(&mut self, now: Micros, gpu: Gpu) {
+        if let Some(gi) = self.gpus.iter().position(|g| g.gpu == gpu) {
+            self.gpus.answered(gi, now);
+        }
+    }
+
     /// Whether request `id` is alive here and not sent to a runtime (queued
     /// or pending): no reply for it is expected until it is sent, as for
     /// one that the loss of its runtime queued again.

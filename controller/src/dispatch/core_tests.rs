@@ -833,6 +833,10 @@ fn a_request_in_flight_unanswered_past_its_deadline_and_grace_is_given_up() {
         .complete(overdue + 2, first, &c_of(&t, &[]), &mut out)
         .is_none());
     assert_eq!(d.counters().completed, 0);
+    assert!(
+        !d.gpus.routable(0),
+        "silent still: the core no longer held it"
+    );
     // Silent, it gets no new request, though its model is resident there.
     let next = d.submit(overdue + 3, m, Some(1_000.0), &mut out);
     assert!(sent(&out).iter().all(|(_, g)| *g != gpu(0)), "{out:?}");
@@ -857,6 +861,28 @@ fn a_request_in_flight_unanswered_past_its_deadline_and_grace_is_given_up() {
     let later = d.submit(overdue + 5, m, Some(1_000.0), &mut out);
     assert_eq!(sent(&out), vec![(later, gpu(0))]);
     assert!(d.reqs.contains_key(&next));
+}
+
+/// The network layer drops a reply for a request given up, and tells the
+/// core that its GPU answered: a silent GPU is routed to again at once.
+#[test]
+fn a_late_answer_from_a_silent_gpu_makes_it_routable_again() {
+    let mut d = slo_window(1, 1);
+    let mut out = Vec::new();
+    let m = model(&mut d, "a");
+    make_resident(&mut d, 0, "a");
+    let first = d.submit(0, m, Some(100.0), &mut out);
+    out.clear();
+    d.tick(200 * MS + 1, &mut out);
+    assert_eq!(failed(&out), vec![(first, ErrorCode::DeadlineExceeded)]);
+    assert!(!d.gpus.routable(0));
+    out.clear();
+    d.answered_late(200 * MS + 2, gpu(0));
+    assert!(d.gpus.routable(0));
+    let next = d.submit(200 * MS + 3, m, Some(100.0), &mut out);
+    assert_eq!(sent(&out), vec![(next, gpu(0))]);
+    // An answer from a GPU it does not know changes nothing.
+    d.answered_late(200 * MS + 4, gpu(7));
 }
 
 /// A GPU that answers is working through a backlog, not hung: a request

@@ -669,6 +669,15 @@ impl CoreTask {
         }
         let Some(mut f) = self.inflight.remove(&id) else {
             log::debug!("dispatcher: reply for unknown request {id} from runtime {runtime}");
+            // Given up on (past its deadline and grace), its device answers
+            // after all: it works.
+            if let RuntimeReply::Output { timing, .. } = &reply {
+                let gpu = Gpu {
+                    runtime,
+                    device: timing.device,
+                };
+                self.d.answered_late(now, gpu);
+            }
             return;
         };
         self.held_bytes -= f.input.len() as u64;
