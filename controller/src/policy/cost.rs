@@ -3,10 +3,12 @@
 //! Estimates come from live observations first (the service time each
 //! runtime reports, per model and path, as moving averages), then from the
 //! model's family, then from size-based priors (bytes over the link and the
-//! host-to-device bandwidth, plus a default compute time). Estimates are
-//! service times at the device; the dispatcher adds queueing itself, and
-//! the observed dispatch overhead ([`CostModel::overhead`]) once per
-//! request: it is latency, not device time.
+//! host-to-device bandwidth, plus a default compute time), never above a
+//! slower path's observed time (a load computes too). A batch's time stands
+//! for one request's on its path until a request runs alone there.
+//! Estimates are service times at the device; the dispatcher adds queueing
+//! itself, and the observed dispatch overhead ([`CostModel::overhead`])
+//! once per request: it is latency, not device time.
 //!
 //! Batches: a batch of `n` requests costs the single request's time plus
 //! what `n` adds over one, learnt per family and batch size from replies
@@ -198,9 +200,20 @@ impl CostModel {
             .observed(id, &meta.family, Where::Resident)
             .unwrap_or(self.priors.compute_ms);
         let upload = meta.bytes as f64 / self.priors.h2d_bytes_per_s * 1e3;
+        // A load computes too: a path not yet observed costs no more than
+        // a slower one that was (a prior's compute above what loads were
+        // seen to take, never corrected when the model's requests always
+        // run batched, shut out requests the device served in half that).
+        let slower = |from: Where| {
+            [Where::HostCached, Where::Remote]
+                .into_iter()
+                .filter(|&w| w > from)
+                .filter_map(|w| self.observed(id, &meta.family, w))
+                .fold(f64::INFINITY, f64::min)
+        };
         match at {
-            Where::Resident => compute,
-            Where::HostCached => compute + upload,
+            Where::Resident => compute.min(slower(at)),
+            Where::HostCached => (compute + upload).min(slower(at)),
             Where::Remote => {
                 // A cold start after a host-cached one was observed: add the
                 // transfer to what the host-cached path took.
@@ -222,6 +235,16 @@ impl CostModel {
     /// every later plan, which would leave no sample to correct it.
     pub fn observe_batch(&mut self, id: u32, meta: &ModelMeta, at: Where, n: u32, service_ms: f64) {
         if n <= 1 || !service_ms.is_finite() || service_ms < 0.0 {
+            return;
+        }
+        if self.observed(id, &meta.family, at).is_none() {
+            // One request alone takes no longer than a batch it ran in:
+            // until one runs alone on this path, the batch's time is its
+            // estimate (else a prior, or a slower path's time, stands for
+            // it, and a model whose requests always run batched would keep
+            // that). What the batch added over one is learnt from later
+            // batches, against that estimate.
+            self.observe(id, meta, at, service_ms, None, service_ms);
             return;
         }
         let one = self.service_ms(id, meta, at);
@@ -371,6 +394,53 @@ mod tests {
         // Bad samples are ignored.
         c.observe(0, &m, Where::Remote, f64::NAN, None, 0.0);
         assert_eq!(c.estimate(0, &m, Where::Remote), 50_000);
+    }
+
+    #[test]
+    fn a_path_not_yet_observed_costs_no_more_than_a_slower_one_that_was() {
+        // The prior's 10 ms of compute, while loads (an upload and a
+        // compute) are seen to take 4.9 ms: a model whose requests always
+        // ran batched when resident kept the prior, and admission rejected
+        // its resident requests as twice as long as a load.
+        let mut c = CostModel::new(Priors::default());
+        let m = meta(240_000_000);
+        assert_eq!(c.estimate(0, &m, Where::Resident), 10_000);
+        c.observe(0, &m, Where::HostCached, 4.9, None, 4.9);
+        assert_eq!(c.estimate(0, &m, Where::Resident), 4_900);
+        // The family's observation bounds its other models too.
+        assert_eq!(c.estimate(1, &m, Where::Resident), 4_900);
+        // A cold start seen bounds the paths below it (another family, 240
+        // ms of upload at the prior's bandwidth).
+        let cold = ModelMeta {
+            family: "gpt2".into(),
+            ..meta(2_400_000_000)
+        };
+        assert_eq!(c.estimate(2, &cold, Where::HostCached), 250_000);
+        c.observe(2, &cold, Where::Remote, 30.0, None, 30.0);
+        assert_eq!(c.estimate(2, &cold, Where::HostCached), 30_000);
+        assert_eq!(c.estimate(2, &cold, Where::Resident), 10_000);
+        // Once observed, a path is what it was seen to take.
+        c.observe(0, &m, Where::Resident, 2.8, None, 2.8);
+        assert_eq!(c.estimate(0, &m, Where::Resident), 2_800);
+    }
+
+    #[test]
+    fn a_batch_bounds_one_request_until_one_runs_alone() {
+        let mut c = CostModel::new(Priors::default());
+        let m = meta(240_000_000);
+        c.observe(0, &m, Where::HostCached, 4.9, None, 4.9);
+        // Resident requests so far only ran in batches: a batch of 3 took
+        // 3.2 ms, so one alone takes at most that.
+        c.observe_batch(0, &m, Where::Resident, 3, 3.2);
+        assert_eq!(c.estimate(0, &m, Where::Resident), 3_200);
+        // That sample was the single's, not what the batch added.
+        assert_eq!(c.batch_extra(0, &m, 3), 2 * 3_200);
+        // Later batches are learnt against it, and a request alone takes
+        // over the estimate.
+        c.observe_batch(0, &m, Where::Resident, 3, 3.6);
+        assert_eq!(c.batch_extra(0, &m, 3), 400);
+        c.observe(0, &m, Where::Resident, 2.8, None, 2.8);
+        assert!(c.estimate(0, &m, Where::Resident) < 3_200);
     }
 
     #[test]
