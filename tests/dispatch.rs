@@ -245,6 +245,10 @@ fn every_request_is_answered_or_rejected_and_metrics_add_up() {
                 assert!((0.0..=1.0).contains(&ok));
                 assert!(total(&text, "distmind_controller_request_latency_seconds_count") > 0.0);
                 assert_eq!(total(&text, "distmind_controller_runtimes_alive"), 1.0);
+                // Real sockets: a round trip beyond the GPU server's time.
+                let overhead = sample_value(&text, "distmind_controller_dispatch_overhead_ms", &[])
+                    .expect("dispatch overhead gauge");
+                assert!(overhead > 0.0 && overhead < 1000.0, "{overhead} ms");
                 seen += 1;
             }
             "runtime" => {

@@ -22,10 +22,15 @@
 //! next group after them, and every memory server's and GPU server's NIC
 //! shares its bandwidth max-min fairly ([`Network`]).
 //!
-//! Not modelled: CPU time of any process (routing, framing, checksums,
-//! wake-ups), the dispatcher-to-runtime round trip (a job reaches its
-//! device's queue, and its reply the dispatcher, at the instant it is
-//! sent), heartbeat jitter, loading the training job's own weights.
+//! Given (`Config::round_trip_s`, `Config::serial_s`; none by default): the
+//! dispatcher-to-runtime round trip, half on the way to the device's queue
+//! and half on the way back (inference only: prefetches, evictions and
+//! training orders still act at once), and the runtime's serial path per
+//! request, which keeps the device from its next job after a batch.
+//!
+//! Not modelled: CPU time of any process beyond that serial path (routing,
+//! framing, checksums, wake-ups), jitter of the round trip or of the
+//! heartbeats, loading the training job's own weights.
 //! Simplified: two GPUs of one server that miss on the same model at once
 //! fetch it twice (the runtime's cache makes the second wait for the
 //! first); a training iteration takes the profile's estimate
@@ -156,6 +161,14 @@ pub struct Config {
     /// controller's tick and the runtimes' heartbeats run on the real
     /// clock, so they come K times as often in emulated time.
     pub mirror_dilation: f64,
+    /// The dispatcher-to-runtime round trip, seconds, half each way: a
+    /// batch reaches its device's queue, and the runtime's answers the
+    /// dispatcher, that long after they were sent (0: at once).
+    pub round_trip_s: f64,
+    /// The runtime's serial path per request of a batch, seconds: after a
+    /// batch, the device takes its next job this much later per request
+    /// (the work around compute and copy that `up` reports per request).
+    pub serial_s: f64,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -193,6 +206,18 @@ enum Ev {
     DeviceDone {
         gpu: usize,
         job: u64,
+    },
+    /// A device's serial work after a batch is done.
+    DeviceFree {
+        gpu: usize,
+    },
+    /// A batch the dispatcher sent reaches its runtime.
+    Deliver {
+        key: u64,
+    },
+    /// A runtime's answers reach the dispatcher.
+    Answer {
+        key: u64,
     },
     /// A whole model read from the local disk is in host memory.
     DiskDone {
@@ -265,6 +290,16 @@ struct Device {
     residency: Lru,
     /// The controller gave it the training job: it trains when idle.
     training: bool,
+    /// Busy with the serial work after its last batch until then.
+    free_at: f64,
+}
+
+/// A runtime's answers for the requests of one batch (or one request),
+/// on their way to the dispatcher.
+struct Answers {
+    timing: Option<TimingMsg>,
+    resident: Vec<String>,
+    replies: Vec<(ReqId, Outcome)>,
 }
 
 /// A fetch in progress on a host: group `group` is on the wire.
@@ -315,6 +350,11 @@ pub struct Sim {
     connections: Vec<Arrivals>,
     out: Vec<Action>,
     job_seq: u64,
+    /// Batches and answers between the dispatcher and a runtime
+    /// (`Config::round_trip_s`), by key.
+    to_runtime: HashMap<u64, (usize, Job)>,
+    to_dispatcher: HashMap<u64, Answers>,
+    next_key: u64,
     /// Latencies kept, bounded as the client bounds them.
     stored_latencies: std::sync::atomic::AtomicUsize,
     pub collector: Collector,
@@ -393,6 +433,7 @@ impl Sim {
                 running: None,
                 residency: Lru::new(cfg.device_bytes, cfg.resident_max),
                 training: false,
+                free_at: 0.0,
             })
             .collect();
         let net = Network::new(cfg.memservers, cfg.gpu_servers, cfg.link_bytes_per_s);
@@ -415,6 +456,9 @@ impl Sim {
             zipf,
             out: Vec::new(),
             job_seq: 0,
+            to_runtime: HashMap::new(),
+            to_dispatcher: HashMap::new(),
+            next_key: 0,
             stored_latencies: std::sync::atomic::AtomicUsize::new(0),
             collector: Collector::new(models),
             counts: Counts::default(),
@@ -553,6 +597,23 @@ impl Sim {
                 }
                 Ev::DeviceDone { gpu, job } => self.on_device_done(gpu, job),
                 Ev::DiskDone { gpu, job } => self.on_disk_done(gpu, job),
+                Ev::DeviceFree { gpu } => {
+                    if self.devices[gpu].running.is_none() {
+                        self.start_next(gpu);
+                    }
+                }
+                Ev::Deliver { key } => {
+                    if let Some((gi, mut job)) = self.to_runtime.remove(&key) {
+                        // The runtime's own clock starts on arrival.
+                        job.enqueued = self.now;
+                        self.enqueue(gi, job);
+                    }
+                }
+                Ev::Answer { key } => {
+                    if let Some(a) = self.to_dispatcher.remove(&key) {
+                        self.deliver(a);
+                    }
+                }
             }
             self.apply_actions();
         }
@@ -668,18 +729,23 @@ impl Sim {
                                 .collect();
                             self.batches.insert(req, members);
                         }
-                        self.enqueue(
-                            gi,
-                            Job {
-                                kind: JobKind::Infer {
-                                    req,
-                                    budget_s: budget_ms as f64 / 1e3,
-                                    n,
-                                },
-                                model,
-                                enqueued: self.now,
+                        let job = Job {
+                            kind: JobKind::Infer {
+                                req,
+                                budget_s: budget_ms as f64 / 1e3,
+                                n,
                             },
-                        );
+                            model,
+                            enqueued: self.now,
+                        };
+                        if self.cfg.round_trip_s > 0.0 {
+                            self.next_key += 1;
+                            let key = self.next_key;
+                            self.to_runtime.insert(key, (gi, job));
+                            self.at(self.now + self.cfg.round_trip_s / 2.0, Ev::Deliver { key });
+                        } else {
+                            self.enqueue(gi, job);
+                        }
                     }
                     Action::Fail { req, error } => {
                         self.reply(
@@ -738,9 +804,38 @@ impl Sim {
         }
     }
 
+    /// Sends a runtime's answers to the dispatcher: they arrive half a
+    /// round trip later.
+    fn answer(&mut self, a: Answers) {
+        if self.cfg.round_trip_s > 0.0 {
+            self.next_key += 1;
+            let key = self.next_key;
+            self.to_dispatcher.insert(key, a);
+            self.at(self.now + self.cfg.round_trip_s / 2.0, Ev::Answer { key });
+        } else {
+            self.deliver(a);
+        }
+    }
+
+    /// The dispatcher takes a runtime's answers, and the clients theirs.
+    fn deliver(&mut self, a: Answers) {
+        let c = Completion {
+            timing: a.timing.as_ref(),
+            resident: &a.resident,
+        };
+        for (id, outcome) in a.replies {
+            self.d.complete(us(self.now), id, &c, &mut self.out);
+            self.reply(id, outcome);
+        }
+    }
+
     /// Starts the device's next job, if any; with none queued and the
-    /// training job set, one training iteration.
+    /// training job set, one training iteration. Not before the serial
+    /// work after its last batch is done.
     fn start_next(&mut self, gi: usize) {
+        if self.now < self.devices[gi].free_at {
+            return;
+        }
         while self.devices[gi].running.is_none() {
             let Some(mut job) = self.devices[gi].queue.pop_front() else {
                 self.begin_train(gi);
@@ -757,19 +852,25 @@ impl Sim {
                     .filter(|&(_, b)| late(b))
                     .map(|(id, _)| id)
                     .collect();
-                for &id in &dropped {
-                    let c = Completion::default();
-                    self.d.complete(us(self.now), id, &c, &mut self.out);
-                    self.reply(
-                        id,
-                        Outcome::Refused {
-                            code: ErrorCode::DeadlineExceeded,
-                            message: format!(
-                                "its deadline passed after {:.1} ms in the device queue",
-                                waited * 1e3
-                            ),
-                        },
+                if !dropped.is_empty() {
+                    let message = format!(
+                        "its deadline passed after {:.1} ms in the device queue",
+                        waited * 1e3
                     );
+                    self.answer(Answers {
+                        timing: None,
+                        resident: Vec::new(),
+                        replies: dropped
+                            .iter()
+                            .map(|&id| {
+                                let o = Outcome::Refused {
+                                    code: ErrorCode::DeadlineExceeded,
+                                    message: message.clone(),
+                                };
+                                (id, o)
+                            })
+                            .collect(),
+                    });
                 }
                 if dropped.len() as u32 == n {
                     continue;
@@ -829,17 +930,21 @@ impl Sim {
         match job.kind {
             JobKind::Infer { req, .. } => {
                 let members = self.batches.remove(&req).unwrap_or_default();
-                for id in std::iter::once(req).chain(members.into_iter().map(|(id, _)| id)) {
-                    let c = Completion::default();
-                    self.d.complete(us(self.now), id, &c, &mut self.out);
-                    self.reply(
-                        id,
-                        Outcome::Refused {
+                let replies = std::iter::once(req)
+                    .chain(members.into_iter().map(|(id, _)| id))
+                    .map(|id| {
+                        let o = Outcome::Refused {
                             code: e.code,
                             message: e.message.clone(),
-                        },
-                    );
-                }
+                        };
+                        (id, o)
+                    })
+                    .collect();
+                self.answer(Answers {
+                    timing: None,
+                    resident: Vec::new(),
+                    replies,
+                });
             }
             JobKind::Prefetch => {
                 let d = &self.devices[gi];
@@ -1140,23 +1245,29 @@ impl Sim {
                     .into_iter()
                     .map(|x| self.cfg.names[x as usize].clone())
                     .collect();
-                let c = Completion {
-                    timing: Some(&t),
-                    resident: &resident,
-                };
                 // One reply per request of the batch.
                 let members = self.batches.remove(&req).unwrap_or_default();
-                for id in std::iter::once(req).chain(members.into_iter().map(|(id, _)| id)) {
-                    self.d.complete(us(self.now), id, &c, &mut self.out);
-                    self.reply(
-                        id,
-                        Outcome::Ok {
+                let replies = std::iter::once(req)
+                    .chain(members.into_iter().map(|(id, _)| id))
+                    .map(|id| {
+                        let o = Outcome::Ok {
                             latency_ms: 0.0,
                             slo_ms: None,
                             simulated: true,
                             path: Some(run.path),
-                        },
-                    );
+                        };
+                        (id, o)
+                    })
+                    .collect();
+                self.answer(Answers {
+                    timing: Some(t),
+                    resident,
+                    replies,
+                });
+                if self.cfg.serial_s > 0.0 {
+                    let free = self.now + self.cfg.serial_s * f64::from(n);
+                    self.devices[gi].free_at = free;
+                    self.at(free, Ev::DeviceFree { gpu: gi });
                 }
             }
             JobKind::Prefetch => {

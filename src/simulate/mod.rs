@@ -27,6 +27,10 @@ use crate::loadgen::{self, stats::Report, stats::RunInfo};
 use crate::up::System;
 use engine::{Config, Load, Shape, Sim, Warm};
 
+/// Most `--round-trip` or `--serial` takes: past it, it is not a network
+/// or a serial path but a typo.
+const ROUND_TRIP_MAX: Duration = Duration::from_secs(1);
+
 /// `distmind simulate` flags.
 #[derive(Args, Debug, Clone)]
 pub struct SimulateArgs {
@@ -149,6 +153,19 @@ pub struct SimulateArgs {
     /// time. 1 (default): a cluster at real speed.
     #[arg(long, default_value_t = 1.0)]
     pub mirror_dilation: f64,
+    /// The round trip between the dispatcher and a GPU server, e.g. 1ms:
+    /// a batch reaches its device half of it after it was sent, and its
+    /// answers the dispatcher half of it after the device finished (default:
+    /// none, both at once). A real run's is the controller's
+    /// `distmind_controller_dispatch_overhead_ms`.
+    #[arg(long, value_parser = loadgen::parse::parse_duration)]
+    pub round_trip: Option<Duration>,
+    /// The GPU server's serial path per request, e.g. 0.1ms: after a batch
+    /// of n requests, its device takes the next job n times this later
+    /// (default: none). `distmind up` reports a real run's ("the GPU
+    /// server's serial path: X ms of wall time per request").
+    #[arg(long, value_parser = loadgen::parse::parse_duration)]
+    pub serial: Option<Duration>,
     /// Append the result as a row to this CSV (the columns of `up --csv`, source=simulator).
     #[arg(long)]
     pub csv: Option<PathBuf>,
@@ -342,6 +359,14 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<Outcome> {
         "--mirror-dilation must be in 1..={}",
         distmind_common::emulate::DILATION_MAX
     );
+    for (flag, d) in [("--round-trip", a.round_trip), ("--serial", a.serial)] {
+        anyhow::ensure!(
+            d.is_none_or(|d| d <= ROUND_TRIP_MAX),
+            "{flag} must be at most {} ms, got {:?}",
+            ROUND_TRIP_MAX.as_millis(),
+            d.unwrap_or_default()
+        );
+    }
     anyhow::ensure!(
         (1..=loadgen::CONNECTIONS_MAX).contains(&a.connections),
         "--connections must be 1..={}",
@@ -501,6 +526,8 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<Outcome> {
         train: train.clone(),
         timeline_interval_s: a.timeline.as_ref().map(|_| a.timeline_interval),
         mirror_dilation: a.mirror_dilation,
+        round_trip_s: a.round_trip.map_or(0.0, |d| d.as_secs_f64()),
+        serial_s: a.serial.map_or(0.0, |d| d.as_secs_f64()),
     };
     let model_names = cfg.names.clone();
     let mut sim = Sim::new(cfg, d)?;
@@ -711,6 +738,35 @@ mod tests {
         let got = o.report.throughput_rps;
         assert!((got - want).abs() / want < 0.01, "{got} vs {want} req/s");
         assert_eq!(o.counts.cold, 0);
+    }
+
+    #[test]
+    fn the_round_trip_and_the_serial_path_take_their_time() {
+        let per = shape(Family::Resnet152, Scale::Full, 1, 32_768_000, &v100())
+            .unwrap()
+            .compute_s();
+        let rate = |extra: &[&str]| {
+            let mut a = vec!["--system", "gpu", "--duration", "10s"];
+            a.extend_from_slice(extra);
+            run(&args(&a)).unwrap().report.throughput_rps
+        };
+        // One client: each request waits for the round trip as well.
+        let got = rate(&["--concurrency", "1", "--round-trip", "2ms"]);
+        let want = 1.0 / (per + 0.002);
+        assert!((got - want).abs() / want < 0.01, "{got} vs {want} req/s");
+        // Four clients keep the device busy: the round trip hides behind
+        // the next batch, the serial path does not.
+        let got = rate(&["--concurrency", "4", "--round-trip", "2ms"]);
+        let want = 1.0 / per;
+        assert!((got - want).abs() / want < 0.02, "{got} vs {want} req/s");
+        let got = rate(&["--concurrency", "4", "--serial", "1ms"]);
+        let want = 1.0 / (per + 0.001);
+        assert!((got - want).abs() / want < 0.02, "{got} vs {want} req/s");
+        let e = run(&args(&["--round-trip", "2s"]))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("--round-trip must be at most 1000 ms"), "{e}");
     }
 
     #[test]

@@ -443,6 +443,12 @@ impl Dispatcher {
     }
 
     /// Requests alive (queued, pending or outstanding).
+    /// A request's round trip to its GPU server and back beyond the
+    /// server's own time, as observed (smoothed).
+    pub fn dispatch_overhead_us(&self) -> Micros {
+        self.cost.overhead()
+    }
+
     pub fn in_flight(&self) -> usize {
         self.reqs.len()
     }

@@ -51,6 +51,7 @@ pub struct DispatchMetrics {
     batches: Gauge,
     batched_requests: Gauge,
     model_switches: Gauge,
+    dispatch_overhead_ms: Gauge<f64, AtomicU64>,
     pub runtimes_alive: Gauge,
     pub memservers_alive: Gauge,
     pub models: Gauge,
@@ -95,6 +96,7 @@ impl DispatchMetrics {
             batches: Gauge::default(),
             batched_requests: Gauge::default(),
             model_switches: Gauge::default(),
+            dispatch_overhead_ms: Gauge::default(),
             runtimes_alive: Gauge::default(),
             memservers_alive: Gauge::default(),
             models: Gauge::default(),
@@ -192,6 +194,12 @@ impl DispatchMetrics {
                 m.memservers_alive.clone(),
             );
             r.register("models", "Models in the catalog", m.models.clone());
+            r.register(
+                "dispatch_overhead_ms",
+                "A request's round trip from the dispatcher to a GPU server and back beyond the \
+                 server's own time, smoothed",
+                m.dispatch_overhead_ms.clone(),
+            );
         }
         m
     }
@@ -242,6 +250,8 @@ impl DispatchMetrics {
         self.batches.set(c.batches as i64);
         self.batched_requests.set(c.batched_requests as i64);
         self.model_switches.set(c.model_switches as i64);
+        self.dispatch_overhead_ms
+            .set(d.dispatch_overhead_us() as f64 / 1e3);
     }
 
     /// The text exposition.
