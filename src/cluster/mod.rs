@@ -674,16 +674,12 @@ fn signal(pid: u32, sig: &str) -> bool {
 /// Field 22 of `/proc/<pid>/stat` (start time in clock ticks); `None` when
 /// there is no such process or it is a zombie.
 pub fn start_ticks(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) is in parentheses and may contain blanks.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let mut fields = rest.split_whitespace();
-    let state = fields.next()?;
-    if state == "Z" || state == "X" {
+    let fields = distmind_transport::priority::proc_stat_fields(pid)?;
+    if matches!(fields.first()?.as_str(), "Z" | "X") {
         return None;
     }
-    // `rest` starts at field 3; field 22 is the 20th from here.
-    fields.nth(18)?.parse().ok()
+    // Field 22, the start time.
+    fields.get(19)?.parse().ok()
 }
 
 fn load_state(dir: &Path) -> anyhow::Result<Vec<Started>> {

@@ -182,16 +182,24 @@ pub fn process_cpu_time() -> std::time::Duration {
 /// CPU time (user and system) process `pid` has used so far, from
 /// `/proc/<pid>/stat` (Linux; `None` elsewhere or when it is gone).
 pub fn pid_cpu_time(pid: u32) -> Option<std::time::Duration> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name may hold spaces and parentheses: fields count from
-    // the last ')'. utime and stime are fields 14 and 15 of the line.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let mut fields = rest.split_whitespace().skip(11);
-    let utime: u64 = fields.next()?.parse().ok()?;
-    let stime: u64 = fields.next()?.parse().ok()?;
+    let fields = proc_stat_fields(pid)?;
+    // utime and stime are fields 14 and 15 of the line.
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
     // SAFETY: sysconf takes and returns plain integers.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
     (hz > 0).then(|| std::time::Duration::from_secs_f64((utime + stime) as f64 / hz as f64))
+}
+
+/// The fields of process `pid`'s `/proc/<pid>/stat` line from field 3 on
+/// (index 0 is field 3, its state), or `None` when it cannot be read
+/// (no such process, not Linux). The command name, field 2, is in
+/// parentheses and may hold blanks and parentheses itself, so the fields
+/// count from the last ')'.
+pub fn proc_stat_fields(pid: u32) -> Option<Vec<String>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 1..];
+    Some(rest.split_whitespace().map(str::to_string).collect())
 }
 
 /// The host's CPU time so far over every core, as (busy, total) in clock
@@ -287,6 +295,11 @@ mod tests {
         let (busy1, total1) = host_cpu_ticks().unwrap();
         assert!(busy1 > busy0 && total1 > total0 && busy1 - busy0 <= total1 - total0);
         assert_eq!(pid_cpu_time(u32::MAX), None, "no such process");
+        // A running process's state (field 3) leads its fields; there are
+        // at least 52 fields in all since Linux 3.5.
+        let f = proc_stat_fields(me).unwrap();
+        assert!(matches!(f[0].as_str(), "R" | "S"), "{f:?}");
+        assert!(f.len() >= 50, "{f:?}");
     }
 
     #[test]
