@@ -954,6 +954,28 @@ pub fn run_one(args: &UpArgs, executor: ExecutorKind, why: &str) -> anyhow::Resu
             }
         );
     }
+    // What `distmind simulate` takes to mirror this run's processes (it
+    // refuses a zero duration: a flag that rounds to 0 is left out).
+    let mirror: Vec<String> = [
+        (
+            "--round-trip",
+            results::dispatch_overhead_ms(&controller_metrics).map(|ms| ms / k),
+        ),
+        ("--serial", serial_overhead_ms),
+    ]
+    .into_iter()
+    .filter_map(|(flag, ms)| {
+        ms.filter(|&ms| ms >= 0.0005)
+            .map(|ms| format!("{flag} {ms:.3}ms"))
+    })
+    .collect();
+    if !mirror.is_empty() {
+        println!(
+            "up: to mirror this run in `distmind simulate`: {} (the dispatcher's round trip beyond \
+             the GPU server's time, the GPU server's serial path per request)",
+            mirror.join(" ")
+        );
+    }
     println!(
         "{}",
         cpu_used.line(

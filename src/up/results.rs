@@ -76,6 +76,17 @@ pub fn serial_overhead_ms(metrics_text: &str) -> Option<f64> {
     (served > 0.0).then(|| overhead * 1e3 / served)
 }
 
+/// The dispatcher's round trip to a GPU server beyond the server's own
+/// time, ms, as the controller learnt it, from the controller's
+/// `/metrics` text (`dispatch_overhead_ms`); `None` before any answer.
+pub fn dispatch_overhead_ms(metrics_text: &str) -> Option<f64> {
+    super::metrics::parse_samples(metrics_text)
+        .iter()
+        .find(|s| s.name == "distmind_controller_dispatch_overhead_ms")
+        .map(|s| s.value)
+        .filter(|&ms| ms > 0.0)
+}
+
 /// Refuses text that would break the row (commas, quotes, newlines).
 fn field(name: &str, v: &str) -> anyhow::Result<String> {
     if v.is_empty() || v.contains([',', '"', '\n', '\r']) {
@@ -254,6 +265,25 @@ distmind_runtime_requests_total{model=\"a\",status=\"busy\"} 2\n";
         assert_eq!(serial_overhead_ms(idle), None, "nothing served");
         let line = format(&row(), &report()).unwrap();
         assert!(line.ends_with(",0.0500"), "{line}");
+    }
+
+    #[test]
+    fn the_dispatch_overhead_is_the_controllers_gauge() {
+        let text = "# TYPE distmind_controller_dispatch_overhead_ms gauge
+distmind_controller_dispatch_overhead_ms 0.552
+distmind_controller_models 8
+";
+        assert_eq!(dispatch_overhead_ms(text), Some(0.552));
+        let before = "distmind_controller_dispatch_overhead_ms 0.0
+";
+        assert_eq!(dispatch_overhead_ms(before), None, "nothing answered yet");
+        assert_eq!(
+            dispatch_overhead_ms(
+                "distmind_controller_models 8
+"
+            ),
+            None
+        );
     }
 
     #[test]
