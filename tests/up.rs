@@ -41,6 +41,12 @@ fn up_runs_a_workload_and_stops_everything() {
     }
     let answered = total_get(&stdout);
     assert!(answered > 0, "{stdout}");
+    // The flags that mirror the run in the simulator: the round trip the
+    // dispatcher learnt through real sockets.
+    assert!(
+        stdout.contains("up: to mirror this run in `distmind simulate`: --round-trip "),
+        "{stdout}"
+    );
 }
 
 /// Requests answered, from the client report's `Total get: N` line.
