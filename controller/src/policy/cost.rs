@@ -201,9 +201,9 @@ impl CostModel {
             .unwrap_or(self.priors.compute_ms);
         let upload = meta.bytes as f64 / self.priors.h2d_bytes_per_s * 1e3;
         // A load computes too: a path not yet observed costs no more than
-        // a slower one that was (a prior's compute above what loads were
-        // seen to take, never corrected when the model's requests always
-        // run batched, shut out requests the device served in half that).
+        // a slower path that was. (A prior above what loads were seen to
+        // take once shut out resident requests the device served in half
+        // that time.)
         let slower = |from: Where| {
             [Where::HostCached, Where::Remote]
                 .into_iter()
