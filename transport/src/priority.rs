@@ -295,8 +295,8 @@ mod tests {
         let (busy1, total1) = host_cpu_ticks().unwrap();
         assert!(busy1 > busy0 && total1 > total0 && busy1 - busy0 <= total1 - total0);
         assert_eq!(pid_cpu_time(u32::MAX), None, "no such process");
-        // A running process's state (field 3) leads its fields; there are
-        // at least 52 fields in all since Linux 3.5.
+        // A running process's state (field 3) leads its fields; a line has
+        // 52 fields since Linux 3.5, so 50 from field 3 on.
         let f = proc_stat_fields(me).unwrap();
         assert!(matches!(f[0].as_str(), "R" | "S"), "{f:?}");
         assert!(f.len() >= 50, "{f:?}");
