@@ -438,6 +438,8 @@ fn parse_size(s: &str) -> Result<u64, String> {
 }
 
 fn main() {
+    // Before any thread starts: it sets an environment variable.
+    distmind_runtime::exec::cpu::settle_thread_count();
     let cli = Cli::parse();
     let level = match logging::parse_level(&cli.log_level) {
         Ok(l) => l,

@@ -134,6 +134,38 @@ impl CpuExecutor {
     }
 }
 
+/// The variable candle's CPU backend reads for its thread count.
+pub const THREADS_ENV: &str = "RAYON_NUM_THREADS";
+
+/// Fixes candle's CPU thread count for this process and its children, so
+/// that kernels stop counting cores.
+///
+/// Candle (0.11) asks for its thread count on every matrix product and
+/// convolution. Without [`THREADS_ENV`] it counts the physical cores by
+/// parsing `/proc/cpuinfo` each time: about 30 us on a 2-core host, more
+/// with more cores, 155 times per ResNet-152 inference. Setting the
+/// variable to the count candle would pick (computed here once) makes each
+/// ask an environment lookup. A value already set is kept.
+///
+/// Call it first thing in `main`, before any thread starts: it changes the
+/// process's environment, which another thread must not read meanwhile.
+pub fn settle_thread_count() {
+    let current = std::env::var(THREADS_ENV).ok();
+    if let Some(n) = thread_count_to_set(current.as_deref(), candle_core::utils::get_num_threads) {
+        std::env::set_var(THREADS_ENV, n.to_string());
+    }
+}
+
+/// What [`settle_thread_count`] sets, given the variable's value now:
+/// nothing when it holds a count candle uses (parsed as candle parses it),
+/// else candle's default, which candle would use anyway.
+fn thread_count_to_set(current: Option<&str>, default: impl FnOnce() -> usize) -> Option<usize> {
+    match current.map(|v| v.parse::<usize>()) {
+        Some(Ok(n)) if n > 0 => None,
+        _ => Some(default().max(1)),
+    }
+}
+
 impl Executor for CpuExecutor {
     fn kind(&self) -> ExecutorKind {
         ExecutorKind::Cpu

@@ -728,3 +728,16 @@ fn pooled_plus_live_memory_never_exceeds_the_live_peak() {
     assert_eq!(live, 0);
     assert!(pooled <= 28_000);
 }
+
+#[test]
+fn a_usable_thread_count_is_kept_and_anything_else_gets_candles_default() {
+    use super::thread_count_to_set;
+    let default = || 6;
+    assert_eq!(thread_count_to_set(Some("3"), default), None);
+    // Candle does not trim: it would ignore this one.
+    assert_eq!(thread_count_to_set(Some(" 3 "), default), Some(6));
+    assert_eq!(thread_count_to_set(None, default), Some(6));
+    assert_eq!(thread_count_to_set(Some("0"), default), Some(6));
+    assert_eq!(thread_count_to_set(Some("many"), default), Some(6));
+    assert_eq!(thread_count_to_set(None, || 0), Some(1));
+}
