@@ -81,6 +81,11 @@ pub struct MeasureArgs {
     /// The date to record (default: today, UTC).
     #[arg(long)]
     pub date: Option<String>,
+    /// cuda: run a batch's convolutions as one GEMM per image (cuBLAS's
+    /// strided batch), the way before one GEMM over the images side by side;
+    /// to compare the two.
+    #[arg(long)]
+    pub per_image_conv: bool,
     /// Where to write the profile (JSON).
     #[arg(long)]
     pub out: PathBuf,
@@ -116,14 +121,18 @@ fn open_devices(args: &MeasureArgs) -> anyhow::Result<Devices> {
     match args.executor {
         ExecutorKind::Cuda => {
             let device = args.device as usize;
+            let conv = CudaOptions {
+                per_image_conv: args.per_image_conv,
+                ..CudaOptions::default()
+            };
             let timed = CudaExecutor::with_options(
                 device,
                 CudaOptions {
                     layer_events: true,
-                    ..CudaOptions::default()
+                    ..conv
                 },
             )?;
-            let plain = CudaExecutor::new(device)?;
+            let plain = CudaExecutor::with_options(device, conv)?;
             let name = timed.device_name();
             let bw = distmind_runtime::exec::cuda::h2d_bench(mib << 20, 10)?;
             Ok(Devices {
@@ -280,6 +289,12 @@ fn measure(args: &MeasureArgs) -> anyhow::Result<()> {
     if args.no_full && args.no_tiny {
         bail!("--no-full and --no-tiny leave nothing to measure");
     }
+    if args.per_image_conv && args.executor != ExecutorKind::Cuda {
+        bail!(
+            "--per-image-conv chooses how the cuda executor runs convolutions; --executor {} has no such choice",
+            args.executor
+        );
+    }
     let families: Vec<Family> = if args.family.is_empty() {
         Family::ALL.to_vec()
     } else {
@@ -401,12 +416,21 @@ fn measure(args: &MeasureArgs) -> anyhow::Result<()> {
                 stream before the first layer and after every layer (no host synchronisation between \
                 layers), so a layer's time runs from the previous layer's end to its own end: its \
                 kernels and cuBLAS GEMMs (FP32, no TF32) plus any time the GPU waited for the host to \
-                enqueue them (eager mode, as in serving).",
+                enqueue them (eager mode, as in serving). Convolutions at a batch over 1 run as one GEMM over \
+                the batch's images side by side.",
             _ => "Layer times are host-clock times around each layer (the cpu executor computes \
                 synchronously).",
         },
         h2d = devices.h2d_note,
     );
+    let method = if args.per_image_conv && args.executor == ExecutorKind::Cuda {
+        method.replace(
+            "one GEMM over the batch's images side by side",
+            "one GEMM per image (a strided batched GEMM, --per-image-conv)",
+        )
+    } else {
+        method
+    };
     let driver = args.driver.clone().or_else(|| match args.executor {
         ExecutorKind::Cuda => nvidia_driver_version(),
         _ => None,
@@ -494,6 +518,30 @@ mod tests {
         let closed = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.129.03  Thu Oct 19 18:56:32 UTC 2023\n";
         assert_eq!(driver_from_proc(closed).as_deref(), Some("535.129.03"));
         assert_eq!(driver_from_proc("no driver here"), None);
+    }
+
+    #[test]
+    fn per_image_conv_is_refused_off_the_cuda_executor() {
+        let args = MeasureArgs {
+            executor: ExecutorKind::Cpu,
+            device: 0,
+            family: vec![Family::Resnet152],
+            batch: vec![1],
+            no_tiny: false,
+            no_full: true,
+            warmup: 0,
+            runs: 1,
+            h2d_mib: 1,
+            driver: None,
+            date: None,
+            per_image_conv: true,
+            out: PathBuf::from("never-written.json"),
+        };
+        let e = measure(&args).unwrap_err().to_string();
+        assert!(
+            e.contains("--per-image-conv") && e.contains("--executor cpu"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -8,6 +8,8 @@
 #      executor, pipelined uploads, half precision, layer timing, switches);
 #   2. `distmind profile measure`: every layer of the five families at
 #      batches 1-16, CUDA events, into results/<gpu>-measured-<date>.json;
+#      ResNet-152 again with a batch's convolutions one GEMM per image (the
+#      way before), compared with it;
 #   3. `bench coldstart` with the cuda executor, then the sim executor with
 #      the profile just measured (same machine, same loopback);
 #   4. `up`: DistMind (half of 8 ResNet-152 in host cache and GPU memory)
@@ -65,6 +67,12 @@ PROFILE=$OUT/$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 |
 log profile measure
 $BIN --log-level warn profile measure --batch 1,2,4,8,16 --runs 20 --out "$PROFILE" 2>&1 | tee -a "$LOG"
 $BIN profile compare settings/profiles/h200-estimated.json "$PROFILE" 2>&1 | tee -a "$LOG"
+# A batch's convolutions as one GEMM per image (how they ran before) against
+# one GEMM over the batch (now): B/A under 1 is what stacking gained.
+log profile measure: ResNet-152, convolutions one GEMM per image
+$BIN --log-level warn profile measure --family resnet152 --no-tiny --batch 1,2,4,8,16 --runs 20 \
+    --per-image-conv --out "$OUT/resnet152-per-image-conv.json" 2>&1 | tee -a "$LOG"
+$BIN profile compare "$OUT/resnet152-per-image-conv.json" "$PROFILE" 2>&1 | tee -a "$LOG"
 
 log coldstart: cuda executor
 $BIN --log-level warn bench coldstart --executor cuda --repeat 3 \

@@ -168,6 +168,16 @@ fn cuda_every_family_at_tiny_scale_matches_the_cpu_executor() {
         },
     )
     .unwrap();
+    // A batch's convolutions one GEMM per image, as before they were
+    // stacked into one GEMM.
+    let per_image = CudaExecutor::with_options(
+        0,
+        CudaOptions {
+            per_image_conv: true,
+            ..CudaOptions::default()
+        },
+    )
+    .unwrap();
     println!("{}", gpu.describe());
     for family in Family::ALL {
         let pkg = package(dir.path(), family, Scale::Tiny, Some(GROUP_BYTES));
@@ -175,7 +185,7 @@ fn cuda_every_family_at_tiny_scale_matches_the_cpu_executor() {
         for batch in [1, 3] {
             let x = input(m, batch, 7 + batch as u64);
             let (want, _) = infer_package(&pkg, &cpu, std::slice::from_ref(&x)).unwrap();
-            for exec in [&gpu, &profiled] {
+            for exec in [&gpu, &profiled, &per_image] {
                 let (got, calls, trace) = run_lazy(exec, &pkg, &x);
                 assert_eq!(calls, param_groups(m), "{}: gate calls", m.name);
                 check_trace(m, &trace);

@@ -110,6 +110,7 @@ pub(super) enum Kernel {
     SoftmaxRows,
     SplitHeads,
     MergeHeads,
+    SwapOuter,
 }
 
 impl Kernel {
@@ -883,6 +884,30 @@ pub fn h2d_bench(bytes: usize, iters: usize) -> Result<H2dBandwidth, ExecError> 
 mod tests {
     use super::*;
 
+    /// NVRTC needs no GPU: where libnvrtc loads (the CUDA toolkit, or
+    /// `pip install nvidia-cuda-nvrtc` with LD_LIBRARY_PATH at its `lib`),
+    /// every kernel must compile, as `Gpu::open` compiles them. Elsewhere
+    /// the test says it skipped.
+    #[test]
+    fn nvrtc_compiles_every_kernel_where_it_is_installed() {
+        // SAFETY: as in `check_libraries`: dlopen of the candidate names.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!("skipped: libnvrtc is not on the loader path");
+            return;
+        }
+        for arch in ["compute_80", "compute_90"] {
+            let opts = CompileOptions {
+                options: vec![format!("--gpu-architecture={arch}")],
+                name: Some("distmind_kernels.cu".into()),
+                ..Default::default()
+            };
+            if let Err(e) = compile_ptx_with_opts(format!("{KERNEL_SOURCE}\n{WIDEN_SOURCE}"), opts)
+            {
+                panic!("NVRTC ({arch}) could not compile the kernels: {e:?}");
+            }
+        }
+    }
+
     #[test]
     fn kernel_enum_follows_the_name_list() {
         let all = [
@@ -904,6 +929,7 @@ mod tests {
             (Kernel::SoftmaxRows, "softmax_rows_f32"),
             (Kernel::SplitHeads, "split_heads_f32"),
             (Kernel::MergeHeads, "merge_heads_f32"),
+            (Kernel::SwapOuter, "swap_outer_f32"),
         ];
         assert_eq!(all.len(), KERNEL_NAMES.len());
         for (k, name) in all {

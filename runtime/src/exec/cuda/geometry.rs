@@ -3,7 +3,8 @@
 //! clip that `count_include_pad` divides by), adaptive bins and im2col
 //! sources. The host computes every size it passes to a kernel with these
 //! functions, and the kernels in [`super::kernels`] transcribe
-//! [`pool_window`], [`adaptive_bin`] and [`im2col_source`] line for line; the
+//! [`pool_window`], [`adaptive_bin`], [`im2col_source`],
+//! [`im2col_stacked_source`] and [`swap_outer_source`] line for line; the
 //! reference loops below ([`max_pool2d_ref`], [`avg_pool2d_ref`],
 //! [`conv2d_im2col_ref`]) are built on them and unit-tested on the CPU
 //! against values computed by hand and a direct convolution.
@@ -218,6 +219,94 @@ pub fn im2col_ref(x: &[f32], c: usize, g: &Window2d) -> Vec<f32> {
     col
 }
 
+/// im2col of `images` images `[images, c, h, w]` side by side, as the
+/// `im2col_f32` kernel writes it: `[c kh kw, images, oh ow]`, so that a
+/// batch's convolution is one GEMM, `weight [out, c kh kw] x col [c kh kw,
+/// images oh ow]`. For one image, the same as [`im2col_ref`].
+pub fn im2col_stacked_ref(x: &[f32], images: usize, c: usize, g: &Window2d) -> Vec<f32> {
+    let per_image: Vec<Vec<f32>> = x
+        .chunks_exact(c * g.h * g.w)
+        .take(images)
+        .map(|img| im2col_ref(img, c, g))
+        .collect();
+    let p = g.oh * g.ow;
+    let mut col = Vec::with_capacity(images * c * g.kernel[0] * g.kernel[1] * p);
+    for kk in 0..c * g.kernel[0] * g.kernel[1] {
+        for img in &per_image {
+            col.extend_from_slice(&img[kk * p..(kk + 1) * p]);
+        }
+    }
+    col
+}
+
+/// Where `im2col_f32` reads element `i` of its stacked output for an input
+/// `[images, c, h, w]`: the input's flat index, or `None` for padding. The
+/// kernel's index math, line for line.
+pub fn im2col_stacked_source(i: usize, images: usize, c: usize, g: &Window2d) -> Option<usize> {
+    let [kh, kw] = g.kernel;
+    let ox = i % g.ow;
+    let mut t = i / g.ow;
+    let oy = t % g.oh;
+    t /= g.oh;
+    let img = t % images;
+    t /= images;
+    let kx = t % kw;
+    t /= kw;
+    let ky = t % kh;
+    t /= kh;
+    let ch = t;
+    debug_assert!(ch < c);
+    let (iy, ix) = im2col_source(g, ky, kx, oy, ox)?;
+    Some(((img * c + ch) * g.h + iy) * g.w + ix)
+}
+
+/// Where `swap_outer_f32` reads element `i` of its output `[b, a, c]` from
+/// its input `[a, b, c]`. The kernel's index math, line for line.
+pub fn swap_outer_source(i: usize, a: usize, b: usize, c: usize) -> usize {
+    let k = i % c;
+    let t = i / c;
+    let ai = t % a;
+    let bi = t / a;
+    (ai * b + bi) * c + k
+}
+
+/// `y[j][i][k] = x[i][j][k]` for `x` of shape `[a, b, c]`.
+pub fn swap_outer_ref(x: &[f32], a: usize, b: usize, c: usize) -> Vec<f32> {
+    let mut y = Vec::with_capacity(a * b * c);
+    for j in 0..b {
+        for i in 0..a {
+            y.extend_from_slice(&x[(i * b + j) * c..(i * b + j + 1) * c]);
+        }
+    }
+    y
+}
+
+/// Convolution of a batch as the executor runs it for more than one image:
+/// [`im2col_stacked_ref`], one GEMM over every image, then
+/// [`swap_outer_ref`] back to `[images, out, oh ow]`.
+pub fn conv2d_stacked_ref(
+    x: &[f32],
+    images: usize,
+    c: usize,
+    weight: &[f32],
+    out: usize,
+    g: &Window2d,
+) -> Vec<f32> {
+    let col = im2col_stacked_ref(x, images, c, g);
+    let k = c * g.kernel[0] * g.kernel[1];
+    let n = images * g.oh * g.ow;
+    let mut y = vec![0f32; out * n];
+    for o in 0..out {
+        for kk in 0..k {
+            let wv = weight[o * k + kk];
+            for j in 0..n {
+                y[o * n + j] += wv * col[kk * n + j];
+            }
+        }
+    }
+    swap_outer_ref(&y, out, images, g.oh * g.ow)
+}
+
 /// Convolution of one image as the executor runs it: im2col, then
 /// `weight [out, c kh kw] x col [c kh kw, oh ow]`.
 pub fn conv2d_im2col_ref(
@@ -361,19 +450,20 @@ mod tests {
         y
     }
 
+    fn noise(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s >> 8) as f32 / (1u32 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
     #[test]
     fn im2col_gemm_is_a_convolution() {
-        let noise = |n: usize, seed: u32| -> Vec<f32> {
-            let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
-            (0..n)
-                .map(|_| {
-                    s ^= s << 13;
-                    s ^= s >> 17;
-                    s ^= s << 5;
-                    (s >> 8) as f32 / (1u32 << 23) as f32 - 1.0
-                })
-                .collect()
-        };
         for (h, w, kernel, stride, padding) in [
             (5, 5, [3, 3], [1, 1], [1, 1]),
             (7, 6, [3, 2], [2, 1], [1, 0]),
@@ -390,5 +480,59 @@ mod tests {
                 &conv_direct(&x, c, &weight, out, &g),
             );
         }
+    }
+
+    #[test]
+    fn one_gemm_over_side_by_side_images_is_each_images_convolution() {
+        for (h, w, kernel, stride, padding) in [
+            (5, 5, [3, 3], [1, 1], [1, 1]),
+            (7, 6, [3, 2], [2, 1], [1, 0]),
+            (4, 4, [1, 1], [1, 1], [0, 0]),
+            (4, 4, [1, 1], [2, 2], [0, 0]),
+        ] {
+            let (c, out) = (3, 4);
+            let g = Window2d::conv(h, w, kernel, stride, padding).unwrap();
+            let weight = noise(out * c * kernel[0] * kernel[1], 2);
+            for images in [1, 2, 3] {
+                let x = noise(images * c * h * w, 1 + images as u32);
+                let want: Vec<f32> = x
+                    .chunks_exact(c * h * w)
+                    .flat_map(|img| conv_direct(img, c, &weight, out, &g))
+                    .collect();
+                close(&conv2d_stacked_ref(&x, images, c, &weight, out, &g), &want);
+            }
+            // One image: the stacked layout is the per-image one.
+            let x = noise(c * h * w, 9);
+            assert_eq!(im2col_stacked_ref(&x, 1, c, &g), im2col_ref(&x, c, &g));
+            // The kernel's index math writes the reference's layout.
+            let images = 3;
+            let x = noise(images * c * h * w, 4);
+            let want = im2col_stacked_ref(&x, images, c, &g);
+            let got: Vec<f32> = (0..want.len())
+                .map(|i| im2col_stacked_source(i, images, c, &g).map_or(0.0, |j| x[j]))
+                .collect();
+            assert_eq!(got, want);
+        }
+    }
+
+    #[test]
+    fn swap_outer_swaps_the_two_outer_axes() {
+        // x [2, 3, 2]: x[i][j][k] = 100 i + 10 j + k.
+        let x: Vec<f32> = (0..2)
+            .flat_map(|i| {
+                (0..3).flat_map(move |j| (0..2).map(move |k| (100 * i + 10 * j + k) as f32))
+            })
+            .collect();
+        let y = swap_outer_ref(&x, 2, 3, 2);
+        let by_index: Vec<f32> = (0..x.len())
+            .map(|i| x[swap_outer_source(i, 2, 3, 2)])
+            .collect();
+        assert_eq!(by_index, y);
+        let want: Vec<f32> = (0..3)
+            .flat_map(|j| {
+                (0..2).flat_map(move |i| (0..2).map(move |k| (100 * i + 10 * j + k) as f32))
+            })
+            .collect();
+        assert_eq!(y, want);
     }
 }

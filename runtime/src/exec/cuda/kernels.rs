@@ -15,7 +15,7 @@
 //! any grid size is correct.
 
 /// Kernel names, in the order of [`KERNEL_NAMES`]'s users (`Kernel as usize`).
-pub const KERNEL_NAMES: [&str; 18] = [
+pub const KERNEL_NAMES: [&str; 19] = [
     "relu_f32",
     "tanh_f32",
     "gelu_erf_f32",
@@ -34,6 +34,7 @@ pub const KERNEL_NAMES: [&str; 18] = [
     "softmax_rows_f32",
     "split_heads_f32",
     "merge_heads_f32",
+    "swap_outer_f32",
 ];
 
 /// Threads per block of the row-reduction kernels (`layer_norm_f32`,
@@ -100,7 +101,9 @@ extern "C" __global__ void batch_norm_f32(const float* x, const float* w, const 
     }
 }
 
-/* col[img][(c kh + ky) kw + kx][oy ow + ox] = x[img][c][oy sh - ph + ky][ox sw - pw + kx], 0 outside. */
+/* col[(c kh + ky) kw + kx][img][oy ow + ox] = x[img][c][oy sh - ph + ky][ox sw - pw + kx], 0 outside:
+   the images side by side, so that one GEMM covers the batch (for one image, the same as
+   [img][c kh kw][oh ow]). */
 extern "C" __global__ void im2col_f32(const float* x, float* col, long long images,
                                       long long c, long long h, long long w,
                                       long long kh, long long kw, long long sh, long long sw,
@@ -110,10 +113,10 @@ extern "C" __global__ void im2col_f32(const float* x, float* col, long long imag
         long long ox = i % ow;
         long long t = i / ow;
         long long oy = t % oh; t /= oh;
+        long long img = t % images; t /= images;
         long long kx = t % kw; t /= kw;
         long long ky = t % kh; t /= kh;
-        long long ch = t % c;
-        long long img = t / c;
+        long long ch = t;
         long long iy = oy * sh - ph + ky;
         long long ix = ox * sw - pw + kx;
         float v = 0.0f;
@@ -121,6 +124,19 @@ extern "C" __global__ void im2col_f32(const float* x, float* col, long long imag
             v = x[((img * c + ch) * h + iy) * w + ix];
         }
         col[i] = v;
+    }
+}
+
+/* y[j][i][k] = x[i][j][k] for x [a, b, c]: a GEMM's output over side-by-side images
+   [out][img][oh ow] back to [img][out][oh ow]. */
+extern "C" __global__ void swap_outer_f32(const float* x, float* y, long long a, long long b,
+                                          long long c) {
+    GRID_STRIDE(i, a * b * c) {
+        long long k = i % c;
+        long long t = i / c;
+        long long ai = t % a;
+        long long bi = t / a;
+        y[i] = x[(ai * b + bi) * c + k];
     }
 }
 

@@ -95,6 +95,10 @@ pub struct CudaOptions {
     /// keeping the memory of dropped arenas for the next ones (a model
     /// switch then pays both on the serial path). For comparisons.
     pub fresh_arenas: bool,
+    /// Run a batch's convolutions as cuBLAS's strided batched GEMM, one
+    /// matrix per image, instead of one GEMM over the images side by side
+    /// (the default). For comparisons.
+    pub per_image_conv: bool,
 }
 
 /// Host-to-device bandwidth from [`h2d_bench`], in GB/s (1e9 bytes/s).

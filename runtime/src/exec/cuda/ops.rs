@@ -87,12 +87,15 @@ fn param(p: &LayerParams<'_>, i: usize) -> Result<u64, String> {
 }
 
 /// Enqueues `op` on `args`; `out_shape` is the shape inference's answer.
+/// `per_image_conv`: a batch's convolutions as one GEMM per image
+/// ([`CudaOptions::per_image_conv`](super::CudaOptions::per_image_conv)).
 pub(super) fn run_layer(
     gpu: &Gpu,
     op: &Op,
     args: &[&DevTensor],
     out_shape: &[usize],
     params: LayerParams<'_>,
+    per_image_conv: bool,
 ) -> Result<DevTensor, String> {
     let out = |shape: &[usize]| DevTensor::new(gpu, shape.to_vec(), Dtype::F32);
     let check_shape = |got: &[usize]| {
@@ -121,7 +124,14 @@ pub(super) fn run_layer(
             let k = c * kernel[0] * kernel[1];
             let p = g.oh * g.ow;
             let pointwise = kernel == [1, 1] && stride == [1, 1] && padding == [0, 0];
-            let col = if pointwise {
+            // More than one image: im2col lays the images side by side
+            // ([c kh kw, batch, oh ow]) and one GEMM covers them all, then
+            // its output [out, batch, oh ow] is swapped back to NCHW. cuBLAS
+            // runs one wide GEMM far better than a strided batch of narrow
+            // ones: as a batch of 2, ResNet-152's 3x3 convolutions took 3.4x
+            // their time at batch 1 on an H200.
+            let stacked = batch > 1 && !per_image_conv;
+            let col = if pointwise && !stacked {
                 None
             } else {
                 let col = DeviceBuffer::new(gpu, batch * k * p * 4)?;
@@ -148,14 +158,39 @@ pub(super) fn run_layer(
                 Some(col)
             };
             let col_ptr = col.as_ref().map_or(x.buf.ptr(), DeviceBuffer::ptr);
-            // y[img] (out x P) = W (out x K) * col[img] (K x P)
-            gpu.gemm(
-                (out_channels, p, k),
-                (param(&params, 0)?, false, 0),
-                (col_ptr, false, k * p),
-                (y.buf.ptr(), out_channels * p),
-                batch,
-            )?;
+            if stacked {
+                // wide (out x batch P) = W (out x K) * col (K x batch P)
+                let wide = DeviceBuffer::new(gpu, out_channels * batch * p * 4)?;
+                gpu.gemm(
+                    (out_channels, batch * p, k),
+                    (param(&params, 0)?, false, 0),
+                    (col_ptr, false, 0),
+                    (wide.ptr(), 0),
+                    1,
+                )?;
+                gpu.launch_elems(
+                    Kernel::SwapOuter,
+                    y.elems(),
+                    &[
+                        Arg::Ptr(wide.ptr()),
+                        y.ptr(),
+                        n(out_channels),
+                        n(batch),
+                        n(p),
+                    ],
+                )?;
+                drop(wide); // stream-ordered: freed after the swap ran
+            } else {
+                // y[img] (out x P) = W (out x K) * col[img] (K x P); with
+                // one image the layouts above are the same.
+                gpu.gemm(
+                    (out_channels, p, k),
+                    (param(&params, 0)?, false, 0),
+                    (col_ptr, false, k * p),
+                    (y.buf.ptr(), out_channels * p),
+                    batch,
+                )?;
+            }
             drop(col); // stream-ordered: freed after the GEMM ran
             if bias {
                 gpu.launch_elems(

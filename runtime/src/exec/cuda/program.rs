@@ -81,7 +81,7 @@ impl Executor for CudaExecutor {
     fn describe(&self) -> String {
         let (major, minor) = self.gpu.compute_capability;
         format!(
-            "cuda ({}, sm_{major}{minor}, device {}{})",
+            "cuda ({}, sm_{major}{minor}, device {}{}{})",
             self.gpu.name,
             self.gpu.ctx.ordinal(),
             match (self.options.sync_per_layer, self.options.layer_events) {
@@ -89,6 +89,11 @@ impl Executor for CudaExecutor {
                 (true, false) => ", sync per layer",
                 (false, true) => ", layer events",
                 (false, false) => "",
+            },
+            if self.options.per_image_conv {
+                ", a GEMM per image"
+            } else {
+                ""
             }
         )
     }
@@ -322,8 +327,15 @@ impl Program for CudaProgram {
             let params = LayerParams {
                 ptrs: &self.param_ptrs[self.param_at[i]..self.param_at[i + 1]],
             };
-            let out = ops::run_layer(&self.gpu, &layer.op, &args, &shapes[i].dims, params)
-                .map_err(|why| plan::layer_error(compiled.name(), layer, why))?;
+            let out = ops::run_layer(
+                &self.gpu,
+                &layer.op,
+                &args,
+                &shapes[i].dims,
+                params,
+                self.options.per_image_conv,
+            )
+            .map_err(|why| plan::layer_error(compiled.name(), layer, why))?;
             drop(args);
             values[i] = Some(out);
             for &v in &compiled.frees_after[i] {
