@@ -16,6 +16,8 @@ pub mod cpu;
 pub mod cuda;
 pub mod plan;
 pub mod sim;
+#[cfg(test)]
+mod test_values;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -8,6 +8,7 @@ use distmind_models::{Layer, Op};
 use super::attention::attention;
 use super::ops::{self, apply, pool_out_len};
 use super::params::prepare;
+use crate::exec::test_values::noise;
 
 fn t(shape: &[usize], data: &[f32]) -> Tensor {
     Tensor::from_slice(data, shape, &Device::Cpu).unwrap()
@@ -29,19 +30,6 @@ fn close(got: &[f32], want: &[f32], tol: f32) {
 
 fn range(n: usize) -> Vec<f32> {
     (0..n).map(|i| i as f32).collect()
-}
-
-/// Deterministic values in [-1, 1).
-fn noise(n: usize, seed: u32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 17;
-            s ^= s << 5;
-            (s >> 8) as f32 / (1u32 << 23) as f32 - 1.0
-        })
-        .collect()
 }
 
 fn conv_op(

@@ -334,6 +334,7 @@ pub fn conv2d_im2col_ref(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::exec::test_values::noise;
 
     fn close(got: &[f32], want: &[f32]) {
         assert_eq!(got.len(), want.len(), "{got:?} vs {want:?}");
@@ -448,18 +449,6 @@ mod tests {
             }
         }
         y
-    }
-
-    fn noise(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s >> 8) as f32 / (1u32 << 23) as f32 - 1.0
-            })
-            .collect()
     }
 
     #[test]
