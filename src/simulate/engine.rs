@@ -23,9 +23,9 @@
 //! shares its bandwidth max-min fairly ([`Network`]).
 //!
 //! Given (`Config::round_trip_s`, `Config::serial_s`; none by default): the
-//! dispatcher-to-runtime round trip, half on the way to the device's queue
-//! and half on the way back (inference only: prefetches, evictions and
-//! training orders still act at once), and the runtime's serial path per
+//! dispatcher-to-runtime round trip, half on the way to the runtime (a
+//! batch, a prefetch, an eviction, a training order) and half on the way
+//! back (answers, a prefetch's report), and the runtime's serial path per
 //! request, which keeps the device from its next job after a batch.
 //!
 //! Not modelled: CPU time of any process beyond that serial path (routing,
@@ -161,8 +161,9 @@ pub struct Config {
     /// controller's tick and the runtimes' heartbeats run on the real
     /// clock, so they come K times as often in emulated time.
     pub mirror_dilation: f64,
-    /// The dispatcher-to-runtime round trip, seconds, half each way: a
-    /// batch reaches its device's queue, and the runtime's answers the
+    /// The dispatcher-to-runtime round trip, seconds, half each way: an
+    /// order (a batch, a prefetch, an eviction, a training order) reaches
+    /// its runtime, and the runtime's answers and prefetch reports the
     /// dispatcher, that long after they were sent (0: at once).
     pub round_trip_s: f64,
     /// The runtime's serial path per request of a batch, seconds: after a
@@ -211,12 +212,12 @@ enum Ev {
     DeviceFree {
         gpu: usize,
     },
-    /// A batch the dispatcher sent reaches its runtime.
+    /// An order the dispatcher sent reaches its runtime.
     Deliver {
         key: u64,
     },
-    /// A runtime's answers reach the dispatcher.
-    Answer {
+    /// A runtime's report (answers, a prefetch done) reaches the dispatcher.
+    Report {
         key: u64,
     },
     /// A whole model read from the local disk is in host memory.
@@ -302,6 +303,28 @@ struct Answers {
     replies: Vec<(ReqId, Outcome)>,
 }
 
+/// What the dispatcher orders a runtime to do, on its way there.
+enum Order {
+    /// Run a job (a batch, a prefetch) on device `.0`.
+    Job(usize, Job),
+    /// Drop `model` from host `runtime`'s cache.
+    Evict { runtime: usize, model: u32 },
+    /// Train between requests on device `gpu`, or stop.
+    Train { gpu: usize, on: bool },
+}
+
+/// What a runtime tells the dispatcher, on its way there.
+enum Report {
+    Answers(Answers),
+    /// A prefetch finished: the load it measured (`ms`, on `path`), or
+    /// `None` when it ran nothing.
+    Prefetched {
+        gpu: Gpu,
+        model: u32,
+        load: Option<(ServePath, f64)>,
+    },
+}
+
 /// A fetch in progress on a host: group `group` is on the wire.
 struct Fetch {
     model: u32,
@@ -350,10 +373,10 @@ pub struct Sim {
     connections: Vec<Arrivals>,
     out: Vec<Action>,
     job_seq: u64,
-    /// Batches and answers between the dispatcher and a runtime
+    /// Orders and reports between the dispatcher and a runtime
     /// (`Config::round_trip_s`), by key.
-    to_runtime: HashMap<u64, (usize, Job)>,
-    to_dispatcher: HashMap<u64, Answers>,
+    to_runtime: HashMap<u64, Order>,
+    to_dispatcher: HashMap<u64, Report>,
     next_key: u64,
     /// Latencies kept, bounded as the client bounds them.
     stored_latencies: std::sync::atomic::AtomicUsize,
@@ -603,15 +626,13 @@ impl Sim {
                     }
                 }
                 Ev::Deliver { key } => {
-                    if let Some((gi, mut job)) = self.to_runtime.remove(&key) {
-                        // The runtime's own clock starts on arrival.
-                        job.enqueued = self.now;
-                        self.enqueue(gi, job);
+                    if let Some(order) = self.to_runtime.remove(&key) {
+                        self.carry_out(order);
                     }
                 }
-                Ev::Answer { key } => {
-                    if let Some(a) = self.to_dispatcher.remove(&key) {
-                        self.deliver(a);
+                Ev::Report { key } => {
+                    if let Some(r) = self.to_dispatcher.remove(&key) {
+                        self.deliver(r);
                     }
                 }
             }
@@ -738,14 +759,7 @@ impl Sim {
                             model,
                             enqueued: self.now,
                         };
-                        if self.cfg.round_trip_s > 0.0 {
-                            self.next_key += 1;
-                            let key = self.next_key;
-                            self.to_runtime.insert(key, (gi, job));
-                            self.at(self.now + self.cfg.round_trip_s / 2.0, Ev::Deliver { key });
-                        } else {
-                            self.enqueue(gi, job);
-                        }
+                        self.order(Order::Job(gi, job));
                     }
                     Action::Fail { req, error } => {
                         self.reply(
@@ -763,35 +777,72 @@ impl Sim {
                         else {
                             continue;
                         };
-                        self.enqueue(
+                        self.order(Order::Job(
                             gi,
                             Job {
                                 kind: JobKind::Prefetch,
                                 model,
                                 enqueued: self.now,
                             },
-                        );
+                        ));
                     }
                     Action::Evict { runtime, model } => {
                         let Some(m) = self.d.model_id(&model) else {
                             continue;
                         };
                         self.counts.evictions_ordered += 1;
-                        let r = runtime as usize;
-                        let filling = self.hosts[r].fetch.as_ref().is_some_and(|f| f.model == m);
-                        if !filling {
-                            self.hosts[r].cache.remove(m);
-                        }
+                        self.order(Order::Evict {
+                            runtime: runtime as usize,
+                            model: m,
+                        });
                     }
                     Action::Train { gpu, model } => {
                         let Some(gi) = self.gpu_index(gpu) else {
                             continue;
                         };
-                        self.devices[gi].training = model.is_some() && self.cfg.train.is_some();
-                        if self.devices[gi].running.is_none() {
-                            self.start_next(gi);
-                        }
+                        self.order(Order::Train {
+                            gpu: gi,
+                            on: model.is_some(),
+                        });
                     }
+                }
+            }
+        }
+    }
+
+    /// Sends an order to its runtime: it arrives half a round trip later.
+    fn order(&mut self, order: Order) {
+        if self.cfg.round_trip_s > 0.0 {
+            self.next_key += 1;
+            let key = self.next_key;
+            self.to_runtime.insert(key, order);
+            self.at(self.now + self.cfg.round_trip_s / 2.0, Ev::Deliver { key });
+        } else {
+            self.carry_out(order);
+        }
+    }
+
+    /// A runtime carries out an order that reached it.
+    fn carry_out(&mut self, order: Order) {
+        match order {
+            Order::Job(gi, mut job) => {
+                // The runtime's own clock starts on arrival.
+                job.enqueued = self.now;
+                self.enqueue(gi, job);
+            }
+            Order::Evict { runtime, model } => {
+                let filling = self.hosts[runtime]
+                    .fetch
+                    .as_ref()
+                    .is_some_and(|f| f.model == model);
+                if !filling {
+                    self.hosts[runtime].cache.remove(model);
+                }
+            }
+            Order::Train { gpu, on } => {
+                self.devices[gpu].training = on && self.cfg.train.is_some();
+                if self.devices[gpu].running.is_none() {
+                    self.start_next(gpu);
                 }
             }
         }
@@ -804,21 +855,37 @@ impl Sim {
         }
     }
 
-    /// Sends a runtime's answers to the dispatcher: they arrive half a
-    /// round trip later.
+    /// Sends a runtime's answers to the dispatcher.
     fn answer(&mut self, a: Answers) {
+        self.report(Report::Answers(a));
+    }
+
+    /// Sends a runtime's report to the dispatcher: it arrives half a round
+    /// trip later.
+    fn report(&mut self, r: Report) {
         if self.cfg.round_trip_s > 0.0 {
             self.next_key += 1;
             let key = self.next_key;
-            self.to_dispatcher.insert(key, a);
-            self.at(self.now + self.cfg.round_trip_s / 2.0, Ev::Answer { key });
+            self.to_dispatcher.insert(key, r);
+            self.at(self.now + self.cfg.round_trip_s / 2.0, Ev::Report { key });
         } else {
-            self.deliver(a);
+            self.deliver(r);
         }
     }
 
-    /// The dispatcher takes a runtime's answers, and the clients theirs.
-    fn deliver(&mut self, a: Answers) {
+    /// The dispatcher takes a runtime's report, and the clients their answers.
+    fn deliver(&mut self, r: Report) {
+        let a = match r {
+            Report::Answers(a) => a,
+            Report::Prefetched { gpu, model, load } => {
+                if let Some((path, ms)) = load {
+                    let name = &self.cfg.names[model as usize];
+                    self.d.prefetched(gpu, name, path, ms);
+                }
+                self.d.prefetch_done(us(self.now), gpu, None);
+                return;
+            }
+        };
         let c = Completion {
             timing: a.timing.as_ref(),
             resident: &a.resident,
@@ -952,7 +1019,11 @@ impl Sim {
                     runtime: d.runtime as u32,
                     device: d.device,
                 };
-                self.d.prefetch_done(us(self.now), gpu, None);
+                self.report(Report::Prefetched {
+                    gpu,
+                    model: job.model,
+                    load: None,
+                });
             }
             JobKind::Train => {}
         }
@@ -1273,9 +1344,11 @@ impl Sim {
             JobKind::Prefetch => {
                 // As the runtime's `Prefetched` reply: the load it measured.
                 let ms = (self.now - run.start) * 1e3;
-                let name = &self.cfg.names[m as usize];
-                self.d.prefetched(gpu, name, run.path, ms);
-                self.d.prefetch_done(us(self.now), gpu, None);
+                self.report(Report::Prefetched {
+                    gpu,
+                    model: m,
+                    load: Some((run.path, ms)),
+                });
             }
             JobKind::Train => unreachable!("handled above"),
         }

@@ -154,9 +154,10 @@ pub struct SimulateArgs {
     #[arg(long, default_value_t = 1.0)]
     pub mirror_dilation: f64,
     /// The round trip between the dispatcher and a GPU server, e.g. 1ms:
-    /// a batch reaches its device half of it after it was sent, and its
-    /// answers the dispatcher half of it after the device finished (default:
-    /// none, both at once). A real run's is the controller's
+    /// a batch (or a prefetch, eviction or training order) reaches its
+    /// runtime half of it after it was sent, and the answers (or a
+    /// prefetch's report) the dispatcher half of it after the device
+    /// finished (default: none, both at once). A real run's is the controller's
     /// `distmind_controller_dispatch_overhead_ms`.
     #[arg(long, value_parser = loadgen::parse::parse_duration)]
     pub round_trip: Option<Duration>,
