@@ -212,28 +212,66 @@ fn edf_sends_the_earliest_deadline_first() {
 }
 
 #[test]
-fn routes_to_the_gpu_that_finishes_earliest() {
-    let mut d = dispatcher(PolicyKind::Slo, 2);
-    let m = model(&mut d, "a");
-    make_resident(&mut d, 1, "a");
-    let mut out = Vec::new();
-    // Resident on GPU 1 (10 ms each) beats remote on GPU 0 (120 ms) until
-    // GPU 1's backlog makes it finish later than a cold start on GPU 0:
-    // the 12th request finishes at 120 ms either way (ties go to the
-    // resident copy), the 13th at 130 ms on GPU 1 or 120 ms on GPU 0.
-    let ids: Vec<ReqId> = (0..13)
-        .map(|_| d.submit(0, m, Some(10_000.0), &mut out))
-        .collect();
-    assert!(failed(&out).is_empty());
-    let on_gpu0: Vec<ReqId> = sent(&out)
-        .into_iter()
-        .filter(|(_, g)| *g == gpu(0))
-        .map(|(r, _)| r)
-        .collect();
-    assert_eq!(on_gpu0, vec![ids[12]], "{out:?}");
-    // GPU 1 got two at once (its window) and queued the other ten.
-    assert_eq!(sent(&out).len(), 3);
-    assert_eq!(d.queued(), 10);
+fn a_holder_that_meets_the_deadline_beats_a_load_elsewhere() {
+    // Resident on GPU 1 (10 ms each), remote on GPU 0 (120 ms): the 13th
+    // request finishes at 130 ms on GPU 1, at 120 ms on GPU 0.
+    for (slo_ms, loads) in [(10_000.0, 0), (125.0, 1)] {
+        let mut d = dispatcher(PolicyKind::Slo, 2);
+        let m = model(&mut d, "a");
+        make_resident(&mut d, 1, "a");
+        let mut out = Vec::new();
+        let ids: Vec<ReqId> = (0..13)
+            .map(|_| d.submit(0, m, Some(slo_ms), &mut out))
+            .collect();
+        assert!(failed(&out).is_empty(), "SLO {slo_ms} ms: {out:?}");
+        let on_gpu0: Vec<ReqId> = sent(&out)
+            .into_iter()
+            .filter(|(_, g)| *g == gpu(0))
+            .map(|(r, _)| r)
+            .collect();
+        if loads == 0 {
+            // GPU 1 meets every deadline: nothing is loaded elsewhere,
+            // though GPU 0 would finish the 13th sooner. GPU 1 got two at
+            // once (its window) and queued the other eleven.
+            assert!(on_gpu0.is_empty(), "SLO {slo_ms} ms: {out:?}");
+            assert_eq!(sent(&out).len(), 2);
+            assert_eq!(d.queued(), 11);
+        } else {
+            // Only a load on GPU 0 meets the 13th's 125 ms.
+            assert_eq!(on_gpu0, vec![ids[12]], "SLO {slo_ms} ms: {out:?}");
+        }
+    }
+}
+
+#[test]
+fn the_host_cache_view_keeps_what_fits_most_recent_first() {
+    let bytes = |m: u32| [40, 30, 30, 50][m as usize];
+    let mut c = HostCached::from_mru(vec![2, 1, 2]);
+    assert_eq!(
+        c.iter().collect::<Vec<_>>(),
+        vec![2, 1],
+        "a repeat is dropped"
+    );
+    c.insert_oldest(0);
+    assert_eq!(c.iter().collect::<Vec<_>>(), vec![2, 1, 0]);
+    // 100 bytes hold 0, 1 and 2 (100); loading 3 (50) pushes out the least
+    // recent until it fits: 0, then 1.
+    c.load(3, 100, bytes);
+    assert_eq!(c.iter().collect::<Vec<_>>(), vec![3, 2]);
+    assert!(!c.contains(&0) && !c.contains(&1) && c.contains(&3));
+    // Loading one already there makes it the most recent.
+    c.load(2, 100, bytes);
+    assert_eq!(c.iter().collect::<Vec<_>>(), vec![2, 3]);
+    // A model larger than the cache stays alone; 0 bytes: no bound.
+    c.load(0, 10, bytes);
+    assert_eq!(c.iter().collect::<Vec<_>>(), vec![0]);
+    c.load(1, 0, bytes);
+    c.load(3, 0, bytes);
+    assert_eq!(c.iter().collect::<Vec<_>>(), vec![3, 1, 0]);
+    c.remove(&1);
+    assert_eq!(c.iter().collect::<Vec<_>>(), vec![3, 0]);
+    c.clear();
+    assert_eq!(c.iter().count(), 0);
 }
 
 #[test]
@@ -2076,4 +2114,33 @@ fn the_devices_warm_up_run_teaches_the_cost_model_nothing() {
     let (estimate, _, admitted) = run(false);
     assert!(estimate > 100 * MS, "{estimate}");
     assert!(!admitted);
+}
+
+/// The dispatcher's view of a host cache holds what the cache's bytes hold:
+/// it used to keep every model ever routed through it until the next
+/// snapshot, and routed loads as host-cached that went to the memory
+/// servers.
+#[test]
+fn a_load_pushes_the_least_recent_model_out_of_the_host_cache_view() {
+    let mut d = dispatcher(PolicyKind::Slo, 1);
+    // Room for two of the 10 MB models.
+    let snap = RuntimeSnapshot {
+        devices: vec![DeviceSnapshot {
+            device: 0,
+            ..Default::default()
+        }],
+        host_cached: Vec::new(),
+        host_cached_truncated: false,
+    };
+    heartbeat(&mut d, 0, 20_000_000, &snap);
+    let ms: Vec<u32> = ["a", "b", "c"].iter().map(|n| model(&mut d, n)).collect();
+    let mut out = Vec::new();
+    for &m in &ms {
+        d.submit(0, m, Some(10_000.0), &mut out);
+    }
+    assert!(failed(&out).is_empty(), "{out:?}");
+    // Loaded through the cache in the order a, b, c: a is out.
+    assert_eq!(d.where_on_host(0, ms[0]), Where::Remote);
+    assert_eq!(d.where_on_host(0, ms[1]), Where::HostCached);
+    assert_eq!(d.where_on_host(0, ms[2]), Where::HostCached);
 }
