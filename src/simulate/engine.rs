@@ -316,8 +316,8 @@ enum Order {
 /// What a runtime tells the dispatcher, on its way there.
 enum Report {
     Answers(Answers),
-    /// A prefetch finished: the load it measured (`ms`, on `path`), or
-    /// `None` when it ran nothing.
+    /// A prefetch finished: the path it found the model on and the load
+    /// it measured in ms, or `None` when it ran nothing.
     Prefetched {
         gpu: Gpu,
         model: u32,

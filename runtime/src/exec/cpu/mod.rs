@@ -145,7 +145,9 @@ pub const THREADS_ENV: &str = "RAYON_NUM_THREADS";
 /// parsing `/proc/cpuinfo` each time: about 30 us on a 2-core host, more
 /// with more cores, 155 times per ResNet-152 inference. Setting the
 /// variable to the count candle would pick (computed here once) makes each
-/// ask an environment lookup. A value already set is kept.
+/// ask an environment lookup. A value already set is kept. (Rayon's
+/// global pool reads the variable too; candle runs in a pool of its own,
+/// and nothing in this program uses the global one.)
 ///
 /// Call it first thing in `main`, before any thread starts: it changes the
 /// process's environment, which another thread must not read meanwhile.
