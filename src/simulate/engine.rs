@@ -3,8 +3,13 @@
 //! servers, memory servers and links it drives.
 //!
 //! Per GPU server (runtime): one host cache ([`Lru`], the runtime's rule),
-//! one fetch at a time (the runtime's cache serialises fetches), a NIC, and
-//! for the baselines at equal memory a local disk read one model at a time.
+//! its fills (the runtime's fetch engine: every model being fetched at once,
+//! one group on the wire at a time, the lowest group index first and among
+//! equals the oldest fill, so group 0 of every waiting model goes first; a
+//! GPU that needs a model being filled waits for its groups instead of
+//! fetching it again, and counts as host-cached, as the runtime's pipeline
+//! does), a NIC, and for the baselines at equal memory a local disk read one
+//! model at a time.
 //! Per GPU: a FIFO of jobs run one at a time (the runtime's device worker),
 //! device residency ([`Lru`] within its parameter budget and at most N
 //! models), one PCIe link at the profile's H2D rate, and, when the
@@ -31,9 +36,9 @@
 //! Not modelled: CPU time of any process beyond that serial path (routing,
 //! framing, checksums, wake-ups), jitter of the round trip or of the
 //! heartbeats, loading the training job's own weights.
-//! Simplified: two GPUs of one server that miss on the same model at once
-//! fetch it twice (the runtime's cache makes the second wait for the
-//! first); a training iteration takes the profile's estimate
+//! Simplified: the engine overlaps a group's last reads with the next
+//! group's first ones, the simulator puts one group on the wire after the
+//! other; a training iteration takes the profile's estimate
 //! ([`distmind_runtime::profile::Profile::train_iteration_s`]).
 
 use std::cmp::Ordering;
@@ -326,22 +331,40 @@ enum Report {
 }
 
 /// A fetch in progress on a host: group `group` is on the wire.
-struct Fetch {
+/// A model being fetched into a host cache, as the runtime's fetch engine
+/// runs one.
+struct Fill {
     model: u32,
-    gpu: usize,
-    group: usize,
+    /// The order fills began in (ties of group index go to the oldest).
+    seq: u64,
+    /// When each group landed, group 0 first; every group has once this is
+    /// as long as the model's groups, and the fill is over.
+    landed: Vec<f64>,
+    /// Devices whose running job uploads this model's groups as they land.
+    waiters: Vec<usize>,
+}
+
+/// The group of a fill on the wire, and how many of its slices are still
+/// travelling.
+struct Wire {
+    model: u32,
     parts_left: usize,
-    started: f64,
 }
 
 struct Host {
     cache: Lru,
-    fetch: Option<Fetch>,
-    /// Devices waiting to fetch (in order).
-    fetch_queue: VecDeque<(usize, u32)>,
+    /// Models being fetched (at most one per model).
+    fills: Vec<Fill>,
+    wire: Option<Wire>,
     snapshot_seq: u64,
     /// When the local disk finishes the reads queued on it.
     disk_free_at: f64,
+}
+
+impl Host {
+    fn filling(&self, m: u32) -> bool {
+        self.fills.iter().any(|f| f.model == m)
+    }
 }
 
 struct Pending {
@@ -442,8 +465,8 @@ impl Sim {
         let hosts = (0..cfg.gpu_servers)
             .map(|_| Host {
                 cache: Lru::new(cfg.cache_bytes, usize::MAX),
-                fetch: None,
-                fetch_queue: VecDeque::new(),
+                fills: Vec::new(),
+                wire: None,
                 snapshot_seq: 0,
                 disk_free_at: 0.0,
             })
@@ -539,12 +562,7 @@ impl Sim {
                 .cache
                 .mru()
                 .into_iter()
-                .filter(|&m| {
-                    self.hosts[runtime]
-                        .fetch
-                        .as_ref()
-                        .is_none_or(|f| f.model != m)
-                })
+                .filter(|&m| !self.hosts[runtime].filling(m))
                 .map(name)
                 .collect(),
             host_cached_truncated: false,
@@ -831,11 +849,7 @@ impl Sim {
                 self.enqueue(gi, job);
             }
             Order::Evict { runtime, model } => {
-                let filling = self.hosts[runtime]
-                    .fetch
-                    .as_ref()
-                    .is_some_and(|f| f.model == model);
-                if !filling {
+                if !self.hosts[runtime].filling(model) {
                     self.hosts[runtime].cache.remove(model);
                 }
             }
@@ -1073,15 +1087,25 @@ impl Sim {
         }
         self.devices[gi].residency.pin(m);
         let host = &mut self.hosts[runtime];
-        let filling = host.fetch.as_ref().is_some_and(|f| f.model == m)
-            || host.fetch_queue.iter().any(|&(_, x)| x == m);
-        if host.cache.contains(m) && !filling {
+        if host.cache.contains(m) {
             host.cache.touch(m);
             host.cache.pin(m);
             if compute {
                 self.counts.host_hits += 1;
             }
             run.path = ServePath::HostCached;
+            if let Some(fill) = host.fills.iter_mut().find(|f| f.model == m) {
+                // Being fetched (by another GPU's miss or a prefetch): the
+                // groups that landed go up now, the rest as they land.
+                fill.waiters.push(gi);
+                let landed = fill.landed.clone();
+                let mut t = self.now;
+                for g in 0..landed.len() {
+                    t = self.upload_group(&mut run, g, t, compute);
+                }
+                self.devices[gi].running = Some(run);
+                return Ok(());
+            }
             // Every group is in host memory: uploads back to back.
             let mut t = self.now;
             for g in 0..self.cfg.shape.group_bytes.len() {
@@ -1094,7 +1118,7 @@ impl Sim {
             return Ok(());
         }
         // Cold: reserve in the host cache, then fetch group by group.
-        if !host.cache.contains(m) && host.cache.admit(m, self.cfg.shape.cache_bytes).is_none() {
+        if host.cache.admit(m, self.cfg.shape.cache_bytes).is_none() {
             self.devices[gi].residency.unpin(m);
             self.devices[gi].residency.remove(m);
             return Err(ErrorReply::new(
@@ -1118,8 +1142,14 @@ impl Sim {
             self.at(end, Ev::DiskDone { gpu: gi, job: seq });
             return Ok(());
         }
+        let seq = run.seq;
         self.devices[gi].running = Some(run);
-        self.hosts[runtime].fetch_queue.push_back((gi, m));
+        self.hosts[runtime].fills.push(Fill {
+            model: m,
+            seq,
+            landed: Vec::new(),
+            waiters: vec![gi],
+        });
         self.next_fetch(runtime);
         Ok(())
     }
@@ -1157,30 +1187,24 @@ impl Sim {
         }
     }
 
-    /// Starts the host's next fetch when none runs.
+    /// Puts the host's next group on the wire when none travels: of the
+    /// fills, the one whose next group has the lowest index, then the
+    /// oldest (the fetch engine's posting order). Each slice comes from the
+    /// memory server the placement put it on.
     fn next_fetch(&mut self, runtime: usize) {
-        if self.hosts[runtime].fetch.is_some() {
+        let host = &mut self.hosts[runtime];
+        if host.wire.is_some() {
             return;
         }
-        let Some((gi, m)) = self.hosts[runtime].fetch_queue.pop_front() else {
+        let Some(f) = host.fills.iter().min_by_key(|f| (f.landed.len(), f.seq)) else {
             return;
         };
-        self.hosts[runtime].fetch = Some(Fetch {
-            model: m,
-            gpu: gi,
-            group: 0,
-            parts_left: 0,
-            started: self.now,
+        let (model, group) = (f.model, f.landed.len());
+        let slices = &self.cfg.placement[model as usize][group];
+        host.wire = Some(Wire {
+            model,
+            parts_left: slices.len(),
         });
-        self.start_group(runtime);
-    }
-
-    /// Puts the fetch's current group on the wire: each slice from the
-    /// memory server the placement put it on.
-    fn start_group(&mut self, runtime: usize) {
-        let f = self.hosts[runtime].fetch.as_mut().expect("a fetch");
-        let slices = &self.cfg.placement[f.model as usize][f.group];
-        f.parts_left = slices.len();
         self.net.advance(self.now);
         self.net.start(
             slices
@@ -1230,37 +1254,50 @@ impl Sim {
         let done = self.net.take_done();
         for tag in done {
             let runtime = tag as usize;
-            let Some(f) = self.hosts[runtime].fetch.as_mut() else {
+            let Some(w) = self.hosts[runtime].wire.as_mut() else {
                 continue;
             };
-            f.parts_left -= 1;
-            if f.parts_left > 0 {
+            w.parts_left -= 1;
+            if w.parts_left > 0 {
                 continue;
             }
-            // Group f.group is in host memory now.
-            let (gi, g, m, started) = (f.gpu, f.group, f.model, f.started);
-            let last = g + 1 == self.cfg.shape.group_bytes.len();
-            let compute = self.devices[gi]
-                .running
-                .as_ref()
-                .is_some_and(|r| matches!(r.job.kind, JobKind::Infer { .. }));
-            let mut run = self.devices[gi].running.take().expect("the fetching job");
+            // The group on the wire is in host memory now: every GPU
+            // waiting on the model uploads it.
+            let model = w.model;
+            self.hosts[runtime].wire = None;
             let now = self.now;
-            self.upload_group(&mut run, g, now, compute);
-            if last {
-                run.fetch_s = now - started;
-                let end = self.finish_time(&run, compute);
-                let seq = run.seq;
-                self.devices[gi].running = Some(run);
-                self.at(end, Ev::DeviceDone { gpu: gi, job: seq });
-                self.hosts[runtime].fetch = None;
-                let _ = m;
-                self.next_fetch(runtime);
+            let groups = self.cfg.shape.group_bytes.len();
+            let host = &mut self.hosts[runtime];
+            let k = host
+                .fills
+                .iter()
+                .position(|f| f.model == model)
+                .expect("the group on the wire has its fill");
+            host.fills[k].landed.push(now);
+            let g = host.fills[k].landed.len() - 1;
+            let last = g + 1 == groups;
+            let waiters = if last {
+                host.fills.swap_remove(k).waiters
             } else {
+                host.fills[k].waiters.clone()
+            };
+            for gi in waiters {
+                let Some(mut run) = self.devices[gi].running.take() else {
+                    continue;
+                };
+                let compute = matches!(run.job.kind, JobKind::Infer { .. });
+                self.upload_group(&mut run, g, now, compute);
+                if last {
+                    if run.path == ServePath::Cold {
+                        run.fetch_s = now - run.start;
+                    }
+                    let end = self.finish_time(&run, compute);
+                    let seq = run.seq;
+                    self.at(end, Ev::DeviceDone { gpu: gi, job: seq });
+                }
                 self.devices[gi].running = Some(run);
-                self.hosts[runtime].fetch.as_mut().expect("a fetch").group += 1;
-                self.start_group(runtime);
             }
+            self.next_fetch(runtime);
         }
         self.schedule_net();
     }
