@@ -268,6 +268,7 @@ fn level(rank: u32) -> u32 {
 #[derive(Debug)]
 struct Batch {
     gi: usize,
+    model: u32,
     /// Its estimated device time.
     service: Micros,
     /// The cost model's part of `service` (without the GPU's measured
@@ -641,6 +642,7 @@ impl Dispatcher {
                         resident_models_max as usize
                     },
                     outstanding: 0,
+                    outstanding_models: Vec::new(),
                     busy_until: now,
                     work_out: 0,
                     prefetch_work: 0,
@@ -759,6 +761,7 @@ impl Dispatcher {
             g.queued_models.clear();
             g.queued_ranked = 0;
             g.outstanding = 0;
+            g.outstanding_models.clear();
             g.work_out = 0;
             g.prefetch_work = 0;
             g.busy_until = now;
@@ -927,6 +930,9 @@ impl Dispatcher {
             let mut g = self.gpus.get_mut(b.gi);
             g.outstanding = g.outstanding.saturating_sub(1);
             g.work_out = g.work_out.saturating_sub(b.service);
+            if let Some(k) = g.outstanding_models.iter().position(|&m| m == b.model) {
+                g.outstanding_models.remove(k);
+            }
         }
         if b.left == 0 {
             self.batches.remove(&head);
@@ -1356,6 +1362,25 @@ impl Dispatcher {
         self.gpus.get_mut(gi).resident = new;
     }
 
+    /// GPU `gi`'s resident set as its runtime reported it with an answer,
+    /// plus the models of the batches sent there and not answered yet: the
+    /// device runs batches in order, so a model loading behind the answered
+    /// one is not in the report yet. Forgetting it made the next request
+    /// for it look for another GPU and load it there too (4 GPUs of 3
+    /// models, 8 models, the simulator at 1600 req/s, seed 1: 460 cold
+    /// starts in 10 s and 56% within the SLO, against 9 and 99.5%).
+    /// Requests still queued here are not added: the batch planner must
+    /// see which of them need a load.
+    fn resident_reported(&mut self, gi: usize, order: Vec<u32>) {
+        self.resident_replace(gi, order);
+        let coming = self.gpus[gi].outstanding_models.clone();
+        for m in coming {
+            if !self.gpus[gi].resident.contains(&m) {
+                self.expect_resident(gi, m);
+            }
+        }
+    }
+
     /// Records that `model` will be resident on GPU `gi` once the request
     /// sent there runs, and cached on its host if it has to be loaded (a
     /// resident model is served without the host cache); replies correct
@@ -1763,6 +1788,7 @@ impl Dispatcher {
         g.busy_until = g.busy_until.max(now) + service;
         g.work_out += service;
         g.outstanding += 1;
+        g.outstanding_models.push(model);
         let gpu = g.gpu;
         drop(g);
         let n = ids.len() as u32;
@@ -1771,6 +1797,7 @@ impl Dispatcher {
             head,
             Batch {
                 gi,
+                model,
                 service,
                 base,
                 n,
@@ -2037,7 +2064,7 @@ impl Dispatcher {
                 .filter_map(|n| self.by_name.get(n).copied())
                 .collect();
             if !c.resident.is_empty() {
-                self.resident_replace(gi, resident);
+                self.resident_reported(gi, resident);
             }
             self.counters.completed += 1;
             if total_ms <= r.slo_ms {

@@ -243,6 +243,33 @@ fn a_holder_that_meets_the_deadline_beats_a_load_elsewhere() {
     }
 }
 
+/// A model whose batch is in flight to a GPU stays in the dispatcher's view
+/// of that GPU when an earlier batch answers with a resident list from
+/// before the load; once nothing is in flight, the list is taken as is.
+#[test]
+fn a_model_on_its_way_to_a_gpu_stays_in_view_when_an_earlier_batch_answers() {
+    let mut d = slo_window(2, 1);
+    let a = model(&mut d, "a");
+    let b = model(&mut d, "b");
+    make_resident(&mut d, 0, "a");
+    let mut out = Vec::new();
+    let first = d.submit(0, a, Some(1000.0), &mut out);
+    let second = d.submit(0, b, Some(1000.0), &mut out);
+    assert_eq!(sent(&out).len(), 2, "{out:?}");
+    assert_eq!(d.where_is(0, b), Where::Resident);
+    // The device answers "a" before it loads "b": its list has "a" alone.
+    let only_a = vec!["a".to_string()];
+    let t = timing(ServePath::DeviceResident, 10.0);
+    d.complete(10 * MS, first, &c_of(&t, &only_a), &mut out);
+    assert_eq!(d.where_is(0, b), Where::Resident);
+    assert_eq!(d.resident_on.get(b), &[0]);
+    // Nothing in flight: the answer's list is the truth ("b" was evicted).
+    let t = timing(ServePath::HostCached, 30.0);
+    d.complete(50 * MS, second, &c_of(&t, &only_a), &mut out);
+    assert_ne!(d.where_is(0, b), Where::Resident);
+    assert!(d.resident_on.get(b).is_empty());
+}
+
 #[test]
 fn the_host_cache_view_keeps_what_fits_most_recent_first() {
     let bytes = |m: u32| [40, 30, 30, 50][m as usize];

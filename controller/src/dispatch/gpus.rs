@@ -78,6 +78,8 @@ pub(super) struct GpuState {
     pub(super) resident_max: usize,
     /// Batches sent and not answered.
     pub(super) outstanding: u32,
+    /// The model of each of those batches, oldest first.
+    pub(super) outstanding_models: Vec<u32>,
     pub(super) busy_until: Micros,
     /// Estimated device time of the outstanding batches and of a prefetch
     /// in progress: on every answer the GPU is busy until now plus these.
