@@ -9,7 +9,8 @@
 //! GPU that needs a model being filled waits for its groups instead of
 //! fetching it again, and counts as host-cached, as the runtime's pipeline
 //! does), a NIC, and for the baselines at equal memory a local disk read one
-//! model at a time.
+//! model at a time (a GPU that needs a model being read waits for the
+//! read).
 //! Per GPU: a FIFO of jobs run one at a time (the runtime's device worker),
 //! device residency ([`Lru`] within its parameter budget and at most N
 //! models), one PCIe link at the profile's H2D rate, and, when the
@@ -227,8 +228,8 @@ enum Ev {
     },
     /// A whole model read from the local disk is in host memory.
     DiskDone {
-        gpu: usize,
-        job: u64,
+        runtime: usize,
+        model: u32,
     },
 }
 
@@ -342,6 +343,9 @@ struct Fill {
     landed: Vec<f64>,
     /// Devices whose running job uploads this model's groups as they land.
     waiters: Vec<usize>,
+    /// Read whole from the local disk (the baselines at equal memory), not
+    /// over the network: every group lands at once.
+    disk: bool,
 }
 
 /// The group of a fill on the wire, and how many of its slices are still
@@ -637,7 +641,7 @@ impl Sim {
                     }
                 }
                 Ev::DeviceDone { gpu, job } => self.on_device_done(gpu, job),
-                Ev::DiskDone { gpu, job } => self.on_disk_done(gpu, job),
+                Ev::DiskDone { runtime, model } => self.on_disk_done(runtime, model),
                 Ev::DeviceFree { gpu } => {
                     if self.devices[gpu].running.is_none() {
                         self.start_next(gpu);
@@ -1136,10 +1140,17 @@ impl Sim {
             // The whole model from the local disk, one read at a time.
             let start = host.disk_free_at.max(self.now);
             host.disk_free_at = start + stored as f64 / rate;
-            let (end, seq) = (host.disk_free_at, run.seq);
+            let end = host.disk_free_at;
+            host.fills.push(Fill {
+                model: m,
+                seq: run.seq,
+                landed: Vec::new(),
+                waiters: vec![gi],
+                disk: true,
+            });
             self.counts.disk_loads += 1;
             self.devices[gi].running = Some(run);
-            self.at(end, Ev::DiskDone { gpu: gi, job: seq });
+            self.at(end, Ev::DiskDone { runtime, model: m });
             return Ok(());
         }
         let seq = run.seq;
@@ -1149,6 +1160,7 @@ impl Sim {
             seq,
             landed: Vec::new(),
             waiters: vec![gi],
+            disk: false,
         });
         self.next_fetch(runtime);
         Ok(())
@@ -1196,7 +1208,12 @@ impl Sim {
         if host.wire.is_some() {
             return;
         }
-        let Some(f) = host.fills.iter().min_by_key(|f| (f.landed.len(), f.seq)) else {
+        let Some(f) = host
+            .fills
+            .iter()
+            .filter(|f| !f.disk)
+            .min_by_key(|f| (f.landed.len(), f.seq))
+        else {
             return;
         };
         let (model, group) = (f.model, f.landed.len());
@@ -1216,25 +1233,28 @@ impl Sim {
     }
 
     /// A whole model read from the local disk is in host memory: upload it.
-    fn on_disk_done(&mut self, gi: usize, job_seq: u64) {
-        let Some(mut run) = self.devices[gi].running.take_if(|r| r.seq == job_seq) else {
+    fn on_disk_done(&mut self, runtime: usize, model: u32) {
+        let host = &mut self.hosts[runtime];
+        let Some(k) = host.fills.iter().position(|f| f.model == model && f.disk) else {
             return;
         };
-        let compute = matches!(run.job.kind, JobKind::Infer { .. });
-        run.fetch_s = self.now - run.start;
         let now = self.now;
-        for g in 0..self.cfg.shape.group_bytes.len() {
-            self.upload_group(&mut run, g, now, compute);
+        for gi in host.fills.swap_remove(k).waiters {
+            let Some(mut run) = self.devices[gi].running.take() else {
+                continue;
+            };
+            let compute = matches!(run.job.kind, JobKind::Infer { .. });
+            if run.path == ServePath::Cold {
+                run.fetch_s = now - run.start;
+            }
+            for g in 0..self.cfg.shape.group_bytes.len() {
+                self.upload_group(&mut run, g, now, compute);
+            }
+            let end = self.finish_time(&run, compute);
+            let seq = run.seq;
+            self.devices[gi].running = Some(run);
+            self.at(end, Ev::DeviceDone { gpu: gi, job: seq });
         }
-        let end = self.finish_time(&run, compute);
-        self.devices[gi].running = Some(run);
-        self.at(
-            end,
-            Ev::DeviceDone {
-                gpu: gi,
-                job: job_seq,
-            },
-        );
     }
 
     fn schedule_net(&mut self) {
