@@ -37,9 +37,9 @@
 //! Not modelled: CPU time of any process beyond that serial path (routing,
 //! framing, checksums, wake-ups), jitter of the round trip or of the
 //! heartbeats, loading the training job's own weights.
-//! Simplified: the engine overlaps a group's last reads with the next
-//! group's first ones, the simulator puts one group on the wire after the
-//! other; a training iteration takes the profile's estimate
+//! Simplified: the simulator puts one group on the wire after the other,
+//! where the engine overlaps a group's last reads with the next group's
+//! first ones; a training iteration takes the profile's estimate
 //! ([`distmind_runtime::profile::Profile::train_iteration_s`]).
 
 use std::cmp::Ordering;
@@ -331,16 +331,15 @@ enum Report {
     },
 }
 
-/// A fetch in progress on a host: group `group` is on the wire.
 /// A model being fetched into a host cache, as the runtime's fetch engine
 /// runs one.
 struct Fill {
     model: u32,
     /// The order fills began in (ties of group index go to the oldest).
     seq: u64,
-    /// When each group landed, group 0 first; every group has once this is
-    /// as long as the model's groups, and the fill is over.
-    landed: Vec<f64>,
+    /// Groups in host memory (group 0 first); the fill is over when every
+    /// group of the model has landed.
+    landed: usize,
     /// Devices whose running job uploads this model's groups as they land.
     waiters: Vec<usize>,
     /// Read whole from the local disk (the baselines at equal memory), not
@@ -1102,9 +1101,9 @@ impl Sim {
                 // Being fetched (by another GPU's miss or a prefetch): the
                 // groups that landed go up now, the rest as they land.
                 fill.waiters.push(gi);
-                let landed = fill.landed.clone();
+                let landed = fill.landed;
                 let mut t = self.now;
-                for g in 0..landed.len() {
+                for g in 0..landed {
                     t = self.upload_group(&mut run, g, t, compute);
                 }
                 self.devices[gi].running = Some(run);
@@ -1144,7 +1143,7 @@ impl Sim {
             host.fills.push(Fill {
                 model: m,
                 seq: run.seq,
-                landed: Vec::new(),
+                landed: 0,
                 waiters: vec![gi],
                 disk: true,
             });
@@ -1158,7 +1157,7 @@ impl Sim {
         self.hosts[runtime].fills.push(Fill {
             model: m,
             seq,
-            landed: Vec::new(),
+            landed: 0,
             waiters: vec![gi],
             disk: false,
         });
@@ -1212,11 +1211,11 @@ impl Sim {
             .fills
             .iter()
             .filter(|f| !f.disk)
-            .min_by_key(|f| (f.landed.len(), f.seq))
+            .min_by_key(|f| (f.landed, f.seq))
         else {
             return;
         };
-        let (model, group) = (f.model, f.landed.len());
+        let (model, group) = (f.model, f.landed);
         let slices = &self.cfg.placement[model as usize][group];
         host.wire = Some(Wire {
             model,
@@ -1293,8 +1292,8 @@ impl Sim {
                 .iter()
                 .position(|f| f.model == model)
                 .expect("the group on the wire has its fill");
-            host.fills[k].landed.push(now);
-            let g = host.fills[k].landed.len() - 1;
+            let g = host.fills[k].landed;
+            host.fills[k].landed += 1;
             let last = g + 1 == groups;
             let waiters = if last {
                 host.fills.swap_remove(k).waiters
