@@ -5,7 +5,8 @@
 //! configuration and in one run; the ratio of the two is the figure.
 //!
 //! The configuration is the end-to-end test's (`ae/2_e2e`): ResNet-152
-//! variants on one GPU with parameter memory for half of them (by default
+//! variants on one GPU (`--devices N`: N GPUs of one GPU server) with
+//! parameter memory for half of them each (by default
 //! simulated: the `sim` executor, GPU time from a profile; `--executor cuda`
 //! runs real kernels on CUDA device 0), 2 memory servers, Zipf 0.9,
 //! batch 1, and equal memory: every system holds the whole set in its GPU
@@ -70,6 +71,10 @@ pub struct CapacityArgs {
     /// DistMind's host cache holds half the set (warm) instead of all of it.
     #[arg(long)]
     pub half_cached: bool,
+    /// GPUs of the one GPU server, each with parameter memory for half the
+    /// set (sim executor only: the cuda executor runs on CUDA device 0).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub devices: u32,
     /// Keep sweeping a system past its first rate below the target.
     #[arg(long)]
     pub full_sweep: bool,
@@ -132,7 +137,7 @@ fn busy_pct(b: Option<f64>) -> String {
 }
 
 const CSV_HEADER: &str = "system,rate_rps,sent,within_slo,rejected_frac,p99_ms,mean_batch,\
-switches_per_s,models,slo_ms,memory,link,host_cpu_busy";
+switches_per_s,models,slo_ms,memory,link,host_cpu_busy,devices";
 
 /// `distmind up` as a parser, so every point runs with the flags `up` takes.
 #[derive(Parser)]
@@ -189,6 +194,11 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
             a.profile.is_none(),
             "--profile gives the sim executor its GPU times; the cuda executor times real kernels"
         );
+        anyhow::ensure!(
+            a.devices == 1,
+            "--devices {}: the bench runs the cuda executor on CUDA device 0 only",
+            a.devices
+        );
         // Every point's `up` would refuse an emulated link (the flag, else
         // transport.json's) with real kernels: refused here, before any
         // package is generated.
@@ -220,9 +230,10 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| "loopback".into());
     println!(
-        "capacity bench: {} ResNet-152 variants, 1 {} GPU (memory for half), 2 memory servers, Zipf {}, \
+        "capacity bench: {} ResNet-152 variants, {} {} GPU(s) (memory for half each), 2 memory servers, Zipf {}, \
          batch 1, {} ms SLO, target {:.1}% within; DistMind's host cache: {}; link: {link}; {:.0} s per rate",
         n,
+        a.devices,
         if executor == ExecutorKind::Cuda { "CUDA" } else { "sim" },
         a.zipf,
         a.slo_ms,
@@ -272,6 +283,8 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
                 format!("{}MiB", n * mib * 11 / 20 + 64),
                 "--device-memory".into(),
                 format!("{}MiB", n * mib / 2),
+                "--devices".into(),
+                a.devices.to_string(),
                 "--cache".into(),
                 cache.clone(),
                 "--work-dir".into(),
@@ -418,7 +431,7 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
         let mut lines = String::new();
         for p in &all {
             lines.push_str(&format!(
-                "{},{},{},{:.4},{:.4},{:.2},{:.3},{:.2},{},{},{},{},{}\n",
+                "{},{},{},{:.4},{:.4},{:.2},{:.3},{:.2},{},{},{},{},{},{}\n",
                 p.system,
                 p.rate,
                 p.sent,
@@ -431,7 +444,8 @@ pub fn run(a: &CapacityArgs) -> anyhow::Result<()> {
                 a.slo_ms,
                 memory,
                 link,
-                p.host_cpu_busy.map_or(String::new(), |b| format!("{b:.3}"))
+                p.host_cpu_busy.map_or(String::new(), |b| format!("{b:.3}")),
+                a.devices,
             ));
         }
         super::append_csv(path, CSV_HEADER, &lines)?;
@@ -535,8 +549,11 @@ mod tests {
             "928MiB",
             "--capacity",
             "1084MiB",
+            "--devices",
+            "4",
         ];
         let a = UpCli::try_parse_from(argv).unwrap().up;
+        assert_eq!(a.devices, 4);
         assert_eq!(a.rate, 150.0);
         assert_eq!(a.duration, Some(Duration::from_millis(1500)));
         assert_eq!(a.models, Some(8));
@@ -565,6 +582,7 @@ mod tests {
             assert!(e.contains("--executor cuda"), "{e}");
         }
         assert!(Cli::try_parse_from(["capacity", "--executor", "cpu"]).is_err());
+        assert!(Cli::try_parse_from(["capacity", "--devices", "0"]).is_err());
     }
 
     #[cfg(feature = "cuda")]
