@@ -1,5 +1,6 @@
-//! Blocking client of a runtime's request port (tests, benches, the
-//! dispatcher to come).
+//! Blocking client of a runtime's request port, or of the dispatcher's
+//! client port, which speaks the same protocol (`distmind client`, tests,
+//! benches).
 //!
 //! [`RuntimeClient::infer`] sends one request and waits for its reply. For
 //! pipelining, [`RuntimeClient::send_infer`] queues requests without waiting

@@ -1,7 +1,8 @@
-//! The GPU server side. This release holds the fetch path: reading every
-//! group of a model from the memory servers that hold its slices into host
-//! memory, group 0 first, with bounded bytes in flight, replica fallback, and
-//! a group made visible only once its checksum matched.
+//! The GPU server (`distmind runtime`): the fetch path from the memory
+//! servers into a host cache ([`fetch`], [`cache`]), device residency and
+//! executors ([`device`], [`exec`]), the pipelined request path
+//! ([`pipeline`]), the server the dispatcher talks to ([`server`]), and
+//! training stages ([`dist`], [`train`]). `ARCHITECTURE.md` draws its shape.
 #![deny(unsafe_code)]
 
 pub mod cache;
