@@ -9,9 +9,17 @@
 //! one `cudaMemcpyAsync` from pinned memory).
 //!
 //! * [`HostCache::reserve`] finds a free run first-fit over a free-block
-//!   bitmap, evicting least-recently-used models that no reader holds until
-//!   one fits. A model larger than the cache, or a cache whose models are all
-//!   in use, is a clear error naming the sizes.
+//!   bitmap, evicting models that no reader holds until one fits: first
+//!   those a device of this server holds, the one that ran there most
+//!   recently first, then the least recently used ([`HostCache::device_uses`]
+//!   says which models the devices hold). A model a device holds needs no
+//!   host copy until the device evicts it, and a device evicts its least
+//!   recently used model: so host memory keeps the models that device memory
+//!   does not, and the ones it will give up next (host and device memory
+//!   together hold more of the set than with plain LRU, where host memory
+//!   mostly duplicates what the devices hold). A model larger than the
+//!   cache, or a cache whose models are all in use, is a clear error naming
+//!   the sizes.
 //! * [`HostCache::fill`] fetches a reserved model into its run through the
 //!   cache's fetch engine ([`crate::fetch::engine`]: one thread per cache
 //!   that owns the transport's completions; fills of different models from
@@ -44,6 +52,7 @@ use crossbeam::channel;
 use distmind_common::proto::ModelEntry;
 use distmind_transport::{HostBuffer, HugePages, MemoryError, RegionId, Transport, TransportError};
 
+use crate::device::DeviceUses;
 use crate::fetch::engine::{Engine, JobSink};
 use crate::fetch::{FetchError, FetchOptions, FetchReport};
 
@@ -335,6 +344,8 @@ struct Inner {
     table: Mutex<Table>,
     /// Bytes read by completed fills.
     fetched_bytes: AtomicU64,
+    /// What the server's devices hold (the eviction order reads it).
+    device_uses: Arc<DeviceUses>,
 }
 
 impl Inner {
@@ -432,9 +443,17 @@ impl HostCache {
                 region,
                 table: Mutex::new(table),
                 fetched_bytes: AtomicU64::new(0),
+                device_uses: Arc::default(),
             }),
             engine,
         })
+    }
+
+    /// Where this server's devices report the models they hold
+    /// ([`Residency::report_uses_to`](crate::device::Residency::report_uses_to)):
+    /// the cache evicts those first (see the module's doc).
+    pub fn device_uses(&self) -> &Arc<DeviceUses> {
+        &self.inner.device_uses
     }
 
     pub fn capacity_bytes(&self) -> u64 {
@@ -600,12 +619,17 @@ impl HostCache {
             if let Some(b) = t.find_run(n) {
                 break b;
             }
-            // Evict the least recently used model no one holds.
+            // Evict a model no one holds: one a device holds first, the
+            // most recently run there first, else the least recently used.
+            let uses = &inner.device_uses;
             let victim = t
                 .entries
                 .iter()
                 .filter(|(_, e)| e.pins == 0 && !e.doomed)
-                .min_by_key(|(_, e)| e.last_used)
+                .min_by_key(|(_, e)| match uses.last_use(&e.slot.name) {
+                    Some(ran) => (0, u64::MAX - ran),
+                    None => (1, e.last_used),
+                })
                 .map(|(id, _)| *id);
             let Some(victim) = victim else {
                 let mut in_use: Vec<String> = t
@@ -1087,6 +1111,31 @@ mod tests {
         let e = c.reserve("e", &[2 * BLOCK]).unwrap();
         assert_eq!(e.blocks(), (2, 2));
         assert!(c.contains("d") && c.contains("e") && !c.contains("a") && !c.contains("c"));
+        assert_eq!(c.stats().evictions, 3);
+    }
+
+    #[test]
+    fn cache_evicts_what_a_device_holds_first_the_most_recently_run_first() {
+        let (c, _) = cache(4);
+        for m in ["a", "b", "c", "d"] {
+            drop(c.reserve(m, &[BLOCK]).unwrap());
+        }
+        // Devices hold "b" and "c" ("c" ran last); "a" is the host's LRU.
+        let uses = c.device_uses();
+        uses.used("b", 0);
+        uses.used("c", 1);
+        drop(c.reserve("e", &[BLOCK]).unwrap());
+        assert!(
+            !c.contains("c"),
+            "the model that ran on a device last goes first"
+        );
+        drop(c.reserve("f", &[BLOCK]).unwrap());
+        assert!(!c.contains("b") && c.contains("a") && c.contains("d"));
+        // Off its device, "b" is worth a host copy again; with no device
+        // holding any cached model, plain LRU: "a" goes before "d".
+        uses.left("b", 0);
+        drop(c.reserve("b", &[BLOCK]).unwrap());
+        assert!(!c.contains("a") && c.contains("d") && c.contains("b"));
         assert_eq!(c.stats().evictions, 3);
     }
 

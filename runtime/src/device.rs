@@ -12,7 +12,7 @@
 //! on the same gates.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use crate::exec::{Arena, ExecError, Program};
 use crate::pipeline::{GroupGates, StageThreads};
@@ -137,11 +137,109 @@ struct Inner {
     capacity_bytes: u64,
     max_models: usize,
     table: Mutex<Table>,
+    /// The device's ordinal, as [`DeviceUses`] records it.
+    ordinal: u32,
+    uses: OnceLock<Arc<DeviceUses>>,
 }
 
 impl Inner {
     fn table(&self) -> MutexGuard<'_, Table> {
         self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn used(&self, model: &str) {
+        if let Some(u) = self.uses.get() {
+            u.used(model, self.ordinal);
+        }
+    }
+
+    /// [`Table::doom`], reported to the [`DeviceUses`].
+    fn doom(&self, t: &mut Table, id: u64) -> bool {
+        if let (Some(u), Some(e)) = (self.uses.get(), t.entries.get(&id)) {
+            if !e.doomed {
+                u.left(&e.model.name, self.ordinal);
+            }
+        }
+        t.doom(id)
+    }
+}
+
+/// Which models the devices of one GPU server hold, and in what order they
+/// last ran there: the host cache's eviction rule reads it
+/// ([`crate::cache`]: a model a device holds is evicted from host memory
+/// before one no device holds). Each device's [`Residency`] reports to it
+/// (see [`Residency::report_uses_to`]). Bounded by the models resident on
+/// the server's devices: a model leaves when no device holds it.
+#[derive(Debug, Default)]
+pub struct DeviceUses(Mutex<UsesTable>);
+
+#[derive(Debug, Default)]
+struct UsesTable {
+    tick: u64,
+    models: HashMap<String, OnDevices>,
+}
+
+#[derive(Debug)]
+struct OnDevices {
+    /// Ordinals of the devices that hold the model (a few).
+    devices: Vec<u32>,
+    /// When it last ran, or was loaded, on any of them (`UsesTable::tick`).
+    last: u64,
+}
+
+impl DeviceUses {
+    fn table(&self) -> MutexGuard<'_, UsesTable> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `model` was loaded onto, or ran on, `device`.
+    pub fn used(&self, model: &str, device: u32) {
+        let mut t = self.table();
+        t.tick += 1;
+        let tick = t.tick;
+        match t.models.get_mut(model) {
+            Some(on) => {
+                if !on.devices.contains(&device) {
+                    on.devices.push(device);
+                }
+                on.last = tick;
+            }
+            None => {
+                t.models.insert(
+                    model.to_string(),
+                    OnDevices {
+                        devices: vec![device],
+                        last: tick,
+                    },
+                );
+            }
+        }
+    }
+
+    /// `device` no longer holds `model` (evicted or discarded).
+    pub fn left(&self, model: &str, device: u32) {
+        let mut t = self.table();
+        if let Some(on) = t.models.get_mut(model) {
+            on.devices.retain(|&d| d != device);
+            if on.devices.is_empty() {
+                t.models.remove(model);
+            }
+        }
+    }
+
+    /// When `model` last ran on a device of this server that holds it (a
+    /// larger value is more recent); `None` when no device holds it.
+    pub fn last_use(&self, model: &str) -> Option<u64> {
+        self.table().models.get(model).map(|on| on.last)
+    }
+
+    /// Models some device holds.
+    pub fn len(&self) -> usize {
+        self.table().models.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -156,7 +254,7 @@ impl Residency {
     /// `max_models` resident at once (at least 1). Starts the device's
     /// stage threads (named after no device: see [`Residency::for_device`]).
     pub fn new(capacity_bytes: u64, max_models: usize) -> Self {
-        Residency::named("device", capacity_bytes, max_models, 0)
+        Residency::named("device", 0, capacity_bytes, max_models, 0)
     }
 
     /// [`Residency::new`] for device `ordinal`, whose stage threads are
@@ -171,21 +269,37 @@ impl Residency {
     ) -> Self {
         Residency::named(
             &format!("device {ordinal}"),
+            ordinal,
             capacity_bytes,
             max_models,
             stage_nice,
         )
     }
 
-    fn named(name: &str, capacity_bytes: u64, max_models: usize, stage_nice: i32) -> Self {
+    fn named(
+        name: &str,
+        ordinal: u32,
+        capacity_bytes: u64,
+        max_models: usize,
+        stage_nice: i32,
+    ) -> Self {
         Residency {
             inner: Arc::new(Inner {
                 capacity_bytes,
                 max_models: max_models.max(1),
                 table: Mutex::new(Table::default()),
+                ordinal,
+                uses: OnceLock::new(),
             }),
             stages: StageThreads::new(name, stage_nice),
         }
+    }
+
+    /// Reports every load, run and eviction on this device to `uses` (the
+    /// host cache's, [`HostCache::device_uses`](crate::cache::HostCache::device_uses)),
+    /// from now on; a second call changes nothing.
+    pub fn report_uses_to(&self, uses: Arc<DeviceUses>) {
+        let _ = self.inner.uses.set(uses);
     }
 
     /// The threads that run this device's fetch-wait and upload stages.
@@ -262,6 +376,7 @@ impl Residency {
         let e = t.entries.get_mut(&id).expect("by_name points at an entry");
         e.pins += 1;
         e.last_used = tick;
+        self.inner.used(model);
         Some(Resident {
             model: e.model.clone(),
             id,
@@ -319,7 +434,7 @@ impl Residency {
                 "device: evicting {} to make room for {model}",
                 t.entries[&victim].model.name
             );
-            t.doom(victim);
+            self.inner.doom(&mut t, victim);
             t.evictions += 1;
         }
         // Built under the lock: evicted arenas are gone (no pins) and a
@@ -350,6 +465,7 @@ impl Residency {
             },
         );
         t.by_name.insert(model.into(), id);
+        self.inner.used(model);
         Ok((
             Resident {
                 model: resident,
@@ -363,7 +479,8 @@ impl Residency {
     /// Drops this resident copy (e.g. after a failed upload) so the next
     /// request loads the model again; the arena is freed with the last pin.
     pub fn discard(&self, r: &Resident) {
-        self.inner.table().doom(r.id);
+        let mut t = self.inner.table();
+        self.inner.doom(&mut t, r.id);
     }
 
     /// Evicts `model`: `None` if not resident, `Some(true)` if its arena was
@@ -371,7 +488,7 @@ impl Residency {
     pub fn evict(&self, model: &str) -> Option<bool> {
         let mut t = self.inner.table();
         let id = *t.by_name.get(model)?;
-        Some(t.doom(id))
+        Some(self.inner.doom(&mut t, id))
     }
 }
 
@@ -428,6 +545,8 @@ impl Drop for Resident {
         e.last_used = tick;
         if e.pins == 0 && e.doomed {
             t.release(self.id);
+        } else if !e.doomed {
+            self.inner.used(&self.model.name);
         }
     }
 }
@@ -502,6 +621,37 @@ mod tests {
         assert_eq!(r.evict("d"), Some(false), "pinned twice");
         drop(d2);
         assert_eq!(r.stats().used_bytes, 70);
+    }
+
+    #[test]
+    fn devices_report_what_they_hold_and_when_it_last_ran() {
+        let uses = Arc::new(DeviceUses::default());
+        let (r0, r1) = (
+            Residency::for_device(0, 100, 2, 0),
+            Residency::for_device(1, 100, 2, 0),
+        );
+        r0.report_uses_to(uses.clone());
+        r1.report_uses_to(uses.clone());
+        drop(admit(&r0, "a", 40).unwrap());
+        drop(admit(&r0, "b", 40).unwrap());
+        drop(admit(&r1, "a", 40).unwrap());
+        assert!(
+            uses.last_use("a") > uses.last_use("b"),
+            "a ran last, on device 1"
+        );
+        drop(r0.get("b").unwrap());
+        assert!(uses.last_use("b") > uses.last_use("a"));
+        // "a" leaves device 0 (its LRU) but device 1 still holds it.
+        drop(admit(&r0, "c", 40).unwrap());
+        assert!(!r0.contains("a") && uses.last_use("a").is_some());
+        assert!(r1.evict("a").is_some());
+        assert_eq!(uses.last_use("a"), None);
+        // A discarded copy leaves too; an unknown model has no use.
+        let (c, _) = admit(&r0, "c", 40).unwrap();
+        r0.discard(&c);
+        drop(c);
+        assert_eq!(uses.last_use("c"), None);
+        assert_eq!(uses.len(), 1, "only b is on a device");
     }
 
     #[test]

@@ -769,6 +769,10 @@ impl RuntimeServer {
             metrics: metrics::Metrics::new(),
             stages: stage::StageWorkers::new(stage_config, config.devices.len()),
         });
+        // The host cache evicts what the devices hold first.
+        for d in &core.devices {
+            d.residency.report_uses_to(core.cache.device_uses().clone());
+        }
         let registry = Arc::new(metrics::registry(&core));
         let mut queues = Vec::with_capacity(config.devices.len());
         let mut workers = Vec::with_capacity(config.devices.len());

@@ -2,7 +2,9 @@
 //! controller's real [`Dispatcher`] deciding, and a model of the GPU
 //! servers, memory servers and links it drives.
 //!
-//! Per GPU server (runtime): one host cache ([`Lru`], the runtime's rule),
+//! Per GPU server (runtime): one host cache ([`Lru`] in the runtime's
+//! order: a model one of its GPUs holds first, the one that ran there last
+//! first, as the runtime's own [`DeviceUses`] records it; then LRU),
 //! its fills (the runtime's fetch engine: every model being fetched at once,
 //! one group on the wire at a time, the lowest group index first and among
 //! equals the oldest fill, so group 0 of every waiting model goes first; a
@@ -50,6 +52,7 @@ use distmind_common::proto::{
 };
 use distmind_controller::dispatch::{Action, Completion, Dispatcher, ReqId};
 use distmind_controller::policy::{Gpu, Micros};
+use distmind_runtime::device::DeviceUses;
 use rand::rngs::StdRng;
 
 use super::lru::Lru;
@@ -356,6 +359,9 @@ struct Wire {
 
 struct Host {
     cache: Lru,
+    /// What its devices hold and when each model last ran there: the
+    /// runtime's own record, which its host cache's eviction order reads.
+    on_devices: DeviceUses,
     /// Models being fetched (at most one per model).
     fills: Vec<Fill>,
     wire: Option<Wire>,
@@ -468,6 +474,7 @@ impl Sim {
         let hosts = (0..cfg.gpu_servers)
             .map(|_| Host {
                 cache: Lru::new(cfg.cache_bytes, usize::MAX),
+                on_devices: DeviceUses::default(),
                 fills: Vec::new(),
                 wire: None,
                 snapshot_seq: 0,
@@ -680,6 +687,9 @@ impl Sim {
                 }
                 for d in &mut self.devices {
                     d.residency.admit(0, stored);
+                    self.hosts[d.runtime]
+                        .on_devices
+                        .used(&self.cfg.names[0], d.device);
                 }
             }
         }
@@ -1046,6 +1056,15 @@ impl Sim {
         }
     }
 
+    /// Model `m` was loaded onto, or ran on, device `gi` (the runtime notes
+    /// a use when a request takes the model and when it lets it go).
+    fn note_device_use(&mut self, gi: usize, m: u32) {
+        let d = &self.devices[gi];
+        self.hosts[d.runtime]
+            .on_devices
+            .used(&self.cfg.names[m as usize], d.device);
+    }
+
     /// Begins `job` on device `gi` (idle).
     fn begin(&mut self, gi: usize, job: Job) -> Result<(), ErrorReply> {
         let m = job.model;
@@ -1067,6 +1086,7 @@ impl Sim {
         if resident {
             self.devices[gi].residency.touch(m);
             self.devices[gi].residency.pin(m);
+            self.note_device_use(gi, m);
             if compute {
                 self.counts.resident += 1;
             }
@@ -1079,7 +1099,7 @@ impl Sim {
             self.at(end, Ev::DeviceDone { gpu: gi, job: seq });
             return Ok(());
         }
-        if self.devices[gi].residency.admit(m, stored).is_none() {
+        let Some(evicted) = self.devices[gi].residency.admit(m, stored) else {
             return Err(ErrorReply::new(
                 ErrorCode::Internal,
                 format!(
@@ -1087,8 +1107,15 @@ impl Sim {
                     self.devices[gi].device, self.cfg.names[m as usize]
                 ),
             ));
+        };
+        let device = self.devices[gi].device;
+        for v in evicted {
+            self.hosts[runtime]
+                .on_devices
+                .left(&self.cfg.names[v as usize], device);
         }
         self.devices[gi].residency.pin(m);
+        self.note_device_use(gi, m);
         let host = &mut self.hosts[runtime];
         if host.cache.contains(m) {
             host.cache.touch(m);
@@ -1120,10 +1147,22 @@ impl Sim {
             self.at(end, Ev::DeviceDone { gpu: gi, job: seq });
             return Ok(());
         }
-        // Cold: reserve in the host cache, then fetch group by group.
-        if host.cache.admit(m, self.cfg.shape.cache_bytes).is_none() {
+        // Cold: reserve in the host cache, then fetch group by group; what
+        // a device holds leaves first, as in the runtime's cache.
+        let names = &self.cfg.names;
+        let uses = &host.on_devices;
+        let admitted = host
+            .cache
+            .admit_by(m, self.cfg.shape.cache_bytes, |v, stamp| {
+                match uses.last_use(&names[v as usize]) {
+                    Some(ran) => (0, u64::MAX - ran),
+                    None => (1, stamp),
+                }
+            });
+        if admitted.is_none() {
             self.devices[gi].residency.unpin(m);
             self.devices[gi].residency.remove(m);
+            host.on_devices.left(&names[m as usize], device);
             return Err(ErrorReply::new(
                 ErrorCode::Internal,
                 format!(
@@ -1336,6 +1375,7 @@ impl Sim {
         let m = run.job.model;
         let runtime = self.devices[gi].runtime;
         self.devices[gi].residency.unpin(m);
+        self.note_device_use(gi, m);
         if run.path != ServePath::DeviceResident {
             self.hosts[runtime].cache.unpin(m);
         }

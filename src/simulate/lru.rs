@@ -1,9 +1,10 @@
 //! A byte budget with least-recently-used eviction of unpinned entries:
-//! the rule of the runtime's host cache (`runtime::cache`: evict the least
-//! recently used model no one holds) and of its device residency
-//! (`runtime::device`: LRU arenas within the device's parameter budget and
-//! at most N models). Those structures hold real memory and arenas, so the
-//! simulator keeps the same rule over model ids.
+//! the rule of the runtime's device residency (`runtime::device`: LRU
+//! arenas within the device's parameter budget and at most N models), and
+//! with an order given ([`Lru::admit_by`]) that of its host cache
+//! (`runtime::cache`: models a device holds first, then LRU). Those
+//! structures hold real memory and arenas, so the simulator keeps the same
+//! rule over model ids.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -60,6 +61,18 @@ impl Lru {
     /// unpinned entries until it fits. Returns the evicted ids, or `None`
     /// (nothing changed) when it cannot fit.
     pub fn admit(&mut self, id: u32, bytes: u64) -> Option<Vec<u32>> {
+        self.admit_by(id, bytes, |_, stamp| (0, stamp))
+    }
+
+    /// [`Lru::admit`], evicting unpinned entries in the order of `key(id,
+    /// stamp)`, lowest first (`stamp`: when the entry was last used, larger
+    /// is more recent).
+    pub fn admit_by(
+        &mut self,
+        id: u32,
+        bytes: u64,
+        key: impl Fn(u32, u64) -> (u8, u64),
+    ) -> Option<Vec<u32>> {
         if self.touch(id) {
             return Some(Vec::new());
         }
@@ -74,8 +87,13 @@ impl Lru {
             return None;
         }
         let mut evicted = Vec::new();
-        let order: Vec<u32> = self.by_stamp.values().copied().collect();
-        for v in order {
+        let mut order: Vec<((u8, u64), u32)> = self
+            .by_stamp
+            .iter()
+            .map(|(&stamp, &v)| (key(v, stamp), v))
+            .collect();
+        order.sort_by_key(|&(k, _)| k);
+        for (_, v) in order {
             if self.used + bytes <= self.capacity && self.entries.len() < self.max_entries {
                 break;
             }
@@ -145,6 +163,19 @@ mod tests {
         l.unpin(2);
         assert_eq!(l.admit(5, 10), Some(vec![2]));
         assert_eq!(l.admit(6, 40), None);
+    }
+
+    #[test]
+    fn admit_by_evicts_in_the_order_given() {
+        let mut l = Lru::new(30, 10);
+        for id in [1, 2, 3] {
+            l.admit(id, 10);
+        }
+        // 2 first, then by recency.
+        let key = |id: u32, stamp: u64| if id == 2 { (0, 0) } else { (1, stamp) };
+        assert_eq!(l.admit_by(4, 10, key), Some(vec![2]));
+        assert_eq!(l.admit_by(5, 20, key), Some(vec![1, 3]));
+        assert_eq!(l.mru(), vec![5, 4]);
     }
 
     #[test]
