@@ -10,16 +10,17 @@
 //!
 //! * [`HostCache::reserve`] finds a free run first-fit over a free-block
 //!   bitmap, evicting models that no reader holds until one fits: first
-//!   those a device of this server holds, the one that ran there most
-//!   recently first, then the least recently used ([`HostCache::device_uses`]
-//!   says which models the devices hold). A model a device holds needs no
-//!   host copy until the device evicts it, and a device evicts its least
-//!   recently used model: so host memory keeps the models that device memory
-//!   does not, and the ones it will give up next (host and device memory
-//!   together hold more of the set than with plain LRU, where host memory
-//!   mostly duplicates what the devices hold). A model larger than the
-//!   cache, or a cache whose models are all in use, is a clear error naming
-//!   the sizes.
+//!   those a device of this server will keep past its next eviction, the
+//!   one that ran there most recently first, then the least recently used
+//!   ([`HostCache::device_uses`] says what the devices hold). A model a
+//!   device holds needs no host copy until the device evicts it, and a
+//!   device evicts its least recently used model: so host memory keeps the
+//!   models device memory does not, and those it gives up next (together
+//!   they hold more of the set than with plain LRU, where host memory
+//!   mostly repeats what the devices hold). A device of one model gives it
+//!   up at its next load, so for such devices the rule is plain LRU. A model
+//!   larger than the cache, or a cache whose models are all in use, is a
+//!   clear error naming the sizes.
 //! * [`HostCache::fill`] fetches a reserved model into its run through the
 //!   cache's fetch engine ([`crate::fetch::engine`]: one thread per cache
 //!   that owns the transport's completions; fills of different models from
@@ -619,14 +620,14 @@ impl HostCache {
             if let Some(b) = t.find_run(n) {
                 break b;
             }
-            // Evict a model no one holds: one a device holds first, the
+            // Evict a model no one holds: one a device keeps first, the
             // most recently run there first, else the least recently used.
             let uses = &inner.device_uses;
             let victim = t
                 .entries
                 .iter()
                 .filter(|(_, e)| e.pins == 0 && !e.doomed)
-                .min_by_key(|(_, e)| match uses.last_use(&e.slot.name) {
+                .min_by_key(|(_, e)| match uses.kept_on_device(&e.slot.name) {
                     Some(ran) => (0, u64::MAX - ran),
                     None => (1, e.last_used),
                 })
@@ -1115,15 +1116,17 @@ mod tests {
     }
 
     #[test]
-    fn cache_evicts_what_a_device_holds_first_the_most_recently_run_first() {
+    fn cache_evicts_what_a_device_keeps_first_the_most_recently_run_first() {
         let (c, _) = cache(4);
         for m in ["a", "b", "c", "d"] {
             drop(c.reserve(m, &[BLOCK]).unwrap());
         }
-        // Devices hold "b" and "c" ("c" ran last); "a" is the host's LRU.
+        // Device 0 ran "x", then "b" and "c" ("c" last): it keeps both past
+        // its next eviction (of "x"). "a" is the host's LRU.
         let uses = c.device_uses();
-        uses.used("b", 0);
-        uses.used("c", 1);
+        for m in ["x", "b", "c"] {
+            uses.used(m, 0);
+        }
         drop(c.reserve("e", &[BLOCK]).unwrap());
         assert!(
             !c.contains("c"),
@@ -1131,9 +1134,11 @@ mod tests {
         );
         drop(c.reserve("f", &[BLOCK]).unwrap());
         assert!(!c.contains("b") && c.contains("a") && c.contains("d"));
-        // Off its device, "b" is worth a host copy again; with no device
-        // holding any cached model, plain LRU: "a" goes before "d".
+        // Off its device, "b" is worth a host copy again. Device 1 holds
+        // "d" alone: it gives "d" up at its next load, so "d" counts as on
+        // no device, and plain LRU takes "a" before "d".
         uses.left("b", 0);
+        uses.used("d", 1);
         drop(c.reserve("b", &[BLOCK]).unwrap());
         assert!(!c.contains("a") && c.contains("d") && c.contains("b"));
         assert_eq!(c.stats().evictions, 3);

@@ -11,7 +11,7 @@
 //! that finds a model still being uploaded by another request simply waits
 //! on the same gates.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use crate::exec::{Arena, ExecError, Program};
@@ -166,25 +166,40 @@ impl Inner {
 
 /// Which models the devices of one GPU server hold, and in what order they
 /// last ran there: the host cache's eviction rule reads it
-/// ([`crate::cache`]: a model a device holds is evicted from host memory
-/// before one no device holds). Each device's [`Residency`] reports to it
-/// (see [`Residency::report_uses_to`]). Bounded by the models resident on
-/// the server's devices: a model leaves when no device holds it.
+/// ([`crate::cache`]: a model a device will keep past its next eviction is
+/// evicted from host memory before the others). Each device's [`Residency`]
+/// reports to it (see [`Residency::report_uses_to`]). Bounded by the models
+/// resident on the server's devices: a model leaves when no device holds it.
 #[derive(Debug, Default)]
 pub struct DeviceUses(Mutex<UsesTable>);
 
 #[derive(Debug, Default)]
 struct UsesTable {
     tick: u64,
-    models: HashMap<String, OnDevices>,
+    /// Per model, the devices that hold it and when it last ran on each.
+    models: HashMap<String, Vec<(u32, u64)>>,
+    /// Per device, its models by when they last ran there (oldest first).
+    devices: HashMap<u32, BTreeMap<u64, String>>,
 }
 
-#[derive(Debug)]
-struct OnDevices {
-    /// Ordinals of the devices that hold the model (a few).
-    devices: Vec<u32>,
-    /// When it last ran, or was loaded, on any of them (`UsesTable::tick`).
-    last: u64,
+impl UsesTable {
+    fn forget(&mut self, model: &str, device: u32) {
+        let Some(on) = self.models.get_mut(model) else {
+            return;
+        };
+        if let Some(i) = on.iter().position(|&(d, _)| d == device) {
+            let (_, tick) = on.swap_remove(i);
+            if let Some(order) = self.devices.get_mut(&device) {
+                order.remove(&tick);
+                if order.is_empty() {
+                    self.devices.remove(&device);
+                }
+            }
+        }
+        if on.is_empty() {
+            self.models.remove(model);
+        }
+    }
 }
 
 impl DeviceUses {
@@ -195,42 +210,43 @@ impl DeviceUses {
     /// `model` was loaded onto, or ran on, `device`.
     pub fn used(&self, model: &str, device: u32) {
         let mut t = self.table();
+        t.forget(model, device);
         t.tick += 1;
         let tick = t.tick;
-        match t.models.get_mut(model) {
-            Some(on) => {
-                if !on.devices.contains(&device) {
-                    on.devices.push(device);
-                }
-                on.last = tick;
-            }
-            None => {
-                t.models.insert(
-                    model.to_string(),
-                    OnDevices {
-                        devices: vec![device],
-                        last: tick,
-                    },
-                );
-            }
-        }
+        t.models
+            .entry(model.to_string())
+            .or_default()
+            .push((device, tick));
+        t.devices
+            .entry(device)
+            .or_default()
+            .insert(tick, model.to_string());
     }
 
     /// `device` no longer holds `model` (evicted or discarded).
     pub fn left(&self, model: &str, device: u32) {
-        let mut t = self.table();
-        if let Some(on) = t.models.get_mut(model) {
-            on.devices.retain(|&d| d != device);
-            if on.devices.is_empty() {
-                t.models.remove(model);
-            }
-        }
+        self.table().forget(model, device);
     }
 
-    /// When `model` last ran on a device of this server that holds it (a
-    /// larger value is more recent); `None` when no device holds it.
-    pub fn last_use(&self, model: &str) -> Option<u64> {
-        self.table().models.get(model).map(|on| on.last)
+    /// When `model` last ran on a device of this server that will keep it
+    /// past that device's next eviction (one where another model ran less
+    /// recently; a device evicts its least recently used model first), a
+    /// larger value more recent; `None` when no device holds it so. A device
+    /// of one model, or a model its device used least recently, is about to
+    /// lose it: its host copy is worth keeping.
+    pub fn kept_on_device(&self, model: &str) -> Option<u64> {
+        let t = self.table();
+        t.models
+            .get(model)?
+            .iter()
+            .filter(|&&(d, tick)| {
+                t.devices
+                    .get(&d)
+                    .and_then(|order| order.keys().next())
+                    .is_some_and(|&oldest| oldest < tick)
+            })
+            .map(|&(_, tick)| tick)
+            .max()
     }
 
     /// Models some device holds.
@@ -624,7 +640,7 @@ mod tests {
     }
 
     #[test]
-    fn devices_report_what_they_hold_and_when_it_last_ran() {
+    fn devices_report_what_they_hold_and_what_they_will_keep() {
         let uses = Arc::new(DeviceUses::default());
         let (r0, r1) = (
             Residency::for_device(0, 100, 2, 0),
@@ -633,25 +649,26 @@ mod tests {
         r0.report_uses_to(uses.clone());
         r1.report_uses_to(uses.clone());
         drop(admit(&r0, "a", 40).unwrap());
+        // Alone on its device, "a" goes with the device's next load.
+        assert_eq!(uses.kept_on_device("a"), None);
         drop(admit(&r0, "b", 40).unwrap());
-        drop(admit(&r1, "a", 40).unwrap());
-        assert!(
-            uses.last_use("a") > uses.last_use("b"),
-            "a ran last, on device 1"
-        );
-        drop(r0.get("b").unwrap());
-        assert!(uses.last_use("b") > uses.last_use("a"));
-        // "a" leaves device 0 (its LRU) but device 1 still holds it.
-        drop(admit(&r0, "c", 40).unwrap());
-        assert!(!r0.contains("a") && uses.last_use("a").is_some());
-        assert!(r1.evict("a").is_some());
-        assert_eq!(uses.last_use("a"), None);
-        // A discarded copy leaves too; an unknown model has no use.
-        let (c, _) = admit(&r0, "c", 40).unwrap();
-        r0.discard(&c);
-        drop(c);
-        assert_eq!(uses.last_use("c"), None);
-        assert_eq!(uses.len(), 1, "only b is on a device");
+        assert!(uses.kept_on_device("b").is_some() && uses.kept_on_device("a").is_none());
+        drop(r0.get("a").unwrap());
+        assert!(uses.kept_on_device("a").is_some() && uses.kept_on_device("b").is_none());
+        // Device 1 holds "b" after "c": kept there.
+        drop(admit(&r1, "c", 40).unwrap());
+        drop(admit(&r1, "b", 40).unwrap());
+        assert!(uses.kept_on_device("b") > uses.kept_on_device("a"));
+        // "b" leaves device 0 (its LRU) but device 1 keeps it.
+        drop(admit(&r0, "d", 40).unwrap());
+        assert!(!r0.contains("b") && uses.kept_on_device("b").is_some());
+        assert!(r1.evict("b").is_some());
+        assert_eq!(uses.kept_on_device("b"), None);
+        // A discarded copy leaves too.
+        let (d, _) = admit(&r0, "d", 40).unwrap();
+        r0.discard(&d);
+        drop(d);
+        assert_eq!(uses.len(), 2, "a on device 0, c on device 1");
     }
 
     #[test]

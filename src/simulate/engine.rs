@@ -3,8 +3,9 @@
 //! servers, memory servers and links it drives.
 //!
 //! Per GPU server (runtime): one host cache ([`Lru`] in the runtime's
-//! order: a model one of its GPUs holds first, the one that ran there last
-//! first, as the runtime's own [`DeviceUses`] records it; then LRU),
+//! order: a model one of its GPUs keeps past its next eviction first, the
+//! one that ran there last first, as the runtime's own [`DeviceUses`]
+//! records it; then LRU),
 //! its fills (the runtime's fetch engine: every model being fetched at once,
 //! one group on the wire at a time, the lowest group index first and among
 //! equals the oldest fill, so group 0 of every waiting model goes first; a
@@ -1154,7 +1155,7 @@ impl Sim {
         let admitted = host
             .cache
             .admit_by(m, self.cfg.shape.cache_bytes, |v, stamp| {
-                match uses.last_use(&names[v as usize]) {
+                match uses.kept_on_device(&names[v as usize]) {
                     Some(ran) => (0, u64::MAX - ran),
                     None => (1, stamp),
                 }

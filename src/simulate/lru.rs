@@ -2,7 +2,7 @@
 //! the rule of the runtime's device residency (`runtime::device`: LRU
 //! arenas within the device's parameter budget and at most N models), and
 //! with an order given ([`Lru::admit_by`]) that of its host cache
-//! (`runtime::cache`: models a device holds first, then LRU). Those
+//! (`runtime::cache`: models a device keeps first, then LRU). Those
 //! structures hold real memory and arenas, so the simulator keeps the same
 //! rule over model ids.
 

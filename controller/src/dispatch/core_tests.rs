@@ -271,26 +271,6 @@ fn a_model_on_its_way_to_a_gpu_stays_in_view_when_an_earlier_batch_answers() {
 }
 
 #[test]
-fn the_host_cache_view_lets_go_of_what_a_gpu_holds_first() {
-    let bytes = |_: u32| 10;
-    let mut c = HostCached::from_mru(vec![3, 2, 1, 0]);
-    // GPUs hold 1 (2nd most recent there) and 2 (the most recent): loading
-    // 4 into 40 bytes pushes out 2, then 1, before 0 (the least recent).
-    let on_gpu = |m: u32| match m {
-        1 => Some(1),
-        2 => Some(0),
-        _ => None,
-    };
-    c.load(4, 40, bytes, on_gpu);
-    assert_eq!(c.iter().collect::<Vec<_>>(), vec![4, 3, 1, 0]);
-    // Then 1, then the least recent (0).
-    c.load(5, 30, bytes, on_gpu);
-    assert_eq!(c.iter().collect::<Vec<_>>(), vec![5, 4, 3]);
-    c.load(6, 30, bytes, on_gpu);
-    assert_eq!(c.iter().collect::<Vec<_>>(), vec![6, 5, 4]);
-}
-
-#[test]
 fn the_host_cache_view_keeps_what_fits_most_recent_first() {
     let bytes = |m: u32| [40, 30, 30, 50][m as usize];
     let mut c = HostCached::from_mru(vec![2, 1, 2]);
@@ -303,17 +283,17 @@ fn the_host_cache_view_keeps_what_fits_most_recent_first() {
     assert_eq!(c.iter().collect::<Vec<_>>(), vec![2, 1, 0]);
     // 100 bytes hold 0, 1 and 2 (100); loading 3 (50) pushes out the least
     // recent until it fits: 0, then 1.
-    c.load(3, 100, bytes, |_| None);
+    c.load(3, 100, bytes);
     assert_eq!(c.iter().collect::<Vec<_>>(), vec![3, 2]);
     assert!(!c.contains(&0) && !c.contains(&1) && c.contains(&3));
     // Loading one already there makes it the most recent.
-    c.load(2, 100, bytes, |_| None);
+    c.load(2, 100, bytes);
     assert_eq!(c.iter().collect::<Vec<_>>(), vec![2, 3]);
     // A model larger than the cache stays alone; 0 bytes: no bound.
-    c.load(0, 10, bytes, |_| None);
+    c.load(0, 10, bytes);
     assert_eq!(c.iter().collect::<Vec<_>>(), vec![0]);
-    c.load(1, 0, bytes, |_| None);
-    c.load(3, 0, bytes, |_| None);
+    c.load(1, 0, bytes);
+    c.load(3, 0, bytes);
     assert_eq!(c.iter().collect::<Vec<_>>(), vec![3, 1, 0]);
     c.remove(&1);
     assert_eq!(c.iter().collect::<Vec<_>>(), vec![3, 0]);
@@ -2166,10 +2146,9 @@ fn the_devices_warm_up_run_teaches_the_cost_model_nothing() {
 /// The dispatcher's view of a host cache holds what the cache's bytes hold:
 /// it used to keep every model ever routed through it until the next
 /// snapshot, and routed loads as host-cached that went to the memory
-/// servers. Which model goes follows the runtime's cache: one the GPU holds,
-/// the most recently used there first.
+/// servers.
 #[test]
-fn a_load_pushes_a_model_out_of_the_host_cache_view() {
+fn a_load_pushes_the_least_recent_model_out_of_the_host_cache_view() {
     let mut d = dispatcher(PolicyKind::Slo, 1);
     // Room for two of the 10 MB models.
     let snap = RuntimeSnapshot {
@@ -2187,10 +2166,8 @@ fn a_load_pushes_a_model_out_of_the_host_cache_view() {
         d.submit(0, m, Some(10_000.0), &mut out);
     }
     assert!(failed(&out).is_empty(), "{out:?}");
-    // Loaded through the cache in the order a, b, c, all onto the GPU: c
-    // pushes out b, which ran there after a (the GPU gives a up first, and
-    // the host keeps a copy of it).
-    assert_eq!(d.where_on_host(0, ms[0]), Where::HostCached);
-    assert_eq!(d.where_on_host(0, ms[1]), Where::Remote);
+    // Loaded through the cache in the order a, b, c: a is out.
+    assert_eq!(d.where_on_host(0, ms[0]), Where::Remote);
+    assert_eq!(d.where_on_host(0, ms[1]), Where::HostCached);
     assert_eq!(d.where_on_host(0, ms[2]), Where::HostCached);
 }
