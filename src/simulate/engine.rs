@@ -1149,7 +1149,7 @@ impl Sim {
             return Ok(());
         }
         // Cold: reserve in the host cache, then fetch group by group; what
-        // a device holds leaves first, as in the runtime's cache.
+        // a device keeps leaves first, as in the runtime's cache.
         let names = &self.cfg.names;
         let uses = &host.on_devices;
         let admitted = host
