@@ -207,20 +207,30 @@ impl DeviceUses {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// `model` was loaded onto, or ran on, `device`.
+    /// `model` was loaded onto, or ran on, `device`. Called twice per
+    /// request (when it takes the model and when it lets go): a model
+    /// already on the device only moves in the device's order, with no
+    /// allocation.
     pub fn used(&self, model: &str, device: u32) {
         let mut t = self.table();
-        t.forget(model, device);
         t.tick += 1;
         let tick = t.tick;
-        t.models
-            .entry(model.to_string())
-            .or_default()
-            .push((device, tick));
-        t.devices
-            .entry(device)
-            .or_default()
-            .insert(tick, model.to_string());
+        let UsesTable {
+            models, devices, ..
+        } = &mut *t;
+        let order = devices.entry(device).or_default();
+        if let Some(on) = models.get_mut(model) {
+            if let Some(at) = on.iter_mut().find(|(d, _)| *d == device) {
+                let name = order.remove(&at.1).unwrap_or_else(|| model.to_string());
+                order.insert(tick, name);
+                at.1 = tick;
+                return;
+            }
+            on.push((device, tick));
+        } else {
+            models.insert(model.to_string(), vec![(device, tick)]);
+        }
+        order.insert(tick, model.to_string());
     }
 
     /// `device` no longer holds `model` (evicted or discarded).
