@@ -160,6 +160,12 @@ struct RuntimeCmd {
     /// (the host cache must hold them all).
     #[arg(long)]
     preload: bool,
+    /// Do not fetch a model the device evicted back into the host cache in the background (by
+    /// default a GPU server of one device does, one at a time while no other fetch runs, in
+    /// place of a copy of a model the device keeps; servers of several devices and baselines
+    /// never do).
+    #[arg(long)]
+    no_host_refill: bool,
     #[command(flatten)]
     emulate: distmind::emulate::EmulateArgs,
 }
@@ -620,6 +626,7 @@ fn run(command: Command) -> anyhow::Result<()> {
                 resident_max: r.resident_max,
                 whole_model: r.whole_model,
                 preload: r.preload,
+                no_host_refill: r.no_host_refill,
                 emulate: emulated,
             })
         }

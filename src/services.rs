@@ -524,6 +524,8 @@ pub struct RuntimeArgs<'a> {
     pub whole_model: bool,
     /// Keep every catalog model in the host cache (default: the baseline's, else off).
     pub preload: bool,
+    /// No background refills of the host cache (always off for baselines).
+    pub no_host_refill: bool,
     /// Emulated link (resolved by the caller, which also built the executor
     /// with its dilation): the tcp reads are held to its loopback rate.
     pub emulate: Option<distmind_common::emulate::EmulatedLink>,
@@ -617,6 +619,7 @@ pub fn run_runtime(args: RuntimeArgs<'_>) -> anyhow::Result<()> {
     );
     config.whole_model = args.whole_model || whole;
     config.preload = args.preload || preload;
+    config.host_refill = !args.no_host_refill && args.baseline.is_none();
     let host = config
         .advertise
         .as_deref()

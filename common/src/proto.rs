@@ -1050,6 +1050,9 @@ pub struct HostCacheStats {
     pub hits: u64,
     pub misses: u64,
     pub evictions: u64,
+    /// Models a device evicted that were fetched back in the background.
+    #[serde(default)]
+    pub refills: u64,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -21,6 +21,14 @@
 //!   up at its next load, so for such devices the rule is plain LRU. A model
 //!   larger than the cache, or a cache whose models are all in use, is a
 //!   clear error naming the sizes.
+//! * [`HostCache::refill`] takes back in the background what a device
+//!   evicted ([`Residency::on_evict`](crate::device::Residency::on_evict);
+//!   the server does so when it has one device),
+//!   in place of copies of models a device keeps and only while no other
+//!   fill is under way (one refill at a time): host memory then holds what the
+//!   devices gave up, and together they hold more of the set. Its reads go
+//!   after every waited-for fill's, in a smaller window, until a request
+//!   finds the model and waits for it.
 //! * [`HostCache::fill`] fetches a reserved model into its run through the
 //!   cache's fetch engine ([`crate::fetch::engine`]: one thread per cache
 //!   that owns the transport's completions; fills of different models from
@@ -45,7 +53,7 @@
 //! completed, then deregisters the buffer.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -197,6 +205,8 @@ pub struct CacheStats {
     pub evictions: u64,
     /// Bytes read from memory servers by completed fills.
     pub fetched_bytes: u64,
+    /// Background refills begun ([`HostCache::refill`]).
+    pub refills: u64,
 }
 
 /// Whether a lookup found the model.
@@ -247,6 +257,9 @@ struct Slot {
     bytes: u64,
     fill: Mutex<Fill>,
     cv: Condvar,
+    /// Set while the slot is refilled in the background and no one waits
+    /// for it (the fetch engine reads it; see [`HostCache::refill`]).
+    background: Arc<AtomicBool>,
 }
 
 impl Slot {
@@ -299,18 +312,19 @@ impl Table {
 
     /// First-fit run of `n` free blocks.
     fn find_run(&self, n: usize) -> Option<usize> {
-        let mut run = 0;
-        for (b, &free) in self.free.iter().enumerate() {
-            if free {
-                run += 1;
-                if run == n {
-                    return Some(b + 1 - n);
-                }
-            } else {
-                run = 0;
+        first_fit(&self.free, n)
+    }
+
+    /// Whether a run of `n` blocks would be free once every unpinned model
+    /// that `may_evict` names were evicted.
+    fn fits_evicting(&self, n: usize, may_evict: impl Fn(&Slot) -> bool) -> bool {
+        let mut free = self.free.clone();
+        for e in self.entries.values() {
+            if e.pins == 0 && !e.doomed && may_evict(&e.slot) {
+                free[e.slot.first_block..e.slot.first_block + e.slot.blocks].fill(true);
             }
         }
-        None
+        first_fit(&free, n).is_some()
     }
 
     /// Takes the model out of the lookup table; frees its blocks now if no
@@ -332,6 +346,22 @@ impl Table {
     }
 }
 
+/// First-fit run of `n` free blocks in `free`.
+fn first_fit(free: &[bool], n: usize) -> Option<usize> {
+    let mut run = 0;
+    for (b, &free) in free.iter().enumerate() {
+        if free {
+            run += 1;
+            if run == n {
+                return Some(b + 1 - n);
+            }
+        } else {
+            run = 0;
+        }
+    }
+    None
+}
+
 struct Inner {
     /// Declared before `buf`: the registration is undone before this
     /// `Inner`'s reference to the buffer goes (no upload is in flight by
@@ -345,6 +375,8 @@ struct Inner {
     table: Mutex<Table>,
     /// Bytes read by completed fills.
     fetched_bytes: AtomicU64,
+    /// Refills begun ([`HostCache::refill`]).
+    refills: AtomicU64,
     /// What the server's devices hold (the eviction order reads it).
     device_uses: Arc<DeviceUses>,
 }
@@ -444,6 +476,7 @@ impl HostCache {
                 region,
                 table: Mutex::new(table),
                 fetched_bytes: AtomicU64::new(0),
+                refills: AtomicU64::new(0),
                 device_uses: Arc::default(),
             }),
             engine,
@@ -485,6 +518,7 @@ impl HostCache {
             misses: t.misses,
             evictions: t.evictions,
             fetched_bytes: self.inner.fetched_bytes.load(Ordering::Relaxed),
+            refills: self.inner.refills.load(Ordering::Relaxed),
         }
     }
 
@@ -533,6 +567,8 @@ impl HostCache {
         t.touch(id);
         let e = t.entries.get_mut(&id).expect("by_name points at an entry");
         e.pins += 1;
+        // Someone waits for it now: a background refill goes at full speed.
+        e.slot.background.store(false, Ordering::Relaxed);
         Some(CachedModel {
             slot: e.slot.clone(),
             cache: self.inner.clone(),
@@ -548,7 +584,7 @@ impl HostCache {
         if t.by_name.contains_key(model) {
             return Err(CacheError::Exists(model.into()));
         }
-        self.reserve_locked(&mut t, model, group_bytes)
+        self.reserve_locked(&mut t, model, group_bytes, Evict::Any)
     }
 
     /// The model if cached ([`Lookup::Hit`]), otherwise a fresh reservation
@@ -576,7 +612,7 @@ impl HostCache {
             return Ok((m, Lookup::Hit));
         }
         Ok((
-            self.reserve_locked(&mut t, model, group_bytes)?,
+            self.reserve_locked(&mut t, model, group_bytes, Evict::Any)?,
             Lookup::Miss,
         ))
     }
@@ -586,6 +622,7 @@ impl HostCache {
         t: &mut Table,
         model: &str,
         group_bytes: &[u64],
+        evict: Evict,
     ) -> Result<CachedModel, CacheError> {
         let inner = &self.inner;
         let mut groups = Vec::with_capacity(group_bytes.len());
@@ -616,22 +653,37 @@ impl HostCache {
             });
         }
         let n = n as usize;
+        let uses = &inner.device_uses;
+        if evict == Evict::KeptOnly
+            && !t.fits_evicting(n, |s| uses.kept_on_device(&s.name).is_some())
+        {
+            return Err(CacheError::Full {
+                model: model.into(),
+                bytes,
+                blocks: n as u64,
+                capacity: inner.capacity(),
+                used: t.free.iter().filter(|f| !**f).count() as u64 * inner.block_bytes,
+                free_blocks: t.free.iter().filter(|f| **f).count() as u64,
+                in_use: "(a refill evicts only copies of models a device keeps)".into(),
+            });
+        }
         let first = loop {
             if let Some(b) = t.find_run(n) {
                 break b;
             }
             // Evict a model no one holds: one a device keeps first, the
             // most recently run there first, else the least recently used.
-            let uses = &inner.device_uses;
             let victim = t
                 .entries
                 .iter()
                 .filter(|(_, e)| e.pins == 0 && !e.doomed)
-                .min_by_key(|(_, e)| match uses.kept_on_device(&e.slot.name) {
-                    Some(ran) => (0, u64::MAX - ran),
-                    None => (1, e.last_used),
+                .map(|(id, e)| match uses.kept_on_device(&e.slot.name) {
+                    Some(ran) => ((0, u64::MAX - ran), *id),
+                    None => ((1, e.last_used), *id),
                 })
-                .map(|(id, _)| *id);
+                .filter(|((class, _), _)| evict == Evict::Any || *class == 0)
+                .min()
+                .map(|(_, id)| id);
             let Some(victim) = victim else {
                 let mut in_use: Vec<String> = t
                     .entries
@@ -676,6 +728,7 @@ impl HostCache {
             }),
             groups,
             cv: Condvar::new(),
+            background: Arc::new(AtomicBool::new(false)),
         });
         t.entries.insert(
             id,
@@ -714,6 +767,121 @@ impl HostCache {
                 slot.name
             )));
         }
+        self.start_fill(model, entry)?;
+        // One event per group and the outcome: the engine never waits on it.
+        let (tx, rx) = channel::bounded(slot.groups.len() + 1);
+        self.submit(model, entry, opts, None, tx)?;
+        loop {
+            match rx.recv() {
+                Ok(FillEvent::Group(g)) => on_group_ready(g),
+                Ok(FillEvent::Done(Ok(report))) => return Ok(report),
+                Ok(FillEvent::Done(Err(source))) => {
+                    return Err(CacheError::Fetch {
+                        model: slot.name.clone(),
+                        source,
+                    })
+                }
+                Err(_) => {
+                    // The sink went without an outcome: the engine died.
+                    let source = FetchError::Aborted {
+                        model: slot.name.clone(),
+                        why: "the fetch engine stopped during the fill".into(),
+                    };
+                    fail_slot(&self.inner, slot, source.to_string());
+                    return Err(CacheError::Fetch {
+                        model: slot.name.clone(),
+                        source,
+                    });
+                }
+            }
+        }
+    }
+
+    /// Fetches `entry`'s model into host memory in the background, when it
+    /// is not there and room can be made without evicting anything but
+    /// copies of models a device keeps past its next eviction (see the
+    /// module's doc), and while no other fill runs (a request's, or another
+    /// refill: one at a time, so that background work stays bounded). For a model
+    /// a device just evicted: host memory then holds it in place of a model
+    /// that device holds, and its next request uploads it from here instead
+    /// of pulling it over the network. The fill's reads go after every
+    /// waited-for fill's; a request that finds the model filling waits for
+    /// its groups and lifts it to full speed. Returns whether a refill
+    /// began, without waiting for its bytes.
+    pub fn refill(&self, entry: &ModelEntry, opts: FetchOptions) -> Result<bool, CacheError> {
+        // Fills under way: held reservations, a request's or another
+        // refill's (slot locks are taken after the table lock is released).
+        let slots: Vec<Arc<Slot>> = {
+            let t = self.inner.table();
+            t.entries
+                .values()
+                .filter(|e| e.pins > 0 && !e.doomed)
+                .map(|e| e.slot.clone())
+                .collect()
+        };
+        if slots
+            .iter()
+            .any(|s| matches!(s.lock().state, FillState::Reserved | FillState::Filling))
+        {
+            return Ok(false);
+        }
+        let group_bytes: Vec<u64> = entry.groups.iter().map(|g| g.bytes).collect();
+        let model = {
+            let mut t = self.inner.table();
+            if t.by_name.contains_key(&entry.name) {
+                return Ok(false);
+            }
+            let m = match self.reserve_locked(&mut t, &entry.name, &group_bytes, Evict::KeptOnly) {
+                Ok(m) => m,
+                Err(CacheError::Full { .. }) => return Ok(false),
+                Err(e) => return Err(e),
+            };
+            // Under the table lock: a lookup that finds it clears it.
+            m.slot.background.store(true, Ordering::Relaxed);
+            m
+        };
+        let slot = &model.slot;
+        self.start_fill(&model, entry)?;
+        // No one listens: the sink's pin keeps the blocks until the fill
+        // is over.
+        let (tx, _) = channel::bounded(1);
+        self.submit(&model, entry, opts, Some(slot.background.clone()), tx)?;
+        self.inner.refills.fetch_add(1, Ordering::Relaxed);
+        log::debug!("host cache: refilling {} in the background", entry.name);
+        Ok(true)
+    }
+
+    /// Hands a filling model's fetch to the engine; its sink pins the model
+    /// until the fetch is over and tells `events` of it. A fetch the engine
+    /// does not take fails the model.
+    fn submit(
+        &self,
+        model: &CachedModel,
+        entry: &ModelEntry,
+        opts: FetchOptions,
+        background: Option<Arc<AtomicBool>>,
+        events: channel::Sender<FillEvent>,
+    ) -> Result<(), CacheError> {
+        let slot = &model.slot;
+        let sink = FillSink {
+            model: Some(model.clone()),
+            events,
+        };
+        self.engine
+            .submit(entry, slot.base, opts, background, Box::new(sink))
+            .map_err(|source| {
+                fail_slot(&self.inner, slot, source.to_string());
+                CacheError::Fetch {
+                    model: slot.name.clone(),
+                    source,
+                }
+            })
+    }
+
+    /// Checks a reservation against its catalog entry and marks it
+    /// filling; a mismatch fails the reservation.
+    fn start_fill(&self, model: &CachedModel, entry: &ModelEntry) -> Result<(), CacheError> {
+        let slot = &model.slot;
         {
             let mut f = slot.lock();
             if f.state != FillState::Reserved {
@@ -746,43 +914,7 @@ impl HostCache {
             }
             f.state = FillState::Filling;
         }
-        // One event per group and the outcome: the engine never waits on it.
-        let (tx, rx) = channel::bounded(slot.groups.len() + 1);
-        let sink = FillSink {
-            model: Some(model.clone()),
-            events: tx,
-        };
-        if let Err(source) = self.engine.submit(entry, slot.base, opts, Box::new(sink)) {
-            fail_slot(&self.inner, slot, source.to_string());
-            return Err(CacheError::Fetch {
-                model: slot.name.clone(),
-                source,
-            });
-        }
-        loop {
-            match rx.recv() {
-                Ok(FillEvent::Group(g)) => on_group_ready(g),
-                Ok(FillEvent::Done(Ok(report))) => return Ok(report),
-                Ok(FillEvent::Done(Err(source))) => {
-                    return Err(CacheError::Fetch {
-                        model: slot.name.clone(),
-                        source,
-                    })
-                }
-                Err(_) => {
-                    // The sink went without an outcome: the engine died.
-                    let source = FetchError::Aborted {
-                        model: slot.name.clone(),
-                        why: "the fetch engine stopped during the fill".into(),
-                    };
-                    fail_slot(&self.inner, slot, source.to_string());
-                    return Err(CacheError::Fetch {
-                        model: slot.name.clone(),
-                        source,
-                    });
-                }
-            }
-        }
+        Ok(())
     }
 
     /// Cache-out: the model leaves the lookup table now; its blocks are freed
@@ -819,6 +951,15 @@ enum FillEvent {
 /// visible and settles the model's state as soon as the engine knows, then
 /// tells the filling thread. Its pin keeps the model's blocks from reuse
 /// until the job's last read completed.
+/// What a reservation may evict to make room.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Evict {
+    /// Any model no one holds (the module's order).
+    Any,
+    /// Only copies of models a device keeps past its next eviction.
+    KeptOnly,
+}
+
 struct FillSink {
     model: Option<CachedModel>,
     events: channel::Sender<FillEvent>,
@@ -1142,6 +1283,63 @@ mod tests {
         drop(c.reserve("b", &[BLOCK]).unwrap());
         assert!(!c.contains("a") && c.contains("d") && c.contains("b"));
         assert_eq!(c.stats().evictions, 3);
+    }
+
+    #[test]
+    fn refill_takes_only_the_place_of_what_a_device_keeps_and_waits_for_waited_fills() {
+        let (c, fabric) = cache(3);
+        let fill = |name: &str| {
+            let (entry, _) = model(&fabric, name, 1, BLOCK as usize);
+            let m = c.reserve(name, &[BLOCK]).unwrap();
+            c.fill(&m, &entry, FetchOptions::default(), &mut |_| {})
+                .unwrap();
+        };
+        for m in ["a", "b", "c"] {
+            fill(m);
+        }
+        // Device 0 ran "x" then "b": it keeps "b" past its next eviction.
+        let uses = c.device_uses();
+        uses.used("x", 0);
+        uses.used("b", 0);
+        let (d, bytes) = model(&fabric, "d", 1, BLOCK as usize);
+        assert!(c.refill(&d, FetchOptions::default()).unwrap());
+        assert!(!c.contains("b") && c.contains("a") && c.contains("c"));
+        let got = c.get("d").expect("being refilled");
+        assert!(
+            !got.slot.background.load(Ordering::Relaxed),
+            "a lookup lifts a refill to full speed"
+        );
+        assert_eq!(
+            got.wait_group(0, Duration::from_secs(30)).unwrap(),
+            &bytes[..]
+        );
+        // Its group is visible a moment before the fill is over.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !got.is_complete() {
+            assert!(Instant::now() < deadline, "the refill never completed");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        drop(got);
+        let s = c.stats();
+        assert_eq!((s.refills, s.evictions, s.models), (1, 1, 3));
+        // No host copy of a kept model left: "e" would take a model no
+        // device holds, so it is not refilled, and nothing is evicted.
+        let (e, _) = model(&fabric, "e", 1, BLOCK as usize);
+        assert!(!c.refill(&e, FetchOptions::default()).unwrap());
+        assert!(c.contains("a") && c.contains("c") && c.contains("d"));
+        // Already here: nothing to do.
+        assert!(!c.refill(&d, FetchOptions::default()).unwrap());
+        // While a fill someone waits for is reserved, none begins.
+        uses.used("c", 0);
+        let waited = c.reserve("f", &[BLOCK]).unwrap();
+        assert!(!c.contains("c"), "the reservation took the kept copy");
+        uses.used("a", 0);
+        assert!(!c.refill(&e, FetchOptions::default()).unwrap());
+        assert!(c.contains("a"));
+        drop(waited);
+        assert!(c.refill(&e, FetchOptions::default()).unwrap());
+        assert!(!c.contains("a") && c.contains("e"));
+        assert_eq!(c.stats().refills, 2);
     }
 
     #[test]

@@ -140,7 +140,12 @@ struct Inner {
     /// The device's ordinal, as [`DeviceUses`] records it.
     ordinal: u32,
     uses: OnceLock<Arc<DeviceUses>>,
+    /// Told the name of each model evicted to make room for another.
+    on_evict: OnceLock<EvictHook>,
 }
+
+/// What [`Residency::on_evict`] calls.
+pub type EvictHook = Box<dyn Fn(&str) + Send + Sync>;
 
 impl Inner {
     fn table(&self) -> MutexGuard<'_, Table> {
@@ -316,6 +321,7 @@ impl Residency {
                 table: Mutex::new(Table::default()),
                 ordinal,
                 uses: OnceLock::new(),
+                on_evict: OnceLock::new(),
             }),
             stages: StageThreads::new(name, stage_nice),
         }
@@ -326,6 +332,15 @@ impl Residency {
     /// from now on; a second call changes nothing.
     pub fn report_uses_to(&self, uses: Arc<DeviceUses>) {
         let _ = self.inner.uses.set(uses);
+    }
+
+    /// Calls `hook` with the name of every model evicted to make room for
+    /// another ([`Residency::get_or_admit`]), after the eviction, outside
+    /// the residency's lock, on the thread that admitted the other; a
+    /// second call changes nothing. The GPU server refills its host cache
+    /// with what a device gave up ([`HostCache::refill`](crate::cache::HostCache::refill)).
+    pub fn on_evict(&self, hook: EvictHook) {
+        let _ = self.inner.on_evict.set(hook);
     }
 
     /// The threads that run this device's fetch-wait and upload stages.
@@ -433,6 +448,7 @@ impl Residency {
                 capacity,
             });
         }
+        let mut evicted = Vec::new();
         while t.used_bytes + bytes > capacity || t.by_name.len() >= max_models {
             let victim = t
                 .entries
@@ -460,6 +476,7 @@ impl Residency {
                 "device: evicting {} to make room for {model}",
                 t.entries[&victim].model.name
             );
+            evicted.push(t.entries[&victim].model.name.clone());
             self.inner.doom(&mut t, victim);
             t.evictions += 1;
         }
@@ -492,6 +509,12 @@ impl Residency {
         );
         t.by_name.insert(model.into(), id);
         self.inner.used(model);
+        drop(t);
+        if let Some(hook) = self.inner.on_evict.get() {
+            for name in &evicted {
+                hook(name);
+            }
+        }
         Ok((
             Resident {
                 model: resident,
@@ -647,6 +670,26 @@ mod tests {
         assert_eq!(r.evict("d"), Some(false), "pinned twice");
         drop(d2);
         assert_eq!(r.stats().used_bytes, 70);
+    }
+
+    #[test]
+    fn the_evict_hook_hears_of_each_model_evicted_to_make_room_only() {
+        let r = Residency::new(100, 3);
+        let heard = Arc::new(Mutex::new(Vec::new()));
+        let h = heard.clone();
+        r.on_evict(Box::new(move |name| {
+            h.lock().unwrap().push(name.to_string());
+        }));
+        for m in ["a", "b"] {
+            drop(admit(&r, m, 40).unwrap());
+        }
+        assert!(heard.lock().unwrap().is_empty());
+        // 40 + 70 > 100: both go, the least recently used first.
+        drop(admit(&r, "c", 70).unwrap());
+        assert_eq!(*heard.lock().unwrap(), ["a", "b"]);
+        // An eviction asked for is not one to make room.
+        assert_eq!(r.evict("c"), Some(true));
+        assert_eq!(heard.lock().unwrap().len(), 2);
     }
 
     #[test]

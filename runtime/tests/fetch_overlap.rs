@@ -21,7 +21,7 @@ use distmind_common::handshake::ClusterKey;
 use distmind_common::proto::ServePath;
 use distmind_controller::{Controller, ControllerClient, ControllerConfig};
 use distmind_memserver::{Memserver, MemserverConfig};
-use distmind_models::{generate, Family, GenOptions, Package, Scale};
+use distmind_models::{Family, Package};
 use distmind_runtime::client::{InferOptions, Inference, RuntimeClient};
 use distmind_runtime::exec::cpu::CpuExecutor;
 use distmind_runtime::exec::HostTensor;
@@ -39,17 +39,7 @@ fn key() -> ClusterKey {
 
 /// Two variants of a tiny model: same size, different weights and names.
 fn packages(dir: &Path) -> Vec<Package> {
-    let opts = GenOptions {
-        scale: Scale::Tiny,
-        group_bytes: GROUP_BYTES,
-        variants: 2,
-        ..GenOptions::new(Family::Resnet152, dir)
-    };
-    generate(&opts)
-        .expect("generate")
-        .iter()
-        .map(|p| Package::open(p).expect("open"))
-        .collect()
+    common::tiny_variants(dir, Family::Resnet152, 2, GROUP_BYTES)
 }
 
 /// Writes every group of `pkg` as one slice on `memserver` and registers it.

@@ -69,11 +69,26 @@ impl Cluster {
         train_batch: usize,
         executor: Arc<dyn Executor>,
     ) -> Cluster {
+        Cluster::start_config(
+            |dir| families.iter().map(|&f| tiny_package(dir, f)).collect(),
+            executor,
+            |config, _| {
+                config.devices = devices;
+                config.train_batch = train_batch;
+            },
+        )
+    }
+
+    /// Deploys the packages `make` writes into a scratch directory, then
+    /// starts a runtime on `executor` with the test's configuration as
+    /// `tweak` leaves it (told the packages).
+    fn start_config(
+        make: impl FnOnce(&Path) -> Vec<Package>,
+        executor: Arc<dyn Executor>,
+        tweak: impl FnOnce(&mut RuntimeConfig, &[Package]),
+    ) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
-        let packages: Vec<Package> = families
-            .iter()
-            .map(|&f| tiny_package(dir.path(), f))
-            .collect();
+        let packages = make(dir.path());
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -124,13 +139,12 @@ impl Cluster {
             controller.clone(),
             executor,
         );
-        config.devices = devices;
         config.cache_bytes = 32 << 20;
         config.cache_block_bytes = 64 << 10;
         config.device_bytes = 32 << 20;
         config.huge_pages = false;
-        config.train_batch = train_batch;
         config.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
+        tweak(&mut config, &packages);
         let server = rt.block_on(RuntimeServer::bind(config)).unwrap();
         let runtime = server.local_addr().to_string();
         let metrics = server.metrics_addr();
@@ -290,6 +304,52 @@ fn infer_on_a_named_device_lists_resident_models_and_prefetches() {
             .iter()
             .any(|r| r.addr == c.runtime && r.alive)
     });
+}
+
+/// One device holds 3 of 4 same-size models and host memory 3: a model the
+/// device evicts comes back into host memory in the background in place of
+/// one the device keeps, so host and device together hold all 4 and the
+/// next request for it is not a cold start.
+#[test]
+fn a_model_the_device_evicts_is_refilled_into_host_memory() {
+    let serve = |refill: bool| {
+        let c = Cluster::start_config(
+            |dir| common::tiny_variants(dir, Family::Resnet152, 4, GROUP_BYTES),
+            Arc::new(CpuExecutor::new()),
+            |config, packages| {
+                // Host memory for 3 of them and half of a 4th.
+                let block = config.cache_block_bytes;
+                let blocks = |p: &Package| p.manifest.stored_bytes.div_ceil(block);
+                assert!(packages.iter().all(|p| blocks(p) == blocks(&packages[0])));
+                config.cache_bytes = (3 * blocks(&packages[0]) + blocks(&packages[0]) / 2) * block;
+                config.resident_models_max = 3;
+                config.host_refill = refill;
+            },
+        );
+        let mut client = c.client();
+        let mut paths = Vec::new();
+        // 0, 1, 2 cold; 3 cold (host memory lets go of 2, which the device
+        // keeps; the device lets go of 0); 0 and 1 from host memory (the
+        // device lets go of 1, then of 2, which host memory lacks).
+        for i in [0, 1, 2, 3, 0, 1, 2] {
+            let (_, timing) = client.infer(c.name(i), &c.input(i)).unwrap();
+            paths.push(timing.path);
+        }
+        (paths, client.stats().unwrap().cache.refills)
+    };
+    use ServePath::{Cold, HostCached};
+    let (without, refills) = serve(false);
+    assert_eq!(refills, 0);
+    assert_eq!(
+        without,
+        [Cold, Cold, Cold, Cold, HostCached, HostCached, Cold]
+    );
+    let (with, refills) = serve(true);
+    assert_eq!(refills, 1, "2, when the device evicted it");
+    assert_eq!(
+        with,
+        [Cold, Cold, Cold, Cold, HostCached, HostCached, HostCached]
+    );
 }
 
 #[test]

@@ -13,7 +13,12 @@
 //! fetching it again, and counts as host-cached, as the runtime's pipeline
 //! does), a NIC, and for the baselines at equal memory a local disk read one
 //! model at a time (a GPU that needs a model being read waits for the
-//! read).
+//! read). On a GPU server of one GPU, a model the GPU evicts that its host
+//! cache lacks is fetched back in the background, as the runtime's
+//! `HostCache::refill` does: only in place of models the GPU keeps, only
+//! while no other fill runs (so one refill at a time), and its groups go
+//! on the wire after every waited-for fill's (one that the GPU comes to
+//! need is then waited for).
 //! Per GPU: a FIFO of jobs run one at a time (the runtime's device worker),
 //! device residency ([`Lru`] within its parameter budget and at most N
 //! models), one PCIe link at the profile's H2D rate, and, when the
@@ -180,6 +185,10 @@ pub struct Config {
     /// batch, the device takes its next job this much later per request
     /// (the work around compute and copy that `up` reports per request).
     pub serial_s: f64,
+    /// A model a device evicted is fetched back into its host cache in
+    /// the background, as the runtime's `HostCache::refill` does (by
+    /// default on GPU servers of one device).
+    pub host_refill: bool,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -193,6 +202,8 @@ pub struct Counts {
     pub resident: u64,
     pub fetched_bytes: u64,
     pub evictions_ordered: u64,
+    /// Background fills of what a device evicted.
+    pub refills: u64,
     pub prefetches: u64,
     /// Models read from a GPU server's local disk (baselines at equal memory).
     pub disk_loads: u64,
@@ -349,6 +360,8 @@ struct Fill {
     /// Read whole from the local disk (the baselines at equal memory), not
     /// over the network: every group lands at once.
     disk: bool,
+    /// Begun for no request: it holds the host cache's pin until it ends.
+    background: bool,
 }
 
 /// The group of a fill on the wire, and how many of its slices are still
@@ -406,6 +419,8 @@ pub struct Sim {
     connections: Vec<Arrivals>,
     out: Vec<Action>,
     job_seq: u64,
+    /// (runtime, model) a device evicted in this step: refill candidates.
+    refill_after: Vec<(usize, u32)>,
     /// Orders and reports between the dispatcher and a runtime
     /// (`Config::round_trip_s`), by key.
     to_runtime: HashMap<u64, Order>,
@@ -419,6 +434,20 @@ pub struct Sim {
 }
 
 /// Compute time of `job` over one request's (a batch runs longer).
+/// Where a host cache's entry (`stamp`: when it was last used) stands in
+/// its eviction order, lowest first, as in the runtime's cache: class
+/// [`KEPT`] for a model a GPU keeps past its next eviction (the one that
+/// ran last first), then the rest by LRU.
+fn host_order(uses: &DeviceUses, name: &str, stamp: u64) -> (u8, u64) {
+    match uses.kept_on_device(name) {
+        Some(ran) => (KEPT, u64::MAX - ran),
+        None => (KEPT + 1, stamp),
+    }
+}
+
+/// [`host_order`]'s class of a model a GPU keeps.
+const KEPT: u8 = 0;
+
 fn batch_factor(s: &Shape, job: &Job) -> f64 {
     match job.kind {
         JobKind::Infer { n, .. } => s.factor(n),
@@ -513,6 +542,7 @@ impl Sim {
             zipf,
             out: Vec::new(),
             job_seq: 0,
+            refill_after: Vec::new(),
             to_runtime: HashMap::new(),
             to_dispatcher: HashMap::new(),
             next_key: 0,
@@ -988,6 +1018,7 @@ impl Sim {
             if let Err(e) = self.begin(gi, job) {
                 self.fail_job(gi, job, e);
             }
+            self.refill();
         }
     }
 
@@ -1110,11 +1141,13 @@ impl Sim {
             ));
         };
         let device = self.devices[gi].device;
-        for v in evicted {
+        for &v in &evicted {
             self.hosts[runtime]
                 .on_devices
                 .left(&self.cfg.names[v as usize], device);
         }
+        self.refill_after
+            .extend(evicted.iter().map(|&v| (runtime, v)));
         self.devices[gi].residency.pin(m);
         self.note_device_use(gi, m);
         let host = &mut self.hosts[runtime];
@@ -1155,10 +1188,7 @@ impl Sim {
         let admitted = host
             .cache
             .admit_by(m, self.cfg.shape.cache_bytes, |v, stamp| {
-                match uses.kept_on_device(&names[v as usize]) {
-                    Some(ran) => (0, u64::MAX - ran),
-                    None => (1, stamp),
-                }
+                host_order(uses, &names[v as usize], stamp)
             });
         if admitted.is_none() {
             self.devices[gi].residency.unpin(m);
@@ -1186,6 +1216,7 @@ impl Sim {
                 landed: 0,
                 waiters: vec![gi],
                 disk: true,
+                background: false,
             });
             self.counts.disk_loads += 1;
             self.devices[gi].running = Some(run);
@@ -1200,9 +1231,56 @@ impl Sim {
             landed: 0,
             waiters: vec![gi],
             disk: false,
+            background: false,
         });
         self.next_fetch(runtime);
         Ok(())
+    }
+
+    /// Models devices evicted that their host cache lacks: fetched back
+    /// into it in the background, when room can be made by letting go of
+    /// models a device keeps (the host cache then holds what its GPUs do
+    /// not). A background fill's groups go on the wire after every waited-for
+    /// fill's.
+    fn refill(&mut self) {
+        let evicted = std::mem::take(&mut self.refill_after);
+        if !self.cfg.host_refill
+            || self.cfg.whole_model
+            || self.cfg.local_disk_bytes_per_s.is_some()
+        {
+            return;
+        }
+        for (runtime, v) in evicted {
+            let names = &self.cfg.names;
+            let host = &mut self.hosts[runtime];
+            // Not while any fill runs: one a request waits for, or another
+            // refill (one at a time).
+            if host.cache.contains(v) || !host.fills.is_empty() {
+                continue;
+            }
+            let uses = &host.on_devices;
+            let admitted = host.cache.admit_within(
+                v,
+                self.cfg.shape.cache_bytes,
+                |x, stamp| host_order(uses, &names[x as usize], stamp),
+                KEPT,
+            );
+            if admitted.is_none() {
+                continue;
+            }
+            host.cache.pin(v);
+            self.job_seq += 1;
+            host.fills.push(Fill {
+                model: v,
+                seq: self.job_seq,
+                landed: 0,
+                waiters: Vec::new(),
+                disk: false,
+                background: true,
+            });
+            self.counts.refills += 1;
+            self.next_fetch(runtime);
+        }
     }
 
     /// Uploads group `g` once its bytes are in host memory at `ready`;
@@ -1251,7 +1329,7 @@ impl Sim {
             .fills
             .iter()
             .filter(|f| !f.disk)
-            .min_by_key(|f| (f.landed, f.seq))
+            .min_by_key(|f| (f.waiters.is_empty(), f.landed, f.seq))
         else {
             return;
         };
@@ -1336,7 +1414,11 @@ impl Sim {
             host.fills[k].landed += 1;
             let last = g + 1 == groups;
             let waiters = if last {
-                host.fills.swap_remove(k).waiters
+                let f = host.fills.swap_remove(k);
+                if f.background {
+                    host.cache.unpin(model);
+                }
+                f.waiters
             } else {
                 host.fills[k].waiters.clone()
             };

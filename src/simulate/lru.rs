@@ -73,34 +73,52 @@ impl Lru {
         bytes: u64,
         key: impl Fn(u32, u64) -> (u8, u64),
     ) -> Option<Vec<u32>> {
+        self.admit_within(id, bytes, key, u8::MAX)
+    }
+
+    /// [`Lru::admit_by`] that evicts only entries whose key's class (its
+    /// first part) is at most `max_class`: `None`, and nothing evicted,
+    /// when those would not make room.
+    pub fn admit_within(
+        &mut self,
+        id: u32,
+        bytes: u64,
+        key: impl Fn(u32, u64) -> (u8, u64),
+        max_class: u8,
+    ) -> Option<Vec<u32>> {
         if self.touch(id) {
             return Some(Vec::new());
         }
         if bytes > self.capacity {
             return None;
         }
-        // Fail without evicting when even every unpinned entry would not
-        // make room.
-        let pinned: Vec<&Entry> = self.entries.values().filter(|e| e.pins > 0).collect();
-        let pinned_bytes: u64 = pinned.iter().map(|e| e.bytes).sum();
-        if pinned_bytes + bytes > self.capacity || pinned.len() >= self.max_entries {
-            return None;
-        }
-        let mut evicted = Vec::new();
         let mut order: Vec<((u8, u64), u32)> = self
             .by_stamp
             .iter()
             .map(|(&stamp, &v)| (key(v, stamp), v))
+            .filter(|&((class, _), v)| class <= max_class && self.entries[&v].pins == 0)
             .collect();
         order.sort_by_key(|&(k, _)| k);
+        // Fail without evicting when even every entry it may evict would
+        // not make room.
+        let (mut used, mut n) = (self.used, self.entries.len());
+        for &(_, v) in &order {
+            if used + bytes <= self.capacity && n < self.max_entries {
+                break;
+            }
+            used -= self.entries[&v].bytes;
+            n -= 1;
+        }
+        if used + bytes > self.capacity || n >= self.max_entries {
+            return None;
+        }
+        let mut evicted = Vec::new();
         for (_, v) in order {
             if self.used + bytes <= self.capacity && self.entries.len() < self.max_entries {
                 break;
             }
-            if self.entries[&v].pins == 0 {
-                self.remove(v);
-                evicted.push(v);
-            }
+            self.remove(v);
+            evicted.push(v);
         }
         self.clock += 1;
         self.entries.insert(
@@ -176,6 +194,21 @@ mod tests {
         assert_eq!(l.admit_by(4, 10, key), Some(vec![2]));
         assert_eq!(l.admit_by(5, 20, key), Some(vec![1, 3]));
         assert_eq!(l.mru(), vec![5, 4]);
+    }
+
+    #[test]
+    fn admit_within_evicts_only_the_classes_allowed_or_nothing() {
+        let mut c = Lru::new(30, 8);
+        for id in 1..=3 {
+            c.admit(id, 10).unwrap();
+        }
+        // Class 0: entry 2 only.
+        let key = |id: u32, stamp: u64| (u8::from(id != 2), stamp);
+        assert_eq!(c.admit_within(4, 10, key, 0), Some(vec![2]));
+        // No class-0 entry is left: nothing is evicted.
+        assert_eq!(c.admit_within(5, 10, key, 0), None);
+        assert!(c.contains(1) && c.contains(3) && c.contains(4));
+        assert_eq!(c.admit_within(5, 10, key, 1), Some(vec![1]));
     }
 
     #[test]

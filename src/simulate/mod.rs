@@ -167,6 +167,11 @@ pub struct SimulateArgs {
     /// server's serial path: X ms of wall time per request").
     #[arg(long, value_parser = loadgen::parse::parse_duration)]
     pub serial: Option<Duration>,
+    /// No background refills of a GPU server's host cache with what its
+    /// devices evict (the runtime's `--no-host-refill`). As in the runtime,
+    /// only GPU servers of one GPU refill, and baselines never do.
+    #[arg(long)]
+    pub no_host_refill: bool,
     /// Append the result as a row to this CSV (the columns of `up --csv`, source=simulator).
     #[arg(long)]
     pub csv: Option<PathBuf>,
@@ -529,6 +534,7 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<Outcome> {
         mirror_dilation: a.mirror_dilation,
         round_trip_s: a.round_trip.map_or(0.0, |d| d.as_secs_f64()),
         serial_s: a.serial.map_or(0.0, |d| d.as_secs_f64()),
+        host_refill: !a.no_host_refill && a.system.baseline().is_none() && a.gpus == 1,
     };
     let model_names = cfg.names.clone();
     let mut sim = Sim::new(cfg, d)?;
@@ -889,6 +895,42 @@ mod tests {
             "200",
         ]);
         assert!(o.counts.host_hits * 2 >= o.counts.cold, "{:?}", o.counts);
+    }
+
+    #[test]
+    fn what_a_gpu_evicts_comes_back_into_host_memory_in_the_background() {
+        // Test 2's shape: one GPU and a host cache of four models each,
+        // eight models, four closed-loop clients. A host-cache hit makes the
+        // GPU evict a model host memory lacks; refilled in place of one the
+        // GPU keeps, host and GPU memory hold the whole set between them:
+        // 149 cold starts in 10 s against 263 without, 96.6 req/s against
+        // 94.0.
+        let shape = [
+            "--models",
+            "8",
+            "--mode",
+            "closed",
+            "--concurrency",
+            "4",
+            "--device-memory",
+            "928MiB",
+            "--cache",
+            "936MiB",
+            "--warm-cache",
+            "--duration",
+            "10s",
+        ];
+        let with = run(&args(&shape)).unwrap();
+        let without = run(&args(&[&shape[..], &["--no-host-refill"]].concat())).unwrap();
+        assert_eq!(without.counts.refills, 0);
+        assert!(with.counts.refills > 0);
+        assert!(
+            with.counts.cold * 3 < without.counts.cold * 2,
+            "{:?} against {:?}",
+            with.counts,
+            without.counts
+        );
+        assert!(with.report.ok > without.report.ok);
     }
 
     #[test]

@@ -6,7 +6,8 @@
 //!
 //! Posting order across jobs: the job whose next read has the lowest group
 //! index first, then the oldest job, so that group 0 of every waiting model
-//! goes before anyone's later groups. Bytes in flight are bounded per memory
+//! goes before anyone's later groups; a background job (a host-cache refill
+//! no one waits for yet) after every other, with a smaller window. Bytes in flight are bounded per memory
 //! server, shared by every job that reads from it (each job applies its own
 //! `bytes_in_flight_max` to the server's total), with at least
 //! [`READS_IN_FLIGHT_MIN`] reads per server whatever their size, except
@@ -19,6 +20,7 @@
 //! verified.
 
 use std::collections::HashMap;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -200,17 +202,17 @@ impl<'t, S: JobSink> Driver<'t, S> {
                 .filter_map(|(k, a)| {
                     let r = a.job.next()?;
                     let blocked = load.get(r.addr).is_some_and(|l| l.blocked == round);
-                    (!blocked).then_some((r.group, k))
+                    (!blocked).then_some((a.job.is_background(), r.group, k))
                 })
                 .min();
-            let Some((_, k)) = best else { return };
+            let Some((_, _, k)) = best else { return };
             let a = &self.jobs[k];
             let r = a.job.next().expect("chosen for its next read");
             let l = match self.load.get_mut(r.addr) {
                 Some(l) => l,
                 None => self.load.entry(r.addr.to_string()).or_default(),
             };
-            if l.full_for(r.group, r.len, a.job.opts().bytes_in_flight_max) {
+            if l.full_for(r.group, r.len, a.job.window()) {
                 l.blocked = round;
                 continue;
             }
@@ -419,14 +421,20 @@ impl Engine {
     /// Queues a fetch of `entry` into the region from byte `base` on;
     /// `sink` hears of its groups and its outcome on the engine thread.
     /// Blocks while [`JOBS_QUEUED_MAX`] jobs wait already.
+    /// `background`: the job is a background one while it is set (see
+    /// [`Job::is_background`]).
     pub(crate) fn submit(
         &self,
         entry: &distmind_common::proto::ModelEntry,
         base: u64,
         opts: FetchOptions,
+        background: Option<Arc<AtomicBool>>,
         sink: Box<dyn JobSink + Send>,
     ) -> Result<(), FetchError> {
-        let job = Job::new(entry, base, self.region_len, opts, Instant::now())?;
+        let mut job = Job::new(entry, base, self.region_len, opts, Instant::now())?;
+        if let Some(flag) = background {
+            job = job.in_background(flag);
+        }
         let tx = self.tx.as_ref().ok_or_else(|| stopped(&entry.name))?;
         tx.send(Submit { job, sink })
             .map_err(|_| stopped(&entry.name))
@@ -503,6 +511,7 @@ fn run(t: &dyn Transport, region: RegionId, buf: &HostBuffer, rx: Receiver<Submi
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::Ordering;
     use std::sync::Mutex;
 
     use distmind_common::checksum::{checksum, to_hex};
@@ -677,8 +686,31 @@ mod tests {
             "the bound is per memory server, over every job"
         );
         run_to_end(&mut d);
-        let events = log.0.lock().unwrap().clone();
-        let groups: Vec<(usize, usize)> = events
+        // Lowest group first across jobs, the oldest job first within a group.
+        let want: Vec<(usize, usize)> = (0..4).flat_map(|g| (0..3).map(move |k| (k, g))).collect();
+        assert_eq!(group_order(&log), want);
+        assert_eq!(
+            log.0
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|(_, r)| r == &Ok(usize::MAX))
+                .count(),
+            3
+        );
+        drop(d);
+        t.deregister(region).unwrap();
+        // SAFETY: every read completed.
+        #[allow(unsafe_code)]
+        let landed = unsafe { buf.slice(0..bytes.len()) };
+        assert_eq!(landed, &bytes[..]);
+    }
+
+    /// The groups each job reported, in the order they verified.
+    fn group_order(log: &Log) -> Vec<(usize, usize)> {
+        log.0
+            .lock()
+            .unwrap()
             .iter()
             .filter_map(|(k, r)| {
                 r.as_ref()
@@ -686,17 +718,57 @@ mod tests {
                     .filter(|g| **g != usize::MAX)
                     .map(|g| (*k, *g))
             })
-            .collect();
-        // Lowest group first across jobs, the oldest job first within a group.
-        let want: Vec<(usize, usize)> = (0..4).flat_map(|g| (0..3).map(move |k| (k, g))).collect();
-        assert_eq!(groups, want);
+            .collect()
+    }
+
+    #[test]
+    fn a_background_job_waits_for_every_waited_for_one_until_someone_waits_for_it() {
+        let fabric = MemFabric::new();
+        let (entries, bytes) = models(&fabric, ["ms0", "ms1"], 2, 3, 1000);
+        let t = MemTransport::new(fabric);
+        let buf = Arc::new(HostBuffer::new(bytes.len(), HugePages::No).unwrap());
+        let region = t.register(buf.clone()).unwrap();
+        let run = |promote: bool| {
+            let log = Log::default();
+            let mut d = Driver::new(&t, region, &buf, Peers::new());
+            let now = Instant::now();
+            // Job 0 is the older one, and a background one.
+            let flag = Arc::new(AtomicBool::new(true));
+            let job = |k: usize| {
+                Job::new(
+                    &entries[k],
+                    (k * 3000) as u64,
+                    bytes.len() as u64,
+                    opts(1),
+                    now,
+                )
+                .unwrap()
+            };
+            d.add(job(0).in_background(flag.clone()), Tagged(0, log.clone()));
+            d.add(job(1), Tagged(1, log.clone()));
+            if promote {
+                // Someone came to wait for it.
+                flag.store(false, Ordering::Relaxed);
+            }
+            run_to_end(&mut d);
+            group_order(&log)
+        };
+        let jobs_groups = |order: &[usize]| -> Vec<(usize, usize)> {
+            order
+                .iter()
+                .flat_map(|&k| (0..3).map(move |g| (k, g)))
+                .collect()
+        };
         assert_eq!(
-            events.iter().filter(|(_, r)| r == &Ok(usize::MAX)).count(),
-            3
+            run(false),
+            jobs_groups(&[1, 0]),
+            "every group of the waited-for job first"
         );
-        drop(d);
+        // Promoted: the lowest group first, the older job first within one.
+        let want: Vec<(usize, usize)> = (0..3).flat_map(|g| (0..2).map(move |k| (k, g))).collect();
+        assert_eq!(run(true), want);
         t.deregister(region).unwrap();
-        // SAFETY: every read completed.
+        // SAFETY: every read completed (each driver ran its jobs to the end).
         #[allow(unsafe_code)]
         let landed = unsafe { buf.slice(0..bytes.len()) };
         assert_eq!(landed, &bytes[..]);
@@ -767,7 +839,7 @@ mod tests {
                 s.spawn(move || {
                     let sink = Box::new(Tagged(k, log));
                     engine
-                        .submit(e, (k * 15000) as u64, FetchOptions::default(), sink)
+                        .submit(e, (k * 15000) as u64, FetchOptions::default(), None, sink)
                         .unwrap();
                 });
             }
@@ -793,6 +865,7 @@ mod tests {
                 &entries[0],
                 0,
                 FetchOptions::default(),
+                None,
                 Box::new(Tagged(9, log)),
             )
             .unwrap_err();

@@ -9,12 +9,19 @@
 //! replica, so the group it belongs to is not overtaken by later groups.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use distmind_common::checksum::{checksum, from_hex, to_hex};
 use distmind_common::proto::ModelEntry;
 
 use super::{FetchError, FetchOptions, FetchReport, POLL_STALL_LIMIT};
+
+/// The most bytes a background job (see [`Job::is_background`]) has in
+/// flight per memory server: a waited-for read that comes after it waits
+/// for at most this much (0.7 ms at 100 Gbit/s).
+pub const BACKGROUND_BYTES_IN_FLIGHT_MAX: u64 = 8 << 20;
 
 /// Where one replica of a slice lives: an index into [`Job::addrs`] and the
 /// offset in that memory server's arena.
@@ -92,6 +99,10 @@ pub(crate) struct Job {
     stalled: bool,
     /// The outcome was handed out ([`Job::take_outcome`]).
     reported: bool,
+    /// Set while no one waits for the job (a background fill): its reads
+    /// go after every waited-for job's, in a smaller window. Cleared by
+    /// whoever comes to wait for it.
+    background: Option<Arc<AtomicBool>>,
 }
 
 impl Job {
@@ -190,7 +201,35 @@ impl Job {
             stopped: false,
             stalled: false,
             reported: false,
+            background: None,
         })
+    }
+
+    /// Marks the job a background one while `flag` is set (see
+    /// [`Job::is_background`]).
+    pub fn in_background(mut self, flag: Arc<AtomicBool>) -> Job {
+        self.background = Some(flag);
+        self
+    }
+
+    /// No one waits for the job yet: its reads go after every waited-for
+    /// job's, and at most [`BACKGROUND_BYTES_IN_FLIGHT_MAX`] of them are
+    /// in flight per memory server.
+    pub fn is_background(&self) -> bool {
+        self.background
+            .as_ref()
+            .is_some_and(|b| b.load(Ordering::Relaxed))
+    }
+
+    /// The most bytes this job lets a memory server have in flight.
+    pub fn window(&self) -> u64 {
+        if self.is_background() {
+            self.opts
+                .bytes_in_flight_max
+                .min(BACKGROUND_BYTES_IN_FLIGHT_MAX)
+        } else {
+            self.opts.bytes_in_flight_max
+        }
     }
 
     pub fn model(&self) -> &str {

@@ -7,7 +7,7 @@
 //!   to 10 s ([`LATENCY_BUCKETS`]);
 //! * `serve_path_total{path}`: served requests by path (`cold`,
 //!   `host_cached`, `device_resident`);
-//! * `host_cache_{hits,misses,evictions}_total`, `host_cache_used_bytes`,
+//! * `host_cache_{hits,misses,evictions,refills}_total`, `host_cache_used_bytes`,
 //!   `host_cache_capacity_bytes`, `fetched_bytes_total` (bytes read from
 //!   memory servers);
 //! * per `device`: `device_busy_seconds_total` (loading or computing:
@@ -206,6 +206,12 @@ impl Collector for Sampled {
             "host_cache_evictions",
             "Models evicted from the host cache to make room",
             &ConstCounter::new(c.evictions),
+        )?;
+        encode_one(
+            e,
+            "host_cache_refills",
+            "Models a device evicted, fetched back into the host cache in the background",
+            &ConstCounter::new(c.refills),
         )?;
         encode_one(
             e,

@@ -1,4 +1,5 @@
-//! What the runtime's integration tests share: deploying a package by hand.
+//! What the runtime's integration tests share: tiny variants of a model,
+//! and deploying a package by hand.
 
 use std::time::Duration;
 
@@ -7,7 +8,29 @@ use distmind_common::handshake::ClusterKey;
 use distmind_common::proto::{GroupLocation, Location, ModelEntry, Slice};
 use distmind_controller::ControllerClient;
 use distmind_memserver::MemserverClient;
-use distmind_models::Package;
+use distmind_models::{generate, Family, GenOptions, Package, Scale};
+
+/// `n` tiny variants of `family` in `dir`: the same size, different
+/// weights and names.
+#[allow(dead_code)] // Not every test crate uses it.
+pub fn tiny_variants(
+    dir: &std::path::Path,
+    family: Family,
+    n: usize,
+    group_bytes: u64,
+) -> Vec<Package> {
+    let opts = GenOptions {
+        scale: Scale::Tiny,
+        group_bytes,
+        variants: n,
+        ..GenOptions::new(family, dir)
+    };
+    generate(&opts)
+        .expect("generate")
+        .iter()
+        .map(|p| Package::open(p).expect("open"))
+        .collect()
+}
 
 /// Writes every group of `pkg` as one slice on `memserver` and registers it.
 pub fn deploy(
