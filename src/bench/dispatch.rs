@@ -37,6 +37,7 @@ use distmind_controller::policy::cost::ModelMeta;
 use distmind_controller::policy::distmind::DistMindConfig;
 use distmind_controller::policy::zipf::Zipf;
 use distmind_controller::policy::{Micros, PolicyKind};
+use distmind_controller::runtimes::RuntimeShape;
 use distmind_models::{Family, Package, Scale};
 use distmind_runtime::client::{InferOptions, RuntimeClient};
 use rand::SeedableRng;
@@ -136,7 +137,13 @@ fn decisions(policy: PolicyKind, a: &DispatchArgs) -> anyhow::Result<Decisions> 
                 .collect(),
             host_cached_truncated: false,
         };
-        d.runtime_seen(0, r, 1, &devices, 4 << 30, 4, Some((1, &snap)), &mut out);
+        let shape = RuntimeShape {
+            device_ids: devices,
+            cache_bytes: 4 << 30,
+            device_bytes: 4 * 100_000_000,
+            resident_models_max: 4,
+        };
+        d.runtime_seen(0, r, 1, &shape, Some((1, &snap)), &mut out);
         d.link_up(r);
     }
     let zipf = Zipf::new(a.models as usize, 0.9)?;

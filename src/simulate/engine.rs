@@ -58,6 +58,7 @@ use distmind_common::proto::{
 };
 use distmind_controller::dispatch::{Action, Completion, Dispatcher, ReqId};
 use distmind_controller::policy::{Gpu, Micros};
+use distmind_controller::runtimes::RuntimeShape;
 use distmind_runtime::device::DeviceUses;
 use rand::rngs::StdRng;
 
@@ -614,15 +615,18 @@ impl Sim {
         for r in 0..self.cfg.gpu_servers {
             self.hosts[r].snapshot_seq += 1;
             let snap = self.snapshot(r);
-            let devices: Vec<u32> = (0..self.cfg.gpus_per_server as u32).collect();
+            let shape = RuntimeShape {
+                device_ids: (0..self.cfg.gpus_per_server as u32).collect(),
+                cache_bytes: self.cfg.cache_bytes,
+                device_bytes: self.cfg.device_bytes,
+                resident_models_max: self.cfg.resident_max as u32,
+            };
             let seq = self.hosts[r].snapshot_seq;
             self.d.runtime_seen(
                 us(self.now),
                 r as u32,
                 1,
-                &devices,
-                self.cfg.cache_bytes,
-                self.cfg.resident_max as u32,
+                &shape,
                 Some((seq, &snap)),
                 &mut self.out,
             );

@@ -7,6 +7,17 @@ use distmind_common::proto::{DeviceSnapshot, ServePath, TimingMsg};
 
 const MS: Micros = 1_000;
 
+/// A runtime's shape with `devices`, a host cache of `cache_bytes` and room
+/// for `resident_max` models a device (device bytes unknown).
+fn shape(devices: &[u32], cache_bytes: u64, resident_max: u32) -> RuntimeShape {
+    RuntimeShape {
+        device_ids: devices.to_vec(),
+        cache_bytes,
+        device_bytes: 0,
+        resident_models_max: resident_max,
+    }
+}
+
 fn cfg(policy: PolicyKind) -> DispatchConfig {
     let mut c = DispatchConfig::new(
         policy,
@@ -49,7 +60,7 @@ fn dispatcher_with(c: DispatchConfig, gpus: u32) -> Dispatcher {
     let mut d = Dispatcher::new(c).unwrap();
     let mut out = Vec::new();
     for r in 0..gpus {
-        d.runtime_seen(0, r, 1, &[0], 1 << 30, 4, None, &mut out);
+        d.runtime_seen(0, r, 1, &shape(&[0], 1 << 30, 4), None, &mut out);
         d.link_up(r);
     }
     assert!(out.is_empty());
@@ -112,9 +123,7 @@ fn heartbeat(d: &mut Dispatcher, r: u32, cache_bytes: u64, snap: &RuntimeSnapsho
         0,
         r,
         1,
-        &[0],
-        cache_bytes,
-        4,
+        &shape(&[0], cache_bytes, 4),
         Some((next_seq(), snap)),
         &mut Vec::new(),
     );
@@ -456,7 +465,7 @@ fn distmind_policy_places_models_and_trains_the_rest() {
     let mut d = Dispatcher::new(c).unwrap();
     let mut out = Vec::new();
     for r in 0..2 {
-        d.runtime_seen(0, r, 1, &[0], 1 << 30, 4, None, &mut out);
+        d.runtime_seen(0, r, 1, &shape(&[0], 1 << 30, 4), None, &mut out);
         d.link_up(r);
     }
     for k in 0..5 {
@@ -496,7 +505,7 @@ fn a_refused_training_job_is_asked_for_again_a_second_later() {
     c.train_model = Some("resnet152_train".into());
     let mut d = Dispatcher::new(c).unwrap();
     let mut out = Vec::new();
-    d.runtime_seen(0, 0, 1, &[0], 1 << 30, 4, None, &mut out);
+    d.runtime_seen(0, 0, 1, &shape(&[0], 1 << 30, 4), None, &mut out);
     d.link_up(0);
     model(&mut d, "m0");
     let trains = |out: &[Action]| {
@@ -539,7 +548,7 @@ fn a_reassignment_loads_its_model_only_onto_an_idle_gpu() {
         c.distmind.seed = seed;
         let mut d = Dispatcher::new(c).unwrap();
         let mut out = Vec::new();
-        d.runtime_seen(0, 0, 1, &[0], 1 << 30, 4, None, &mut out);
+        d.runtime_seen(0, 0, 1, &shape(&[0], 1 << 30, 4), None, &mut out);
         d.link_up(0);
         let a = model(&mut d, "a");
         model(&mut d, "b");
@@ -570,7 +579,7 @@ fn cache_out_drops_the_host_copy_of_a_model_a_gpu_holds_first() {
     // host caches m0 and m1, the GPU holds m1 and m2.
     let mut d = Dispatcher::new(cfg(PolicyKind::DistMind)).unwrap();
     let mut out = Vec::new();
-    d.runtime_seen(0, 0, 1, &[0], 25_000_000, 4, None, &mut out);
+    d.runtime_seen(0, 0, 1, &shape(&[0], 25_000_000, 4), None, &mut out);
     d.link_up(0);
     let ms: Vec<u32> = (0..4).map(|k| model(&mut d, &format!("m{k}"))).collect();
     let snap = RuntimeSnapshot {
@@ -586,9 +595,7 @@ fn cache_out_drops_the_host_copy_of_a_model_a_gpu_holds_first() {
         0,
         0,
         1,
-        &[0],
-        25_000_000,
-        4,
+        &shape(&[0], 25_000_000, 4),
         Some((next_seq(), &snap)),
         &mut out,
     );
@@ -647,7 +654,14 @@ fn an_old_snapshot_is_applied_once_and_never_undoes_a_reply() {
         }],
         ..Default::default()
     };
-    d.runtime_seen(0, 0, 1, &[0], 1 << 30, 4, Some((7, &snap)), &mut Vec::new());
+    d.runtime_seen(
+        0,
+        0,
+        1,
+        &shape(&[0], 1 << 30, 4),
+        Some((7, &snap)),
+        &mut Vec::new(),
+    );
     let mut out = Vec::new();
     let r = d.submit(0, m, Some(1000.0), &mut out);
     let t = timing(ServePath::Cold, 50.0);
@@ -666,9 +680,7 @@ fn an_old_snapshot_is_applied_once_and_never_undoes_a_reply() {
         60 * MS,
         0,
         1,
-        &[0],
-        1 << 30,
-        4,
+        &shape(&[0], 1 << 30, 4),
         Some((7, &snap)),
         &mut Vec::new(),
     );
@@ -683,7 +695,7 @@ fn lfu_routes_to_the_host_that_caches_the_model_and_evicts_the_least_used() {
     let mut out = Vec::new();
     // Two hosts whose caches hold two 10 MB models each (25 MB).
     for r in 0..2 {
-        d.runtime_seen(0, r, 1, &[0], 25_000_000, 4, None, &mut out);
+        d.runtime_seen(0, r, 1, &shape(&[0], 25_000_000, 4), None, &mut out);
         d.link_up(r);
     }
     let ms: Vec<u32> = (0..3).map(|k| model(&mut d, &format!("m{k}"))).collect();
@@ -699,9 +711,7 @@ fn lfu_routes_to_the_host_that_caches_the_model_and_evicts_the_least_used() {
         0,
         1,
         1,
-        &[0],
-        25_000_000,
-        4,
+        &shape(&[0], 25_000_000, 4),
         Some((next_seq(), &snap)),
         &mut out,
     );
@@ -835,7 +845,7 @@ fn a_dilated_clock_stretches_the_outstanding_timeout() {
     c.time_dilation = 3.0;
     let mut d = Dispatcher::new(c).unwrap();
     let mut out = Vec::new();
-    d.runtime_seen(0, 0, 1, &[0], 1 << 30, 4, None, &mut out);
+    d.runtime_seen(0, 0, 1, &shape(&[0], 1 << 30, 4), None, &mut out);
     d.link_up(0);
     let m = model(&mut d, "m");
     let req = d.submit(0, m, Some(1e9), &mut out);
@@ -1224,7 +1234,7 @@ fn requests_wait_for_a_starting_gpu_server_but_not_a_lost_one() {
     let mut d = Dispatcher::new(cfg(PolicyKind::DistMind)).unwrap();
     let mut out = Vec::new();
     // Registered, its link not up yet: starting, never lost.
-    d.runtime_seen(0, 0, 1, &[0], 1 << 30, 4, None, &mut out);
+    d.runtime_seen(0, 0, 1, &shape(&[0], 1 << 30, 4), None, &mut out);
     let m = model(&mut d, "a");
     let r = d.submit(0, m, Some(1000.0), &mut out);
     assert!(out.is_empty(), "{out:?}");
@@ -1445,7 +1455,7 @@ fn batches_serve_what_one_at_a_time_cannot_and_admission_counts_them() {
         let mut c = cfg(PolicyKind::Slo);
         c.batch_max = batch_max;
         let mut d = Dispatcher::new(c).unwrap();
-        d.runtime_seen(0, 0, 1, &[0], 1 << 30, 4, None, &mut Vec::new());
+        d.runtime_seen(0, 0, 1, &shape(&[0], 1 << 30, 4), None, &mut Vec::new());
         d.link_up(0);
         let m = model(&mut d, "a");
         make_resident(&mut d, 0, "a");
@@ -1489,7 +1499,7 @@ fn random_queue(
     c.reorder = reorder;
     c.efficient_order = efficient;
     let mut d = Dispatcher::new(c).unwrap();
-    d.runtime_seen(0, 0, 1, &[0], 1 << 30, 4, None, &mut Vec::new());
+    d.runtime_seen(0, 0, 1, &shape(&[0], 1 << 30, 4), None, &mut Vec::new());
     d.link_up(0);
     let ms: Vec<u32> = ["a", "b", "c"].iter().map(|n| model(&mut d, n)).collect();
     make_resident(&mut d, 0, "a");
@@ -1655,7 +1665,7 @@ fn the_efficient_order_runs_a_larger_batch_before_a_lone_head() {
         c.batch_max = 8;
         c.efficient_order = efficient;
         let mut d = Dispatcher::new(c).unwrap();
-        d.runtime_seen(0, 0, 1, &[0], 1 << 30, 4, None, &mut Vec::new());
+        d.runtime_seen(0, 0, 1, &shape(&[0], 1 << 30, 4), None, &mut Vec::new());
         d.link_up(0);
         let a = model(&mut d, "a");
         let b = model(&mut d, "b");
@@ -1698,7 +1708,7 @@ fn a_batch_is_answered_per_request_and_frees_its_slot_once() {
     c.window = 1;
     c.batch_max = 8;
     let mut d = Dispatcher::new(c).unwrap();
-    d.runtime_seen(0, 0, 1, &[0], 1 << 30, 4, None, &mut Vec::new());
+    d.runtime_seen(0, 0, 1, &shape(&[0], 1 << 30, 4), None, &mut Vec::new());
     d.link_up(0);
     let a = model(&mut d, "a");
     let b = model(&mut d, "b");
@@ -1804,6 +1814,52 @@ fn an_idle_gpu_prefetches_only_what_is_clearly_hotter_than_what_it_holds() {
         d.tick(0, &mut out);
         let sent = out.iter().any(|x| matches!(x, Action::Prefetch { .. }));
         assert_eq!(sent, prefetches, "b at {rate_b}x a's rate: {out:?}");
+    }
+}
+
+/// Routing sends a request to a GPU that holds its model whenever one meets
+/// the deadline, so a hot model held by one GPU queued there while others
+/// idled (`simulate` at the paper's scale, 32 GPUs, closed loop: 3785 req/s
+/// where the one-model bound is 8860). An idle GPU with room for it and one
+/// more model now takes a copy of a model whose holders it keeps more than
+/// [`REPLICA_LOAD`] busy each, and nothing else.
+#[test]
+fn a_model_that_keeps_its_holders_busy_is_copied_onto_idle_gpus_with_room() {
+    // (a's rate in req/s, each GPU's parameter memory, copies wanted). Each
+    // request takes 10 ms (the prior), so 20 req/s keep one GPU 20% busy.
+    for (rate, device_bytes, copies) in [
+        (5.0, 1 << 30, 0),
+        (20.0, 1 << 30, 1),
+        (50.0, 1 << 30, 2),
+        // Room for a but not for one more model besides.
+        (50.0, 15_000_000, 0),
+        // Not known: no copies.
+        (50.0, 0, 0),
+    ] {
+        let mut d = Dispatcher::new(cfg(PolicyKind::Slo)).unwrap();
+        let mut out = Vec::new();
+        for r in 0..3 {
+            let shape = RuntimeShape {
+                device_bytes,
+                ..shape(&[0], 1 << 30, 4)
+            };
+            d.runtime_seen(0, r, 1, &shape, None, &mut out);
+            d.link_up(r);
+        }
+        let a = model(&mut d, "a");
+        make_resident(&mut d, 0, "a");
+        d.models[a as usize].rate.observe(rate);
+        d.tick(0, &mut out);
+        let to: Vec<Gpu> = out
+            .iter()
+            .filter_map(|x| match x {
+                Action::Prefetch { gpu, model } if model == "a" => Some(*gpu),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(to.len(), copies, "{rate} req/s, {device_bytes} B: {out:?}");
+        assert!(!to.contains(&gpu(0)), "its holder: {out:?}");
+        assert_eq!(out.len(), copies, "nothing else: {out:?}");
     }
 }
 
@@ -2032,7 +2088,7 @@ fn every_lane_follows_its_gpu_through_a_busy_run() {
     let mut d = Dispatcher::new(c).unwrap();
     let mut out = Vec::new();
     for r in 0..3 {
-        d.runtime_seen(0, r, 1, &[0, 1], 1 << 30, 4, None, &mut out);
+        d.runtime_seen(0, r, 1, &shape(&[0, 1], 1 << 30, 4), None, &mut out);
         d.link_up(r);
     }
     let models: Vec<u32> = (0..6).map(|m| model(&mut d, &format!("m{m}"))).collect();
@@ -2049,7 +2105,7 @@ fn every_lane_follows_its_gpu_through_a_busy_run() {
         if step == 900 {
             d.runtime_down(now, 1, "killed in the test", &mut out);
         } else if step == 1_400 {
-            d.runtime_seen(now, 1, 2, &[0, 1], 1 << 30, 4, None, &mut out);
+            d.runtime_seen(now, 1, 2, &shape(&[0, 1], 1 << 30, 4), None, &mut out);
             d.link_up(1);
         } else {
             match rng.gen_range(0..10) {

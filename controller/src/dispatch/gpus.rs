@@ -42,6 +42,10 @@ impl Resident {
         self.order.iter()
     }
 
+    pub(super) fn len(&self) -> usize {
+        self.order.len()
+    }
+
     pub(super) fn replace(&mut self, order: Vec<u32>) {
         self.set = order.iter().copied().collect();
         self.order = order;
@@ -76,6 +80,8 @@ pub(super) struct GpuState {
     /// Resident model ids, most recently used first.
     pub(super) resident: Resident,
     pub(super) resident_max: usize,
+    /// Its parameter memory (0: not known).
+    pub(super) device_bytes: u64,
     /// Batches sent and not answered.
     pub(super) outstanding: u32,
     /// The model of each of those batches, oldest first.

@@ -459,9 +459,7 @@ impl CoreTask {
                 now,
                 v.id,
                 v.boot_id,
-                &v.shape.device_ids,
-                v.shape.cache_bytes,
-                v.shape.resident_models_max,
+                &v.shape,
                 v.snapshot.as_ref().map(|s| (v.snapshot_seq, s)),
                 &mut self.actions,
             );
