@@ -40,7 +40,10 @@
 //! dispatcher-to-runtime round trip, half on the way to the runtime (a
 //! batch, a prefetch, an eviction, a training order) and half on the way
 //! back (answers, a prefetch's report), and the runtime's serial path per
-//! request, which keeps the device from its next job after a batch.
+//! request, which keeps the device from its next job after a batch. A
+//! closed-loop client whose request is answered at the instant it was
+//! sent (rejected at admission, no round trip given) sends again a
+//! loopback round trip later ([`INSTANT_REPLY_TURNAROUND_S`]).
 //!
 //! Not modelled: CPU time of any process beyond that serial path (routing,
 //! framing, checksums, wake-ups), jitter of the round trip or of the
@@ -446,6 +449,12 @@ fn host_order(uses: &DeviceUses, name: &str, stamp: u64) -> (u8, u64) {
     }
 }
 
+/// How long a closed-loop client takes to send again after a reply that
+/// came at the instant of its request (a rejection at admission when
+/// `Config::round_trip_s` is 0): about a client's loopback round trip
+/// (`distmind bench dispatch` measures 80-120 us here, p50-p99).
+pub(super) const INSTANT_REPLY_TURNAROUND_S: f64 = 80e-6;
+
 /// [`host_order`]'s class of a model a GPU keeps.
 const KEPT: u8 = 0;
 
@@ -786,7 +795,16 @@ impl Sim {
         self.collector
             .record(p.model as usize, outcome, &self.stored_latencies);
         if let Some(c) = p.client {
-            self.at(self.now, Ev::Issue { client: c });
+            // A reply at the instant of its request (one rejected at
+            // admission, with no round trip configured) would let a closed
+            // loop resend at that instant forever; the client pays at
+            // least a loopback round trip.
+            let next = if self.now <= p.issued {
+                self.now + INSTANT_REPLY_TURNAROUND_S
+            } else {
+                self.now
+            };
+            self.at(next, Ev::Issue { client: c });
         }
     }
 

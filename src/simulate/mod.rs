@@ -975,6 +975,36 @@ mod tests {
     }
 
     #[test]
+    fn a_closed_loop_whose_every_request_is_rejected_still_moves_on() {
+        // No GPU can meet a 1 ms SLO: each request is rejected at admission,
+        // at the instant it is sent. The client sent again at that instant,
+        // so simulated time never moved and the run never ended. It now
+        // pays a loopback round trip per request: 4 clients, 1 s.
+        let o = run(&args(&[
+            "--slo-ms",
+            "1",
+            "--policy",
+            "slo",
+            "--mode",
+            "closed",
+            "--concurrency",
+            "4",
+            "--duration",
+            "1s",
+        ]))
+        .unwrap();
+        let per_client = 1.0 / super::engine::INSTANT_REPLY_TURNAROUND_S;
+        let want = 4.0 * per_client;
+        assert_eq!(o.report.ok, 0);
+        assert_eq!(o.report.rejected, o.report.sent);
+        assert!(
+            (o.report.sent as f64 - want).abs() <= 8.0,
+            "{} sent, about {want} wanted",
+            o.report.sent
+        );
+    }
+
+    #[test]
     fn the_same_seed_gives_the_same_run() {
         let a = run(&args(&["--duration", "3s", "--cache", "1GiB"])).unwrap();
         let b = run(&args(&["--duration", "3s", "--cache", "1GiB"])).unwrap();
