@@ -43,7 +43,7 @@
 //! request, which keeps the device from its next job after a batch. A
 //! closed-loop client whose request is answered at the instant it was
 //! sent (rejected at admission, no round trip given) sends again a
-//! loopback round trip later ([`INSTANT_REPLY_TURNAROUND_S`]).
+//! loopback round trip later (`INSTANT_REPLY_TURNAROUND_S`).
 //!
 //! Not modelled: CPU time of any process beyond that serial path (routing,
 //! framing, checksums, wake-ups), jitter of the round trip or of the
