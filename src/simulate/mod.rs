@@ -700,6 +700,13 @@ mod tests {
         Profile::load(p).unwrap()
     }
 
+    /// One batch-1 request of ResNet-152 on the V100 profile, in seconds.
+    fn resnet152_compute_s() -> f64 {
+        shape(Family::Resnet152, Scale::Full, 1, 32_768_000, &v100())
+            .unwrap()
+            .compute_s()
+    }
+
     #[test]
     fn the_shape_follows_the_package_layout_and_the_profile() {
         let p = v100();
@@ -738,9 +745,7 @@ mod tests {
             "10s",
         ]))
         .unwrap();
-        let per = shape(Family::Resnet152, Scale::Full, 1, 32_768_000, &v100())
-            .unwrap()
-            .compute_s();
+        let per = resnet152_compute_s();
         let want = 1.0 / per;
         let got = o.report.throughput_rps;
         assert!((got - want).abs() / want < 0.01, "{got} vs {want} req/s");
@@ -749,9 +754,7 @@ mod tests {
 
     #[test]
     fn the_round_trip_and_the_serial_path_take_their_time() {
-        let per = shape(Family::Resnet152, Scale::Full, 1, 32_768_000, &v100())
-            .unwrap()
-            .compute_s();
+        let per = resnet152_compute_s();
         let rate = |extra: &[&str]| {
             let mut a = vec!["--system", "gpu", "--duration", "10s"];
             a.extend_from_slice(extra);
@@ -961,9 +964,7 @@ mod tests {
             "10s",
         ]))
         .unwrap();
-        let per = shape(Family::Resnet152, Scale::Full, 1, 32_768_000, &v100())
-            .unwrap()
-            .compute_s();
+        let per = resnet152_compute_s();
         let bound = 4.0 / per;
         assert!(o.counts.prefetches > 0, "{:?}", o.counts);
         assert_eq!(o.counts.cold, 0, "{:?}", o.counts);
