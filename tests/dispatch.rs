@@ -67,14 +67,17 @@ fn stored_bytes(pkg: &Path) -> u64 {
 }
 
 fn start(policy: &str, per_family: usize, cache_models: u64) -> Cluster {
-    start_with(policy, per_family, cache_models, &[])
+    start_with(policy, per_family, cache_models, &[], "0")
 }
 
+/// [`start`] with `controller_args` for the controller and a runtime of
+/// `devices` (cpu devices, e.g. "0,1").
 fn start_with(
     policy: &str,
     per_family: usize,
     cache_models: u64,
     controller_args: &[&str],
+    devices: &str,
 ) -> Cluster {
     let dir = tempfile::tempdir().unwrap();
     let pkgs = packages(dir.path(), per_family);
@@ -122,7 +125,7 @@ fn start_with(
             "--executor",
             "cpu",
             "--devices",
-            "0",
+            devices,
             "--cache",
             &cache,
             "--device-memory",
@@ -372,6 +375,7 @@ fn training_fills_the_gpu_between_requests_and_assignments_are_published() {
         1,
         5,
         &["--use-train", "true", "--train-model", train],
+        "0",
     );
     // The dispatcher starts the training job on the runtime by itself.
     let mut rt = distmind_runtime::client::RuntimeClient::connect(
@@ -534,4 +538,66 @@ fn the_client_port_refuses_bad_input_clearly_and_keeps_serving() {
         "client input became a label:\n{text}"
     );
     assert!(text.contains("(unresolved)"), "{text}");
+}
+
+/// Two cpu devices with room for every model, two closed-loop clients on one
+/// model: the device that loaded it first would serve every request (a
+/// holder that meets the deadline wins the request), while the other idled.
+/// The `slo` policy copies the model onto the idle device, and both serve.
+#[test]
+fn a_hot_model_is_copied_onto_an_idle_device_and_both_serve_it() {
+    let c = start_with("slo", 1, 5, &[], "0,1");
+    let model = "resnet152-tiny-00000000";
+    // Requests before the dispatcher links to the runtime fail `unavailable`.
+    let t0 = Instant::now();
+    while total(
+        &metrics_text(&c.metrics[0].1),
+        "distmind_controller_runtimes_linked",
+    ) < 1.0
+    {
+        assert!(t0.elapsed() < Duration::from_secs(30), "never linked");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let r = client(
+        &c,
+        &[
+            "--mode",
+            "closed",
+            "--concurrency",
+            "2",
+            "--requests",
+            "0",
+            "--duration",
+            "3s",
+            "--slo-ms",
+            "10000",
+            "--models",
+            model,
+        ],
+    );
+    assert_eq!(n(&r, "ok"), n(&r, "sent"), "{r}");
+    let ctl = metrics_text(&c.metrics[0].1);
+    assert!(
+        total(&ctl, "distmind_controller_prefetches") >= 1.0,
+        "no prefetch: {ctl}"
+    );
+    let rt = c
+        .metrics
+        .iter()
+        .find(|(w, _)| w == "runtime")
+        .map(|(_, a)| metrics_text(a))
+        .unwrap();
+    let busy = |d: u32| {
+        let series = format!("distmind_runtime_device_busy_seconds_total{{device=\"{d}\"}}");
+        parse_samples(&rt)
+            .iter()
+            .find(|(s, _)| *s == series)
+            .map(|(_, v)| *v)
+            .unwrap_or(0.0)
+    };
+    let (b0, b1) = (busy(0), busy(1));
+    assert!(
+        b0.min(b1) > 0.2 * b0.max(b1),
+        "device busy seconds {b0:.3} and {b1:.3}: one device served nearly all"
+    );
 }
