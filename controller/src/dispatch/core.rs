@@ -97,8 +97,8 @@ const CACHE_OUT_FACTOR: f64 = 1.0;
 /// onto an idle GPU with room. A copy evicts nothing and costs one load
 /// on a GPU that had nothing to do, so the bar is low: in `simulate` at the
 /// paper's scale (32 GPUs of room for 68 ResNet-152 each, 128 models, 32
-/// closed-loop clients, Zipf 0.9), 0.5 gave 5009 req/s, 0.25 6164 and 0.1
-/// 7396 (0.05 no more), against 3785 without copies.
+/// closed-loop clients, Zipf 0.9, seed 0), 0.5 gave 5009 req/s, 0.25 6235,
+/// 0.1 7477 and 0.05 7473, against 3785 without copies.
 pub const REPLICA_LOAD: f64 = 0.1;
 
 #[derive(Debug, Clone)]
