@@ -148,6 +148,17 @@ fn start_with(
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+    let ctl_metrics_addr = &metrics[0].1;
+    // Requests before the dispatcher links to it fail `unavailable`.
+    let t0 = Instant::now();
+    while total(
+        &metrics_text(ctl_metrics_addr),
+        "distmind_controller_runtimes_linked",
+    ) < 1.0
+    {
+        assert!(t0.elapsed() < Duration::from_secs(30), "never linked");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     Cluster {
         runtime: a[0].clone(),
         _procs: procs,
@@ -157,6 +168,25 @@ fn start_with(
         metrics,
         _dir: dir,
     }
+}
+
+/// Two closed-loop clients for 3 s with a 10 s SLO (every request can be
+/// admitted), and `extra`; returns the report.
+fn closed_loop(c: &Cluster, extra: &[&str]) -> Value {
+    let mut args = vec![
+        "--mode",
+        "closed",
+        "--concurrency",
+        "2",
+        "--requests",
+        "0",
+        "--duration",
+        "3s",
+        "--slo-ms",
+        "10000",
+    ];
+    args.extend_from_slice(extra);
+    client(c, &args)
 }
 
 /// Runs `distmind client` with `args`; returns its JSON report.
@@ -297,21 +327,7 @@ fn every_request_is_answered_or_rejected_and_metrics_add_up() {
 fn overload_is_rejected_admitted_requests_meet_their_slo_memory_bounded() {
     let c = start("slo", 1, 5); // 5 models, all fit
                                 // Capacity: a closed loop with two threads.
-    let warm = client(
-        &c,
-        &[
-            "--mode",
-            "closed",
-            "--concurrency",
-            "2",
-            "--requests",
-            "0",
-            "--duration",
-            "3s",
-            "--slo-ms",
-            "10000",
-        ],
-    );
+    let warm = closed_loop(&c, &[]);
     let capacity = warm["throughput_rps"].as_f64().unwrap();
     let p50 = warm["latency"]["p50_ms"].as_f64().unwrap();
     assert!(capacity > 0.0);
@@ -548,33 +564,7 @@ fn the_client_port_refuses_bad_input_clearly_and_keeps_serving() {
 fn a_hot_model_is_copied_onto_an_idle_device_and_both_serve_it() {
     let c = start_with("slo", 1, 5, &[], "0,1");
     let model = "resnet152-tiny-00000000";
-    // Requests before the dispatcher links to the runtime fail `unavailable`.
-    let t0 = Instant::now();
-    while total(
-        &metrics_text(&c.metrics[0].1),
-        "distmind_controller_runtimes_linked",
-    ) < 1.0
-    {
-        assert!(t0.elapsed() < Duration::from_secs(30), "never linked");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let r = client(
-        &c,
-        &[
-            "--mode",
-            "closed",
-            "--concurrency",
-            "2",
-            "--requests",
-            "0",
-            "--duration",
-            "3s",
-            "--slo-ms",
-            "10000",
-            "--models",
-            model,
-        ],
-    );
+    let r = closed_loop(&c, &["--models", model]);
     assert_eq!(n(&r, "ok"), n(&r, "sent"), "{r}");
     let ctl = metrics_text(&c.metrics[0].1);
     assert!(
