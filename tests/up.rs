@@ -283,6 +283,76 @@ fn up_without_a_system_runs_the_side_by_side() {
     assert!(stdout.contains("both clusters stopped"), "{stdout}");
 }
 
+/// The `slo` policy with a training job whose iterations outlast the SLO
+/// (the V100 profile's ResNet-152 iteration, 244 ms; a 100 ms SLO), as
+/// processes: one GPU stays for the demand (50 requests/s) and the other
+/// trains. With every GPU training between requests, no request met it.
+#[test]
+fn up_slo_keeps_a_gpu_for_inference_when_iterations_outlast_the_slo() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = settings_dir();
+    let csv = dir.path().join("r.csv");
+    let profile = s.join("profiles").join("v100-estimated.json");
+    let (ok, stdout, stderr) = run(&[
+        "up",
+        "--settings",
+        s.to_str().unwrap(),
+        "--executor",
+        "sim",
+        "--profile",
+        profile.to_str().unwrap(),
+        "--models",
+        "2",
+        "--family",
+        "resnet152",
+        "--devices",
+        "2",
+        "--device-memory",
+        "1200MiB",
+        "--cache",
+        "1000MiB",
+        "--warm-cache",
+        "--system",
+        "distmind",
+        "--policy",
+        "slo",
+        "--use-train",
+        "--mode",
+        "poisson",
+        "--rate",
+        "50",
+        "--slo-ms",
+        "100",
+        "--duration",
+        "4s",
+        "--csv",
+        csv.to_str().unwrap(),
+        "--work-dir",
+        dir.path().join("work").to_str().unwrap(),
+    ]);
+    assert!(ok, "distmind up failed:\n{stdout}\n{stderr}");
+    let text = std::fs::read_to_string(&csv).unwrap();
+    let header: Vec<&str> = distmind::up::results::HEADER.split(',').collect();
+    let row: Vec<&str> = text.lines().nth(1).expect("a row").split(',').collect();
+    let col = |name: &str| -> f64 {
+        let i = header.iter().position(|h| *h == name).unwrap();
+        row[i].parse().unwrap()
+    };
+    // The first requests find both GPUs training (nothing asked for
+    // inference yet) and wait for one to yield.
+    assert!(col("slo_attainment") >= 0.8, "{text}\n{stdout}");
+    let trained: f64 = ["0", "1"]
+        .iter()
+        .map(|d| {
+            runtime_counter(
+                &stdout,
+                &format!("distmind_runtime_device_train_iterations_total{{device=\"{d}\"}}"),
+            )
+        })
+        .sum();
+    assert!(trained >= 4.0, "{trained} iterations:\n{stdout}");
+}
+
 /// Figure 9's run as processes: two simulated GPUs shared between inference
 /// and a background training job that follows `--inference-workload`, on an
 /// emulated link, with the runtime's /metrics sampled into a timeline CSV.

@@ -595,7 +595,14 @@ impl Sim {
                 .filter(|d| d.runtime == runtime)
                 .map(|d| DeviceSnapshot {
                     device: d.device,
-                    queued: d.queue.len() as u64 + u64::from(d.running.is_some()),
+                    // As the runtime counts: requests, not a training
+                    // iteration.
+                    queued: d.queue.len() as u64
+                        + u64::from(
+                            d.running
+                                .as_ref()
+                                .is_some_and(|r| !matches!(r.job.kind, JobKind::Train)),
+                        ),
                     resident: d.residency.mru().into_iter().map(name).collect(),
                     training: self
                         .cfg

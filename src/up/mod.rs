@@ -205,7 +205,9 @@ pub struct UpArgs {
     pub batch: usize,
     /// Share the GPUs with a background training job (the controller's --use-train; distmind
     /// system, implied without --system): the distmind policy moves GPUs between inference and
-    /// training each second following inference_workload_s (--inference-workload).
+    /// training each second following inference_workload_s (--inference-workload); the slo
+    /// policy trains between requests, or, where an iteration is over half the SLO, on the GPUs
+    /// that the demand leaves.
     #[arg(long)]
     pub use_train: bool,
     /// The training job (with --use-train): one of the run's models, or by default the

@@ -68,7 +68,7 @@ impl Plan {
     pub fn describe(&self) -> String {
         format!(
             "{} ({}{}), batch {} per iteration; the distmind policy moves GPUs between inference \
-             and training each second",
+             and training each second, the slo policy trains the GPUs that the demand leaves",
             self.model,
             self.family,
             if self.generate.is_some() {

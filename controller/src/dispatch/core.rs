@@ -100,6 +100,27 @@ const CACHE_OUT_FACTOR: f64 = 1.0;
 /// closed-loop clients, Zipf 0.9, seed 0), 0.5 gave 5009 req/s, 0.25 6235,
 /// 0.1 7477 and 0.05 7473, against 3785 without copies.
 pub const REPLICA_LOAD: f64 = 0.1;
+/// Under `slo` with training, every GPU trains between requests when one
+/// training iteration is at most this share of the tightest SLO requested:
+/// a request then waits at most one iteration for its GPU to yield and
+/// still has half its SLO left. With longer iterations a request on a
+/// training GPU would miss its deadline, and GPUs are split instead.
+pub const MIX_ITERATION_SHARE: f64 = 0.5;
+/// Under `slo` with training split from inference, enough GPUs stay
+/// inference-only for the demand (requests per second times their device
+/// time) to keep each this busy; the rest train.
+pub const RESERVE_LOAD: f64 = 0.5;
+/// They are fewer only where fewer would each be at most this busy (below
+/// [`RESERVE_LOAD`]: a demand near a whole number of GPUs does not move
+/// one to and fro).
+pub const RESERVE_LOWER_LOAD: f64 = 0.4;
+/// Requests per second (all models) under which no GPU is kept from
+/// training: demand decays to this within a few seconds of the last request.
+pub const RESERVE_MIN_RATE: f64 = 0.1;
+/// The inference-only GPUs are fewer only after the demand has called for
+/// fewer for this long (times the time dilation): a GPU given back to
+/// training takes one iteration to return.
+pub const RESERVE_HOLD_US: Micros = 1_000_000;
 
 #[derive(Debug, Clone)]
 pub struct DispatchConfig {
@@ -252,6 +273,31 @@ struct Req {
     batch: Option<ReqId>,
     /// Its priority as a rank: lower runs first ([`rank`]).
     rank: u32,
+}
+
+/// The fewest of `gpus` inference GPUs, each with room for `slots`
+/// models, that keep each at most `load` busy (all of them where none do,
+/// at least one). Models are given most requested first, with their demand
+/// in GPUs where resident (`resident`) and where each request has to load
+/// them (`loaded`): with `n` GPUs the first `n * slots` models stay
+/// resident and every request for the rest pays a load.
+fn reserve_for(resident: &[f64], loaded: &[f64], slots: usize, gpus: usize, load: f64) -> usize {
+    let total_loaded: f64 = loaded.iter().sum();
+    let mut held = 0.0;
+    let mut held_loaded = 0.0;
+    let mut fit = 0;
+    for n in 1..=gpus {
+        let upto = (n * slots.max(1)).min(resident.len());
+        while fit < upto {
+            held += resident[fit];
+            held_loaded += loaded[fit];
+            fit += 1;
+        }
+        if held + (total_loaded - held_loaded) <= load * n as f64 {
+            return n;
+        }
+    }
+    gpus
 }
 
 /// A priority level as a rank that sorts the highest level first: 1 is the
@@ -434,6 +480,8 @@ pub struct Dispatcher {
     counters: DispatchCounters,
     last_rate_at: Micros,
     training_started: HashSet<Gpu>,
+    /// How `slo` shares GPUs with training.
+    split: TrainSplit,
     /// Requests routed to each (runtime, model), queued or outstanding: a
     /// model with any is never cached out.
     active: IdMap<(u32, u32), u32>,
@@ -446,6 +494,23 @@ pub struct Dispatcher {
     assigned_to: Holders,
     /// Batches sent and not fully answered, by their head's id.
     batches: IdMap<ReqId, Batch>,
+}
+
+/// What the `slo` policy knows and decided about sharing GPUs with the
+/// training job.
+#[derive(Debug, Default)]
+struct TrainSplit {
+    /// The job's iteration as its runtimes last reported it (0: not yet).
+    iteration: Micros,
+    /// The tightest SLO of the requests in the current rate window, and of
+    /// the last window that had any.
+    slo_window: Option<Micros>,
+    slo_tightest: Option<Micros>,
+    /// GPUs kept from training (0 while every GPU trains).
+    reserve: usize,
+    /// Since when the demand has called for fewer, and the most it called
+    /// for since.
+    lower: Option<(Micros, usize)>,
 }
 
 /// The batch a GPU runs next: slots of its queue, the first leading.
@@ -505,6 +570,7 @@ impl Dispatcher {
             counters: DispatchCounters::default(),
             last_rate_at: 0,
             training_started: HashSet::new(),
+            split: TrainSplit::default(),
             active: IdMap::default(),
             only_model: None,
             resident_on: Holders::default(),
@@ -730,10 +796,27 @@ impl Dispatcher {
             if d.queued == 0 {
                 g.silent = false;
             }
+            let iteration = (d.train_iteration_ms * 1e3) as Micros;
             g.training = d.training.as_ref().map(|_| TrainingJob {
                 started_at: 0,
-                iteration: (d.train_iteration_ms * 1e3) as Micros,
+                iteration,
             });
+            // Told to train and not yet training as this snapshot was
+            // taken: it starts an iteration as soon as the order arrives.
+            if g.training.is_none()
+                && g.train_retry_at.is_none()
+                && self.cfg.policy == PolicyKind::Slo
+                && self.training_started.contains(&g.gpu)
+            {
+                g.training = Some(TrainingJob {
+                    started_at: 0,
+                    iteration: self.split.iteration,
+                });
+            }
+            drop(g);
+            if iteration > 0 && d.training.is_some() && d.training == self.cfg.train_model {
+                self.split.iteration = iteration;
+            }
         }
     }
 
@@ -1005,6 +1088,9 @@ impl Dispatcher {
         self.next_req += 1;
         self.counters.submitted += 1;
         let slo = self.slo_ms(model, slo_ms);
+        let slo_us = (slo * 1e3) as Micros;
+        let w = &mut self.split.slo_window;
+        *w = Some(w.map_or(slo_us, |t| t.min(slo_us)));
         let m = &mut self.models[model as usize];
         m.recent += 1;
         m.uses += 1;
@@ -2157,6 +2243,9 @@ impl Dispatcher {
                 m.rate.observe(m.recent as f64 * 1e6 * k / window as f64);
                 m.recent = 0;
             }
+            if let Some(t) = self.split.slo_window.take() {
+                self.split.slo_tightest = Some(t);
+            }
             self.last_rate_at = now;
         }
         self.expire_overdue(now, out);
@@ -2167,7 +2256,7 @@ impl Dispatcher {
                 self.drain_pending(now, out);
             }
             PolicyKind::Slo => {
-                self.start_training_everywhere(now, out);
+                self.share_with_training(now, out);
                 self.prefetch_hot(now, out);
             }
             // No placement and no training: requests wait for a GPU only.
@@ -2338,28 +2427,158 @@ impl Dispatcher {
         }
     }
 
-    /// `slo` with training on: every GPU runs the training job between
-    /// requests (the runtime yields at iteration boundaries).
-    fn start_training_everywhere(&mut self, now: Micros, out: &mut Vec<Action>) {
+    /// `slo` with training on: which GPUs run the training job between
+    /// requests (a runtime yields to inference at iteration boundaries).
+    /// Every GPU trains while no request calls for one, and whenever an
+    /// iteration is short next to the tightest SLO requested
+    /// ([`MIX_ITERATION_SHARE`]). Where it is longer, a request on a
+    /// training GPU would wait out its deadline for the GPU to yield: as
+    /// many GPUs as [`Self::training_reserve`] says stay inference-only
+    /// (those not training, then those holding the most requested models,
+    /// first) and the rest train. A GPU told to stop is counted busy for
+    /// one more iteration, the most it takes to yield.
+    fn share_with_training(&mut self, now: Micros, out: &mut Vec<Action>) {
         let Some(train) = self.train_model().map(str::to_string) else {
             return;
         };
-        let (hosts, started) = (&self.hosts, &mut self.training_started);
-        self.gpus.for_each_mut(|g| {
+        let reserve = self.training_reserve(now);
+        let mut reserved = vec![false; self.gpus.len()];
+        if reserve > 0 {
+            let held = |g: &GpuState| -> f64 {
+                g.resident
+                    .iter()
+                    .map(|&m| self.models[m as usize].rate.get().unwrap_or(0.0))
+                    .sum()
+            };
+            let mut order: Vec<(bool, f64, usize)> = (0..self.gpus.len())
+                .filter(|&gi| self.gpus[gi].link_up && !self.gpus[gi].silent)
+                .map(|gi| {
+                    let g = &self.gpus[gi];
+                    (self.training_started.contains(&g.gpu), held(g), gi)
+                })
+                .collect();
+            order.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.total_cmp(&a.1)).then(a.2.cmp(&b.2)));
+            for &(_, _, gi) in order.iter().take(reserve) {
+                reserved[gi] = true;
+            }
+        }
+        let iteration = self.split.iteration;
+        let started = &mut self.training_started;
+        for (gi, &reserved) in reserved.iter().enumerate() {
+            let mut g = self.gpus.get_mut(gi);
             if g.train_retry_at.is_some_and(|t| now >= t) {
                 g.train_retry_at = None;
                 started.remove(&g.gpu);
             }
-            if g.train_retry_at.is_none()
-                && hosts.get(&g.gpu.runtime).is_some_and(|h| h.link_up)
-                && started.insert(g.gpu)
-            {
+            if reserved {
+                if started.remove(&g.gpu) {
+                    out.push(Action::Train {
+                        gpu: g.gpu,
+                        model: None,
+                    });
+                    g.training = None;
+                    g.busy_until = g.busy_until.max(now) + iteration;
+                }
+            } else if g.train_retry_at.is_none() && g.link_up && started.insert(g.gpu) {
                 out.push(Action::Train {
                     gpu: g.gpu,
                     model: Some(train.clone()),
                 });
+                g.training = Some(TrainingJob {
+                    started_at: 0,
+                    iteration,
+                });
             }
-        });
+        }
+    }
+
+    /// While `slo` splits GPUs between inference and training, GPU `gi`
+    /// trains and serves no request.
+    fn trains_only(&self, gi: usize) -> bool {
+        self.split.reserve > 0 && self.training_started.contains(&self.gpus[gi].gpu)
+    }
+
+    /// How many GPUs `slo` keeps from training now (see
+    /// [`Self::share_with_training`]): all until the first demand is
+    /// measured ([`Self::tick`]'s first rate window); then none while fewer than
+    /// [`RESERVE_MIN_RATE`] requests a second come, or while an iteration
+    /// is short enough to mix; else the fewest that [`reserve_for`] finds
+    /// enough, at least one. More at once; fewer only once the demand has
+    /// called for fewer for [`RESERVE_HOLD_US`].
+    fn training_reserve(&mut self, now: Micros) -> usize {
+        let usable: Vec<&GpuState> = self
+            .gpus
+            .iter()
+            .filter(|g| g.link_up && !g.silent)
+            .collect();
+        let rate: f64 = self.models.iter().filter_map(|m| m.rate.get()).sum();
+        let iteration = self.split.iteration as f64;
+        let mixes = iteration > 0.0
+            && self
+                .split
+                .slo_tightest
+                .is_some_and(|slo| iteration <= MIX_ITERATION_SHARE * slo as f64);
+        let (wanted, lower_to) = if self.last_rate_at == 0 {
+            // No demand measured yet: nothing trains before it is.
+            (usable.len(), usable.len())
+        } else if usable.is_empty() || rate < RESERVE_MIN_RATE || mixes {
+            (0, 0)
+        } else {
+            let k = 1e6 * self.cfg.time_dilation;
+            // Per model, most requested first: its demand in GPUs where it
+            // is resident, and where it has to be loaded.
+            let mut demand: Vec<(f64, f64, u64)> = self
+                .models
+                .iter()
+                .enumerate()
+                .filter_map(|(i, m)| {
+                    let r = m.rate.get().filter(|&r| r > 0.0)?;
+                    let at = |w| self.cost.estimate(i as u32, &m.meta, w) as f64 * r / k;
+                    Some((at(Where::Resident), at(Where::Remote), m.meta.bytes))
+                })
+                .collect();
+            demand.sort_by(|a, b| b.0.total_cmp(&a.0));
+            let largest = demand.iter().map(|d| d.2).max().unwrap_or(1).max(1);
+            let slots = usable
+                .iter()
+                .map(|g| match g.device_bytes {
+                    0 => g.resident_max,
+                    b => g.resident_max.min((b / largest) as usize),
+                })
+                .min()
+                .unwrap_or(1);
+            let (resident, loaded): (Vec<f64>, Vec<f64>) =
+                demand.iter().map(|d| (d.0, d.1)).unzip();
+            let at = |load| reserve_for(&resident, &loaded, slots, usable.len(), load);
+            (at(RESERVE_LOAD), at(RESERVE_LOWER_LOAD))
+        };
+        let s = &mut self.split;
+        let before = s.reserve;
+        if wanted >= s.reserve {
+            s.reserve = wanted;
+            s.lower = None;
+        } else if lower_to >= s.reserve {
+            s.lower = None;
+        } else {
+            let (since, most) = s.lower.get_or_insert((now, lower_to));
+            *most = (*most).max(lower_to);
+            let hold = (RESERVE_HOLD_US as f64 * self.cfg.time_dilation) as Micros;
+            if now.saturating_sub(*since) >= hold {
+                s.reserve = *most;
+                s.lower = None;
+            }
+        }
+        if s.reserve != before {
+            log::debug!(
+                "dispatcher: {} of {} GPUs kept from training ({rate:.1} requests/s, \
+                 iteration {:.1} ms, tightest SLO {:?} us)",
+                s.reserve,
+                usable.len(),
+                iteration / 1e3,
+                s.slo_tightest
+            );
+        }
+        s.reserve.min(usable.len())
     }
 
     /// `slo` demand-driven placement: each idle GPU prefetches one model.
@@ -2373,15 +2592,24 @@ impl Dispatcher {
     /// and where the GPU's memory is not known it takes no copies):
     /// routing sends a request to a GPU that holds its model whenever one
     /// meets the deadline, so a hot model held by few GPUs queues there
-    /// while others idle.
+    /// while others idle. While GPUs are split between inference and
+    /// training, those that train neither take a model nor count as
+    /// holding one.
     fn prefetch_hot(&mut self, now: Micros, out: &mut Vec<Action>) {
         let mut hot: Vec<(u64, u32)> = Vec::new();
         // (model, its demand in GPUs busy with it, its holders)
         let mut spread: Vec<(u32, f64, usize)> = Vec::new();
+        let split = self.split.reserve > 0;
         for (i, m) in self.models.iter().enumerate() {
             let Some(rate) = m.rate.get() else { continue };
             let id = i as u32;
-            let holders = self.resident_on.get(id).len();
+            let holders = match split {
+                false => self.resident_on.get(id).len(),
+                true => {
+                    let holders = self.resident_on.get(id).iter();
+                    holders.filter(|&&gi| !self.trains_only(gi)).count()
+                }
+            };
             if holders == 0 {
                 if rate >= 0.5 {
                     hot.push(((rate * 1e3) as u64, id));
@@ -2403,7 +2631,7 @@ impl Dispatcher {
                 let g = &self.gpus[gi];
                 g.outstanding == 0 && g.queue.is_empty() && !g.prefetching
             };
-            if !idle || !self.routable(gi) {
+            if !idle || self.trains_only(gi) || !self.routable(gi) {
                 continue;
             }
             let m = match hot.next() {

@@ -2227,3 +2227,148 @@ fn a_load_pushes_the_least_recent_model_out_of_the_host_cache_view() {
     assert_eq!(d.where_on_host(0, ms[1]), Where::HostCached);
     assert_eq!(d.where_on_host(0, ms[2]), Where::HostCached);
 }
+
+/// `n` requests for `m` with a 100 ms SLO at `now`, each answered at once
+/// (10 ms, resident) where it was sent: the demand a rate window sees.
+fn offer(d: &mut Dispatcher, now: Micros, m: u32, n: usize) {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        d.submit(now, m, Some(100.0), &mut out);
+    }
+    answer_all(d, now, m, &out);
+}
+
+/// Answers at `now` every request for `m` that `out` sends, and every one
+/// sent in turn as they are answered.
+fn answer_all(d: &mut Dispatcher, now: Micros, m: u32, out: &[Action]) {
+    let t = timing(ServePath::DeviceResident, 10.0);
+    let resident = [d.models[m as usize].meta.name.clone()];
+    let mut todo = sent(out);
+    while let Some((r, _)) = todo.pop() {
+        let mut more = Vec::new();
+        d.complete(now, r, &c_of(&t, &resident), &mut more);
+        todo.extend(sent(&more));
+    }
+}
+
+/// The GPUs `out` tells to train (`true`) or to stop (`false`).
+fn train_orders(out: &[Action], start: bool) -> Vec<Gpu> {
+    out.iter()
+        .filter_map(|a| match a {
+            Action::Train { gpu, model } if model.is_some() == start => Some(*gpu),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Runtime `r`'s one device heartbeats: `resident` on it, training or not
+/// with iterations of `iteration_ms`.
+fn trainer_heartbeat(
+    d: &mut Dispatcher,
+    r: u32,
+    resident: &[&str],
+    training: bool,
+    iteration_ms: f64,
+) {
+    let snap = RuntimeSnapshot {
+        devices: vec![DeviceSnapshot {
+            device: 0,
+            resident: resident.iter().map(|m| m.to_string()).collect(),
+            training: training.then(|| "resnet152_train".to_string()),
+            train_iteration_ms: iteration_ms,
+            ..Default::default()
+        }],
+        host_cached: vec![],
+        host_cached_truncated: false,
+    };
+    heartbeat(d, r, 1 << 30, &snap);
+}
+
+#[test]
+fn slo_keeps_enough_gpus_from_training_when_an_iteration_outlasts_the_slo() {
+    let mut c = cfg(PolicyKind::Slo);
+    c.distmind.use_train = true;
+    c.train_model = Some("resnet152_train".into());
+    let mut d = dispatcher_with(c, 4);
+    let a = model(&mut d, "a");
+    make_resident(&mut d, 0, "a");
+    let mut out = Vec::new();
+    // Nothing trains before the demand is measured.
+    d.tick(0, &mut out);
+    assert!(train_orders(&out, true).is_empty(), "{out:?}");
+    // 50 requests/s of 10 ms: half a GPU. Two GPUs stay (each at most 40%
+    // busy), the one holding `a` first; the other two train once the
+    // demand has called for fewer for a second.
+    let mut trainers = Vec::new();
+    for k in 1..=15 {
+        offer(&mut d, k * 100 * MS, a, 5);
+        out.clear();
+        d.tick(k * 100 * MS, &mut out);
+        assert!(train_orders(&out, false).is_empty(), "{out:?}");
+        let started = train_orders(&out, true);
+        assert!(k >= 11 || started.is_empty(), "at {k}00 ms: {out:?}");
+        trainers.extend(started);
+    }
+    assert_eq!(trainers.len(), 2, "{trainers:?}");
+    assert!(!trainers.contains(&gpu(0)), "{trainers:?}");
+    // Their runtimes say an iteration takes 250 ms: a request that could
+    // wait for one would miss its SLO, so none goes there.
+    for g in &trainers {
+        trainer_heartbeat(&mut d, g.runtime, &[], true, 250.0);
+    }
+    out.clear();
+    for _ in 0..8 {
+        d.submit(1_500 * MS, a, Some(100.0), &mut out);
+    }
+    assert!(!sent(&out).is_empty(), "{out:?}");
+    assert!(
+        sent(&out).iter().all(|(_, g)| !trainers.contains(g)),
+        "{out:?}"
+    );
+    answer_all(&mut d, 1_510 * MS, a, &out);
+    // 150 requests/s: three GPUs at once; one trainer is told to stop and
+    // counted busy for the iteration it may be in.
+    let (mut now, mut stopped) = (1_500 * MS, Vec::new());
+    for _ in 0..3 {
+        now += 100 * MS;
+        offer(&mut d, now, a, 15);
+        out.clear();
+        d.tick(now, &mut out);
+        stopped.extend(train_orders(&out, false));
+    }
+    assert_eq!(stopped.len(), 1, "{stopped:?}");
+    let gi = d.gpus.iter().position(|g| g.gpu == stopped[0]).unwrap();
+    assert!(d.gpus[gi].busy_until >= now - 200 * MS + 250 * MS);
+    // Iterations of 20 ms next to a 100 ms SLO: every GPU trains between
+    // requests again, after the hold.
+    for r in 0..4 {
+        let resident: &[&str] = if r == 0 { &["a"] } else { &[] };
+        trainer_heartbeat(&mut d, r, resident, trainers.contains(&gpu(r)), 20.0);
+    }
+    let mut started = Vec::new();
+    for _ in 0..12 {
+        now += 100 * MS;
+        offer(&mut d, now, a, 15);
+        out.clear();
+        d.tick(now, &mut out);
+        started.extend(train_orders(&out, true));
+    }
+    assert_eq!(started.len(), 3, "the three not training: {started:?}");
+}
+
+#[test]
+fn with_no_requests_every_gpu_trains_under_slo() {
+    let mut c = cfg(PolicyKind::Slo);
+    c.distmind.use_train = true;
+    c.train_model = Some("resnet152_train".into());
+    let mut d = dispatcher_with(c, 3);
+    model(&mut d, "a");
+    let mut started = Vec::new();
+    for k in 0..=12 {
+        let mut out = Vec::new();
+        d.tick(k * 100 * MS, &mut out);
+        started.extend(train_orders(&out, true));
+    }
+    started.sort_by_key(|g| g.runtime);
+    assert_eq!(started, vec![gpu(0), gpu(1), gpu(2)]);
+}
