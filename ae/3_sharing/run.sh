@@ -57,5 +57,38 @@ mean_util() {
     awk -F, 'NR == 1 { for (i = 1; i <= NF; i++) c[$i] = i; next }
         NR > 2 { s += $c["inference_util"] + $c["training_util"]; n++ } END { if (n) printf "%.2f", s / n }' "$1"
 }
+# Column `name` of the last row of a CSV.
+col_of() {
+    awk -F, -v name="$2" 'NR == 1 { for (i = 1; i <= NF; i++) if ($i == name) k = i; next }
+        { v = $k } END { print v }' "$1"
+}
+
+# The slo policy splits the GPUs itself (no schedule): Poisson inference at
+# the paper's scale with a 100 ms SLO, shorter than a training iteration,
+# 60 s per rate, with and without the training job. Per rate: the share of
+# requests within the SLO, and the GPUs' training iterations over their
+# training bound (the share of the 32 GPUs' time spent training).
+SLO_TRAIN_CSV="$RES/slo-training-sim.csv"
+if [ -z "${PLOT_ONLY:-}" ]; then
+    tmp=$(mktemp -d)
+    echo "rate_rps,slo_attainment,training_util,slo_attainment_without_training" > "$SLO_TRAIN_CSV"
+    for rate in 500 1000 2000 4000; do
+        for train in yes no; do
+            flag=()
+            [ "$train" = yes ] && flag=(--use-train)
+            sim_paper --family resnet152 --models 128 --mode poisson --rate "$rate" --zipf 0.9 --batch 1 \
+                --slo-ms 100 --period 1 --duration 60s --system distmind --cache "$PAPER_CACHE" --policy slo \
+                "${flag[@]}" --csv "$tmp/$train.csv" --timeline "$tmp/$train-timeline.csv" \
+                --timeline-interval 60 --test sharing >/dev/null
+        done
+        echo "$rate,$(col_of "$tmp/yes.csv" slo_attainment),$(col_of "$tmp/yes-timeline.csv" training_util),$(col_of "$tmp/no.csv" slo_attainment)" \
+            >> "$SLO_TRAIN_CSV"
+    done
+    rm -rf "$tmp"
+fi
+slo_train_at() {
+    awk -F, -v rate="$1" -v k="$2" 'NR > 1 && $1 == rate { printf "%.3f", $k }' "$SLO_TRAIN_CSV"
+}
 echo "wrote the timelines and figures in $RES"
-echo "headline: utilization=$( [ -f "$CSV" ] && mean_util "$CSV" || echo -) sim_utilization=$(mean_util "$SIM_CSV")"
+echo "headline: utilization=$( [ -f "$CSV" ] && mean_util "$CSV" || echo -) sim_utilization=$(mean_util "$SIM_CSV") \
+sim_slo_train_attainment_500=$(slo_train_at 500 2) sim_slo_train_training_500=$(slo_train_at 500 3)"
