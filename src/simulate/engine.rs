@@ -967,7 +967,7 @@ impl Sim {
             Report::Prefetched { gpu, model, load } => {
                 if let Some((path, ms)) = load {
                     let name = &self.cfg.names[model as usize];
-                    self.d.prefetched(gpu, name, path, ms);
+                    self.d.prefetched(us(self.now), gpu, name, path, ms);
                 }
                 self.d.prefetch_done(us(self.now), gpu, None);
                 return;

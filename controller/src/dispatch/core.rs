@@ -41,6 +41,7 @@ use distmind_common::proto::{
 };
 
 use super::gpus::{GpuState, Gpus, Resident};
+use super::link::{LinkLoad, LoadMark};
 use super::sets::{IdMap, IdSet, ModelSet};
 use crate::policy::cost::{CostModel, ModelMeta, Priors};
 use crate::policy::distmind::{DistMindConfig, DistMindPolicy};
@@ -342,6 +343,9 @@ struct Batch {
     /// It no longer holds a slot of the GPU's window (its first reply came:
     /// the device ran it).
     released: bool,
+    /// It loads its model from the memory servers: counted on its GPU
+    /// server's link until released.
+    load: Option<LoadMark>,
 }
 
 /// Model id -> the GPUs (indices) that hold it: the reverse of every GPU's
@@ -388,6 +392,8 @@ struct HostState {
     /// its link is up again. A runtime whose link is not up yet and was
     /// never lost is starting: requests may wait for it, not for a lost one.
     lost: Option<String>,
+    /// Loads from the memory servers on its link.
+    link: LinkLoad,
 }
 
 /// The dispatcher's view of a host cache: which models it holds, most
@@ -500,6 +506,9 @@ pub struct Dispatcher {
     assigned_to: Holders,
     /// Batches sent and not fully answered, by their head's id.
     batches: IdMap<ReqId, Batch>,
+    /// The latest time any call passed in (for the link counts of requests
+    /// that end where no time is given).
+    clock: Micros,
 }
 
 /// What the `slo` policy knows and decided about sharing GPUs with the
@@ -582,6 +591,7 @@ impl Dispatcher {
             resident_on: Holders::default(),
             assigned_to: Holders::default(),
             batches: IdMap::default(),
+            clock: 0,
         })
     }
 
@@ -608,6 +618,7 @@ impl Dispatcher {
     /// (given up, or failed): it works, so it is routed to again if it was
     /// silent. (Replies for requests it holds reach [`Self::complete`].)
     pub fn answered_late(&mut self, now: Micros, gpu: Gpu) {
+        self.clock = self.clock.max(now);
         if let Some(gi) = self.gpus.iter().position(|g| g.gpu == gpu) {
             self.gpus.answered(gi, now);
         }
@@ -698,6 +709,7 @@ impl Dispatcher {
         snapshot: Option<(u64, &RuntimeSnapshot)>,
         out: &mut Vec<Action>,
     ) {
+        self.clock = self.clock.max(now);
         let resident_models_max = shape.resident_models_max;
         let restarted = self
             .hosts
@@ -736,6 +748,7 @@ impl Dispatcher {
                     queue: EdfQueue::new(GPU_QUEUE_MAX),
                     training: None,
                     prefetching: false,
+                    prefetch_load: None,
                     train_retry_at: None,
                     busy_since: None,
                     serial: Ewma::default(),
@@ -793,6 +806,7 @@ impl Dispatcher {
             if self.gpus[gi].outstanding == 0 {
                 self.resident_replace(gi, resident);
             }
+            self.end_prefetch_load(gi);
             let mut g = self.gpus.get_mut(gi);
             g.prefetching = false;
             g.prefetch_work = 0;
@@ -846,10 +860,17 @@ impl Dispatcher {
     /// can still meet its deadline; the rest fail `unavailable`, naming
     /// the runtime and why. Nothing waits for a GPU that is gone.
     pub fn runtime_down(&mut self, now: Micros, runtime: u32, why: &str, out: &mut Vec<Action>) {
+        self.clock = self.clock.max(now);
         if let Some(h) = self.hosts.get_mut(&runtime) {
             h.link_up = false;
             h.cached.clear();
             h.lost = Some(why.to_string());
+            h.link.reset(now);
+        }
+        for b in self.batches.values_mut() {
+            if self.gpus[b.gi].gpu.runtime == runtime {
+                b.load = None;
+            }
         }
         let mut moved = Vec::new();
         for gi in 0..self.gpus.len() {
@@ -869,6 +890,7 @@ impl Dispatcher {
             g.busy_until = now;
             g.training = None;
             g.prefetching = false;
+            g.prefetch_load = None;
         }
         moved.extend(
             self.reqs
@@ -1029,6 +1051,12 @@ impl Dispatcher {
         b.left = b.left.saturating_sub(1);
         if !b.released {
             b.released = true;
+            if b.load.take().is_some() {
+                let runtime = self.gpus[b.gi].gpu.runtime;
+                if let Some(h) = self.hosts.get_mut(&runtime) {
+                    h.link.end(self.clock);
+                }
+            }
             let mut g = self.gpus.get_mut(b.gi);
             g.outstanding = g.outstanding.saturating_sub(1);
             g.work_out = g.work_out.saturating_sub(b.service);
@@ -1090,6 +1118,7 @@ impl Dispatcher {
         priority: u32,
         out: &mut Vec<Action>,
     ) -> ReqId {
+        self.clock = self.clock.max(now);
         let id = self.next_req;
         self.next_req += 1;
         self.counters.submitted += 1;
@@ -1216,7 +1245,8 @@ impl Dispatcher {
         // idle holder ends the search. Then every other GPU, in order, with
         // its host's cache looked up once per runtime.
         let holders = self.resident_on.get(r.model);
-        let mut host: Option<(u32, Where)> = None;
+        // (runtime, where the model is there, its device time there)
+        let mut host: Option<(u32, Where, Micros)> = None;
         let others = (0..self.gpus.len()).filter(|gi| !holders.contains(gi));
         for (gi, held) in holders
             .iter()
@@ -1241,13 +1271,14 @@ impl Dispatcher {
             if !lane.open {
                 continue;
             }
-            let at = match host {
-                _ if held => Where::Resident,
-                Some((rt, at)) if rt == lane.runtime => at,
+            let (at, time) = match host {
+                _ if held => (Where::Resident, est[Where::Resident as usize]),
+                Some((rt, at, time)) if rt == lane.runtime => (at, time),
                 _ => {
                     let at = self.where_on_host(lane.runtime, r.model);
-                    host = Some((lane.runtime, at));
-                    at
+                    let time = self.estimate_on(gi, r.model, at);
+                    host = Some((lane.runtime, at, time));
+                    (at, time)
                 }
             };
             // Counted whole even when it may join a queued batch of its
@@ -1257,7 +1288,7 @@ impl Dispatcher {
             // the cpu executor, 3 requests admitted for every one run).
             // Batches that do form finish early, and every reply
             // re-anchors the GPU's free time, which admits the next ones.
-            let service = est[at as usize] + lane.serial_us;
+            let service = time + lane.serial_us;
             let free = lane.free_at(now);
             let ahead = if lane.last_deadline <= r.deadline {
                 lane.work
@@ -1282,7 +1313,7 @@ impl Dispatcher {
             }
         }
         if best.is_none() && r.rank != u32::MAX {
-            best = self.make_room(now, &r, &est, out);
+            best = self.make_room(now, &r, out);
         }
         let Some((finish, at, gi, service)) = best else {
             let meta = &self.models[r.model as usize].meta;
@@ -1365,7 +1396,6 @@ impl Dispatcher {
         &mut self,
         now: Micros,
         r: &Req,
-        est: &[Micros; 3],
         out: &mut Vec<Action>,
     ) -> Option<(Micros, Where, usize, Micros)> {
         let overhead = self.cost.overhead();
@@ -1389,7 +1419,7 @@ impl Dispatcher {
             }
             lower.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)));
             let at = self.where_is(gi, r.model);
-            let service = est[at as usize] + self.serial_us(gi);
+            let service = self.estimate_on(gi, r.model, at) + self.serial_us(gi);
             let free = self.free_at(now, gi);
             let single = lower.iter().find_map(|&(_, slot, id)| {
                 let adm = g
@@ -1689,7 +1719,7 @@ impl Dispatcher {
     fn per_request_floor(&self, gi: usize, model: u32, queued: u32) -> Micros {
         let meta = &self.models[model as usize].meta;
         let serial = self.serial_us(gi);
-        let one = self.cost.estimate(model, meta, self.where_is(gi, model)) + serial;
+        let one = self.estimate_on(gi, model, self.where_is(gi, model)) + serial;
         (1..=queued.min(self.batch_max(model)).max(1))
             .map(|n| {
                 (one + self.cost.batch_extra(model, meta, n) + Micros::from(n - 1) * serial)
@@ -1713,10 +1743,7 @@ impl Dispatcher {
         let id = g.queue.iter().find(|(s, ..)| *s == top)?.2;
         let r = &self.reqs[id];
         let at = self.where_is(gi, model).max(r.at);
-        let time = self
-            .cost
-            .estimate(model, &self.models[model as usize].meta, at)
-            + self.serial_us(gi);
+        let time = self.estimate_on(gi, model, at) + self.serial_us(gi);
         let start = g.busy_until.max(now) + self.cost.overhead();
         self.batch_keeps_deadlines(gi, start, &[top], 2 * time)
             .then(|| BatchPlan {
@@ -1736,7 +1763,7 @@ impl Dispatcher {
         let meta = &self.models[lead as usize].meta;
         let at = self.batch_at(gi, lead);
         let serial = self.serial_us(gi);
-        let one = self.cost.estimate(lead, meta, at) + serial;
+        let one = self.estimate_on(gi, lead, at) + serial;
         let max = self.batch_max(lead) as usize;
         let start = g.busy_until.max(now) + self.cost.overhead();
         let batch_time =
@@ -1831,9 +1858,7 @@ impl Dispatcher {
         g.queue.iter().next().map_or(0, |(_, _, id)| {
             let r = &self.reqs[id];
             let at = self.where_is(gi, r.model).max(r.at);
-            self.cost
-                .estimate(r.model, &self.models[r.model as usize].meta, at)
-                + self.serial_us(gi)
+            self.estimate_on(gi, r.model, at) + self.serial_us(gi)
         })
     }
 
@@ -1875,6 +1900,7 @@ impl Dispatcher {
         // Each load was admitted as the one request that finds its model
         // not resident (admission expects it resident from then on).
         let loads = ids.iter().any(|id| self.reqs[id].at != Where::Resident);
+        let from_memory_servers = ids.iter().any(|id| self.reqs[id].at == Where::Remote);
         let budget = |r: &Req| r.deadline.saturating_sub(now).div_ceil(1000);
         let mut batch = Vec::with_capacity(ids.len() - 1);
         for &id in ids {
@@ -1898,6 +1924,10 @@ impl Dispatcher {
         drop(g);
         let n = ids.len() as u32;
         let base = service.saturating_sub(u64::from(n) * self.serial_us(gi));
+        let load = match self.hosts.get_mut(&gpu.runtime) {
+            Some(h) if from_memory_servers => Some(h.link.start(now)),
+            _ => None,
+        };
         self.batches.insert(
             head,
             Batch {
@@ -1908,6 +1938,7 @@ impl Dispatcher {
                 n,
                 left: n,
                 released: false,
+                load,
             },
         );
         let c = &mut self.counters;
@@ -1976,9 +2007,7 @@ impl Dispatcher {
             self.cache_out_for(gi, model, out);
         }
         let at = self.where_is(gi, model);
-        let service = self
-            .cost
-            .estimate(model, &self.models[model as usize].meta, at);
+        let service = self.estimate_on(gi, model, at);
         {
             let r = self.reqs.get_mut(&id).expect("alive");
             r.at = at;
@@ -2100,6 +2129,7 @@ impl Dispatcher {
         c: &Completion<'_>,
         out: &mut Vec<Action>,
     ) -> Option<DispatchInfo> {
+        self.clock = self.clock.max(now);
         // Only a request in flight can be answered: one that is queued
         // again (its runtime was lost and its late reply came anyway) waits
         // for the GPU it is queued for.
@@ -2111,6 +2141,14 @@ impl Dispatcher {
         }
         // The batch's first answer frees its window slot: the device ran it.
         let answered = open_batch(&self.batches, self.reqs.get(&req)).map(|b| (b.base, b.n));
+        // The loads that shared its link, its own included, while its batch
+        // loaded the model (read before the first answer releases it).
+        let load = open_batch(&self.batches, self.reqs.get(&req))
+            .and_then(|b| b.load.map(|mark| (b.gi, mark)));
+        let share = match load {
+            Some((gi, mark)) => self.load_share(gi, Some(mark), now),
+            None => 1.0,
+        };
         let r = self.take(req)?;
         let gi = r.gpu?;
         // It answers: it is routed to (again).
@@ -2144,7 +2182,17 @@ impl Dispatcher {
             };
             let rtt = r.sent_at.map(|s| (now - s) as f64 / 1e3);
             let meta = &self.models[r.model as usize].meta;
-            let service_ms = t.total_ms - t.queue_ms;
+            let mut service_ms = t.total_ms - t.queue_ms;
+            if at == Where::Remote && !warmup {
+                service_ms = self.cost.load_alone_ms(
+                    r.model,
+                    meta,
+                    service_ms,
+                    t.fetch_ms,
+                    t.fetched_bytes,
+                    share,
+                );
+            }
             if warmup {
                 log::debug!(
                     "dispatcher: {}'s {:.1} ms on {} is its device's warm-up, not learnt from",
@@ -2240,6 +2288,7 @@ impl Dispatcher {
     /// Periodic work at `now`: the policy's placement, training roles,
     /// demand tracking, expiry of waiting requests.
     pub fn tick(&mut self, now: Micros, out: &mut Vec<Action>) {
+        self.clock = self.clock.max(now);
         // Demand: requests per second per model, smoothed; per emulated
         // second on a dilated clock (K times the real clock's rate).
         let window = now.saturating_sub(self.last_rate_at);
@@ -2692,19 +2741,55 @@ impl Dispatcher {
         let meta = &self.models[model as usize].meta;
         let at = self.where_is(gi, model);
         let load = self
-            .cost
-            .estimate(model, meta, at)
+            .estimate_on(gi, model, at)
             .saturating_sub(self.cost.estimate(model, meta, Where::Resident));
+        let runtime = self.gpus[gi].gpu.runtime;
+        let mark = match self.hosts.get_mut(&runtime) {
+            Some(h) if at == Where::Remote => Some(h.link.start(now)),
+            _ => None,
+        };
+        self.end_prefetch_load(gi);
         let mut g = self.gpus.get_mut(gi);
         g.prefetching = true;
         g.prefetch_work = load;
+        g.prefetch_load = mark;
         g.busy_until = g.busy_until.max(now) + load;
+    }
+
+    /// GPU `gi`'s prefetch, if it loads from the memory servers, no longer
+    /// counts on its GPU server's link.
+    fn end_prefetch_load(&mut self, gi: usize) {
+        let mut g = self.gpus.get_mut(gi);
+        let Some(_) = g.prefetch_load.take() else {
+            return;
+        };
+        let runtime = g.gpu.runtime;
+        drop(g);
+        if let Some(h) = self.hosts.get_mut(&runtime) {
+            h.link.end(self.clock);
+        }
+    }
+
+    /// Device time of model `model` on GPU `gi` where it is `at`: a load
+    /// from the memory servers shares the GPU server's link with the loads
+    /// already on it.
+    fn estimate_on(&self, gi: usize, model: u32, at: Where) -> Micros {
+        let meta = &self.models[model as usize].meta;
+        if at != Where::Remote {
+            return self.cost.estimate(model, meta, at);
+        }
+        let others = self
+            .hosts
+            .get(&self.gpus[gi].gpu.runtime)
+            .map_or(0, |h| h.link.loads());
+        self.cost.estimate_load(model, meta, others)
     }
 
     /// The runtime refused a `Train` for `gpu` (the job's model may not be
     /// deployed yet): it is asked again [`TRAIN_RETRY_US`] (dilated) later,
     /// while the policy still wants it to train.
     pub fn train_failed(&mut self, now: Micros, gpu: Gpu) {
+        self.clock = self.clock.max(now);
         let retry_us = (TRAIN_RETRY_US as f64 * self.cfg.time_dilation) as Micros;
         if let Some(gi) = self.gpus.iter().position(|g| g.gpu == gpu) {
             self.gpus.get_mut(gi).train_retry_at = Some(now + retry_us);
@@ -2715,11 +2800,15 @@ impl Dispatcher {
     /// `ms` and found the model `path` (nothing to do when resident). The
     /// load it measured is what a request that finds the model there
     /// pays beyond its compute.
-    pub fn prefetched(&mut self, gpu: Gpu, model: &str, path: ServePath, ms: f64) {
+    pub fn prefetched(&mut self, now: Micros, gpu: Gpu, model: &str, path: ServePath, ms: f64) {
+        self.clock = self.clock.max(now);
         let Some(id) = self.by_name.get(model).copied() else {
             return;
         };
-        if !self.gpus.iter().any(|g| g.gpu == gpu) || !ms.is_finite() || ms < 0.0 {
+        let Some(gi) = self.gpus.iter().position(|g| g.gpu == gpu) else {
+            return;
+        };
+        if !ms.is_finite() || ms < 0.0 {
             return;
         }
         let at = match path {
@@ -2727,16 +2816,34 @@ impl Dispatcher {
             ServePath::HostCached => Where::HostCached,
             ServePath::Cold => Where::Remote,
         };
-        let meta = &self.models[id as usize].meta;
-        let compute = self.cost.estimate(id, meta, Where::Resident) as f64 / 1e3;
-        let meta = meta.clone();
-        self.cost.observe(id, &meta, at, ms + compute, None, 0.0);
+        let meta = self.models[id as usize].meta.clone();
+        let compute = self.cost.estimate(id, &meta, Where::Resident) as f64 / 1e3;
+        let mut service = ms + compute;
+        if at == Where::Remote {
+            // Its `ms` is the fetch (bytes not reported: the link's rate is
+            // learnt from requests).
+            let share = self.load_share(gi, self.gpus[gi].prefetch_load, now);
+            service = self.cost.load_alone_ms(id, &meta, service, ms, 0, share);
+        }
+        self.cost.observe(id, &meta, at, service, None, 0.0);
+    }
+
+    /// The mean loads on GPU `gi`'s server link since `mark` (a load's
+    /// start), 1 without one.
+    fn load_share(&mut self, gi: usize, mark: Option<LoadMark>, now: Micros) -> f64 {
+        let runtime = self.gpus[gi].gpu.runtime;
+        match (mark, self.hosts.get_mut(&runtime)) {
+            (Some(mark), Some(h)) => h.link.share_since(mark, now),
+            _ => 1.0,
+        }
     }
 
     /// A prefetch finished (or failed) at `now`: the GPU may prefetch again,
     /// and is busy only with what it has outstanding.
     pub fn prefetch_done(&mut self, now: Micros, gpu: Gpu, resident: Option<&[String]>) {
+        self.clock = self.clock.max(now);
         if let Some(gi) = self.gpus.iter().position(|g| g.gpu == gpu) {
+            self.end_prefetch_load(gi);
             let mut g = self.gpus.get_mut(gi);
             g.prefetching = false;
             g.prefetch_work = 0;

@@ -1792,7 +1792,7 @@ fn a_prefetch_occupies_its_gpu_until_its_reply_only() {
     assert_eq!(failed(&out), vec![(r, ErrorCode::Rejected)]);
     out.clear();
     // The runtime took 2 ms.
-    d.prefetched(gpu(0), "b", ServePath::HostCached, 2.0);
+    d.prefetched(2 * MS, gpu(0), "b", ServePath::HostCached, 2.0);
     d.prefetch_done(2 * MS, gpu(0), None);
     let r = d.submit(2 * MS, a, Some(15.0), &mut out);
     assert_eq!(sent(&out), vec![(r, gpu(0))]);
@@ -2371,4 +2371,106 @@ fn with_no_requests_every_gpu_trains_under_slo() {
     }
     started.sort_by_key(|g| g.runtime);
     assert_eq!(started, vec![gpu(0), gpu(1), gpu(2)]);
+}
+
+/// Loads measured while they shared their GPU server's link are learnt as
+/// what one load alone takes: a model nothing holds is admitted once the
+/// link is free, and a load that would share the link again is estimated
+/// as sharing it. (Learnt as measured, the loads of a start where every
+/// GPU cold-started at once shut every later load out: the requests that
+/// would have measured one alone were rejected.)
+#[test]
+fn a_load_measured_on_a_shared_link_does_not_shut_later_loads_out() {
+    let mut d = Dispatcher::new(cfg(PolicyKind::Slo)).unwrap();
+    let mut out = Vec::new();
+    // One GPU server of 4 GPUs: one link to the memory servers.
+    d.runtime_seen(0, 0, 1, &shape(&[0, 1, 2, 3], 1 << 30, 4), None, &mut out);
+    d.link_up(0);
+    let ms: Vec<u32> = ["a", "b", "c", "d", "e", "f"]
+        .iter()
+        .map(|n| model(&mut d, n))
+        .collect();
+    // Four loads at once, one per GPU.
+    let first: Vec<ReqId> = ms[..4]
+        .iter()
+        .map(|&m| d.submit(0, m, Some(1000.0), &mut out))
+        .collect();
+    assert_eq!(sent(&out).len(), 4, "{out:?}");
+    assert_eq!(d.hosts[&0].link.loads(), 4);
+    // Each took 400 ms, 390 of them fetching its 10 MB at a quarter of the
+    // link (100 MB/s alone: about 100 ms).
+    let mut t = timing(ServePath::Cold, 400.0);
+    t.fetch_ms = 390.0;
+    t.fetched_bytes = 10_000_000;
+    for &r in &first {
+        d.complete(400 * MS, r, &c_of(&t, &[]), &mut out);
+    }
+    assert_eq!(d.hosts[&0].link.loads(), 0);
+    // Alone: 400 - (390 - 97.5) = 107.5 ms.
+    let meta = d.models[ms[4] as usize].meta.clone();
+    let alone = d.cost.estimate(ms[4], &meta, Where::Remote);
+    assert!((105 * MS..110 * MS).contains(&alone), "{alone} us");
+    // A model nothing holds, on a free link, within a 150 ms SLO: admitted
+    // (learnt as measured, 400 ms, it was rejected).
+    out.clear();
+    let e = d.submit(500 * MS, ms[4], Some(150.0), &mut out);
+    assert_eq!(
+        sent(&out).iter().map(|s| s.0).collect::<Vec<_>>(),
+        vec![e],
+        "{out:?}"
+    );
+    assert_eq!(d.hosts[&0].link.loads(), 1);
+    // Another load now shares the link with it: about 205 ms, rejected.
+    out.clear();
+    let f = d.submit(500 * MS, ms[5], Some(150.0), &mut out);
+    assert_eq!(failed(&out), vec![(f, ErrorCode::Rejected)], "{out:?}");
+    // With the room to wait for it, it goes, and both count on the link
+    // until each is answered, or their GPU server is lost.
+    out.clear();
+    d.submit(500 * MS, ms[5], Some(1000.0), &mut out);
+    assert_eq!(sent(&out).len(), 1, "{out:?}");
+    assert_eq!(d.hosts[&0].link.loads(), 2);
+    d.runtime_down(600 * MS, 0, "test", &mut out);
+    assert_eq!(d.hosts[&0].link.loads(), 0);
+}
+
+/// A prefetch from the memory servers counts on its GPU server's link
+/// until it is reported, and its time is learnt as one load alone.
+#[test]
+fn a_prefetch_from_the_memory_servers_counts_on_the_link() {
+    let mut d = Dispatcher::new(cfg(PolicyKind::Slo)).unwrap();
+    let mut out = Vec::new();
+    d.runtime_seen(0, 0, 1, &shape(&[0, 1], 1 << 30, 4), None, &mut out);
+    d.link_up(0);
+    let a = model(&mut d, "a");
+    let b = model(&mut d, "b");
+    // A load on GPU 0 and a prefetch on GPU 1 share the link.
+    d.submit(0, a, Some(1000.0), &mut out);
+    d.occupy_with_prefetch(0, 1, b);
+    assert_eq!(d.hosts[&0].link.loads(), 2);
+    assert!(d.gpus[1].prefetch_load.is_some());
+    // Reported after 200 ms of fetching, shared all along: learnt as about
+    // 100 ms of fetching alone (plus compute).
+    d.prefetched(
+        200 * MS,
+        Gpu {
+            runtime: 0,
+            device: 1,
+        },
+        "b",
+        ServePath::Cold,
+        200.0,
+    );
+    d.prefetch_done(
+        200 * MS,
+        Gpu {
+            runtime: 0,
+            device: 1,
+        },
+        None,
+    );
+    assert_eq!(d.hosts[&0].link.loads(), 1);
+    let meta = d.models[b as usize].meta.clone();
+    let alone = d.cost.estimate(b, &meta, Where::Remote);
+    assert!((100 * MS..120 * MS).contains(&alone), "{alone} us");
 }

@@ -19,6 +19,7 @@ use std::ops::{Deref, DerefMut, Index};
 use distmind_common::proto::GpuRole;
 
 use super::core::ReqId;
+use super::link::LoadMark;
 use super::sets::{IdMap, ModelSet};
 use crate::policy::edf::EdfQueue;
 use crate::policy::training::TrainingJob;
@@ -103,6 +104,9 @@ pub(super) struct GpuState {
     pub(super) training: Option<TrainingJob>,
     /// A prefetch was sent and not yet confirmed by a snapshot.
     pub(super) prefetching: bool,
+    /// That prefetch loads from the memory servers: counted on its GPU
+    /// server's link until it ends.
+    pub(super) prefetch_load: Option<LoadMark>,
     /// The model the `distmind` policy assigned it.
     pub(super) assigned: Option<u32>,
     /// Its runtime's link is up (a copy of the host's flag, read per decision).

@@ -5,10 +5,12 @@
 //! * [`net`]: the client port, one link per runtime, the tick task.
 //! * [`outbox`]: bytes for one socket, written by the task that made them.
 //! * `gpus`: the view of each GPU and the packed lanes routing scans;
+//!   `link`: the loads sharing each GPU server's link;
 //!   `sets`: sets and maps of the dispatcher's own ids.
 
 pub mod core;
 mod gpus;
+mod link;
 pub mod metrics;
 pub mod net;
 pub mod outbox;

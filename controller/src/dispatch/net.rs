@@ -646,7 +646,7 @@ impl CoreTask {
                     model, path, ms, ..
                 } = &reply
                 {
-                    self.d.prefetched(gpu, model, *path, *ms);
+                    self.d.prefetched(now, gpu, model, *path, *ms);
                 }
                 self.d.prefetch_done(now, gpu, None);
             }

@@ -10,6 +10,12 @@
 //! itself, and the observed dispatch overhead ([`CostModel::overhead`])
 //! once per request: it is latency, not device time.
 //!
+//! Loads from the memory servers share their GPU server's link: a load's
+//! time is learnt as what it would have taken alone, from the mean number
+//! of loads that shared the link while it ran (the dispatcher counts them),
+//! and a new load is estimated with the loads on its link now
+//! ([`CostModel::estimate_load`], [`CostModel::load_alone_ms`]).
+//!
 //! Batches: a batch of `n` requests costs the single request's time plus
 //! what `n` adds over one, learnt per family and batch size from replies
 //! that ran batched (`TimingMsg::batch_requests`): a size observed is
@@ -92,6 +98,10 @@ pub struct CostModel {
     curve: Vec<Option<Vec<f64>>>,
     /// Dispatcher-to-runtime round trip not spent at the device, ms.
     overhead: Ewma,
+    /// A GPU server's link to the memory servers, bytes per ms, as one load
+    /// alone would have it (each load's rate times the loads that shared
+    /// the link with it).
+    link_bytes_per_ms: Ewma,
 }
 
 impl CostModel {
@@ -134,6 +144,59 @@ impl CostModel {
     /// Device time of one request for model `id` at a GPU where it is `at`.
     pub fn estimate(&self, id: u32, meta: &ModelMeta, at: Where) -> Micros {
         us(self.service_ms(id, meta, at))
+    }
+
+    /// Device time of a load of model `id` (from the memory servers) while
+    /// `others` more loads share its GPU server's link: the estimate of a
+    /// load alone, plus what its transfer, `others + 1` times longer than
+    /// alone, takes beyond the longer of the transfer alone and the
+    /// host-cached path (which a transfer alone hides behind, as the
+    /// pipeline uploads and computes while bytes arrive).
+    pub fn estimate_load(&self, id: u32, meta: &ModelMeta, others: u32) -> Micros {
+        let alone = self.service_ms(id, meta, Where::Remote);
+        if others == 0 {
+            return us(alone);
+        }
+        let xfer = self.transfer_ms(meta);
+        let hidden = xfer.max(self.service_ms(id, meta, Where::HostCached));
+        us(alone + (xfer * f64::from(others + 1) - hidden).max(0.0))
+    }
+
+    /// The transfer of `meta`'s bytes over a GPU server's link alone, ms.
+    fn transfer_ms(&self, meta: &ModelMeta) -> f64 {
+        let rate = self
+            .link_bytes_per_ms
+            .get()
+            .unwrap_or(self.priors.net_bytes_per_s / 1e3);
+        meta.bytes as f64 / rate.max(1.0)
+    }
+
+    /// What a load of model `id` that took `service_ms` at the device, of
+    /// it `fetch_ms` fetching `fetched_bytes`, while `share` loads (itself
+    /// included, on average) shared its GPU server's link, would have taken
+    /// alone: the inverse of [`Self::estimate_load`]. Learns the link's
+    /// rate alone from it (a load that fetched nothing itself, waiting for
+    /// another's, says nothing of the link).
+    pub fn load_alone_ms(
+        &mut self,
+        id: u32,
+        meta: &ModelMeta,
+        service_ms: f64,
+        fetch_ms: f64,
+        fetched_bytes: u64,
+        share: f64,
+    ) -> f64 {
+        if !(share > 1.0 && fetch_ms > 0.0 && service_ms.is_finite()) {
+            return service_ms;
+        }
+        if fetched_bytes > 0 {
+            self.link_bytes_per_ms
+                .observe(fetched_bytes as f64 * share / fetch_ms);
+        }
+        let host = self.service_ms(id, meta, Where::HostCached);
+        let shared = (fetch_ms - (fetch_ms / share).max(host)).max(0.0);
+        // Never below the host-cached path: a load also uploads and computes.
+        (service_ms - shared).max(host.min(service_ms))
     }
 
     /// What a batch of `n` requests for model `id` takes beyond one
