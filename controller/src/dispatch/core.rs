@@ -749,6 +749,7 @@ impl Dispatcher {
                     training: None,
                     prefetching: false,
                     prefetch_load: None,
+                    link_loads: 0,
                     train_retry_at: None,
                     busy_since: None,
                     serial: Ewma::default(),
@@ -891,6 +892,7 @@ impl Dispatcher {
             g.training = None;
             g.prefetching = false;
             g.prefetch_load = None;
+            g.link_loads = 0;
         }
         moved.extend(
             self.reqs
@@ -1049,22 +1051,23 @@ impl Dispatcher {
             return;
         };
         b.left = b.left.saturating_sub(1);
-        if !b.released {
+        let left = b.left;
+        let release = (!b.released).then(|| {
             b.released = true;
-            if b.load.take().is_some() {
-                let runtime = self.gpus[b.gi].gpu.runtime;
-                if let Some(h) = self.hosts.get_mut(&runtime) {
-                    h.link.end(self.clock);
-                }
+            (b.gi, b.model, b.service, b.load.take().is_some())
+        });
+        if let Some((gi, model, service, loaded)) = release {
+            if loaded {
+                self.load_ended(gi);
             }
-            let mut g = self.gpus.get_mut(b.gi);
+            let mut g = self.gpus.get_mut(gi);
             g.outstanding = g.outstanding.saturating_sub(1);
-            g.work_out = g.work_out.saturating_sub(b.service);
-            if let Some(k) = g.outstanding_models.iter().position(|&m| m == b.model) {
+            g.work_out = g.work_out.saturating_sub(service);
+            if let Some(k) = g.outstanding_models.iter().position(|&m| m == model) {
                 g.outstanding_models.remove(k);
             }
         }
-        if b.left == 0 {
+        if left == 0 {
             self.batches.remove(&head);
         }
     }
@@ -1245,8 +1248,10 @@ impl Dispatcher {
         // idle holder ends the search. Then every other GPU, in order, with
         // its host's cache looked up once per runtime.
         let holders = self.resident_on.get(r.model);
-        // (runtime, where the model is there, its device time there)
-        let mut host: Option<(u32, Where, Micros)> = None;
+        // (runtime, where the model is there, its device time there on a
+        // GPU that does not load and on one that does: a load shares the
+        // link with the other GPUs that load)
+        let mut host: Option<(u32, Where, [Micros; 2])> = None;
         let others = (0..self.gpus.len()).filter(|gi| !holders.contains(gi));
         for (gi, held) in holders
             .iter()
@@ -1273,12 +1278,14 @@ impl Dispatcher {
             }
             let (at, time) = match host {
                 _ if held => (Where::Resident, est[Where::Resident as usize]),
-                Some((rt, at, time)) if rt == lane.runtime => (at, time),
+                Some((rt, at, times)) if rt == lane.runtime => {
+                    (at, times[usize::from(self.gpus[gi].link_loads > 0)])
+                }
                 _ => {
                     let at = self.where_on_host(lane.runtime, r.model);
-                    let time = self.estimate_on(gi, r.model, at);
-                    host = Some((lane.runtime, at, time));
-                    (at, time)
+                    let times = self.estimates_on_host(lane.runtime, r.model, at);
+                    host = Some((lane.runtime, at, times));
+                    (at, times[usize::from(self.gpus[gi].link_loads > 0)])
                 }
             };
             // Counted whole even when it may join a queued batch of its
@@ -1924,10 +1931,7 @@ impl Dispatcher {
         drop(g);
         let n = ids.len() as u32;
         let base = service.saturating_sub(u64::from(n) * self.serial_us(gi));
-        let load = match self.hosts.get_mut(&gpu.runtime) {
-            Some(h) if from_memory_servers => Some(h.link.start(now)),
-            _ => None,
-        };
+        let load = from_memory_servers.then(|| self.load_started(gi, now));
         self.batches.insert(
             head,
             Batch {
@@ -2140,14 +2144,14 @@ impl Dispatcher {
             return None;
         }
         // The batch's first answer frees its window slot: the device ran it.
-        let answered = open_batch(&self.batches, self.reqs.get(&req)).map(|b| (b.base, b.n));
+        let open =
+            open_batch(&self.batches, self.reqs.get(&req)).map(|b| (b.base, b.n, b.gi, b.load));
+        let answered = open.map(|(base, n, ..)| (base, n));
         // The loads that shared its link, its own included, while its batch
         // loaded the model (read before the first answer releases it).
-        let load = open_batch(&self.batches, self.reqs.get(&req))
-            .and_then(|b| b.load.map(|mark| (b.gi, mark)));
-        let share = match load {
-            Some((gi, mark)) => self.load_share(gi, Some(mark), now),
-            None => 1.0,
+        let share = match open {
+            Some((_, _, gi, Some(mark))) => self.load_share(gi, Some(mark), now),
+            _ => 1.0,
         };
         let r = self.take(req)?;
         let gi = r.gpu?;
@@ -2743,12 +2747,8 @@ impl Dispatcher {
         let load = self
             .estimate_on(gi, model, at)
             .saturating_sub(self.cost.estimate(model, meta, Where::Resident));
-        let runtime = self.gpus[gi].gpu.runtime;
-        let mark = match self.hosts.get_mut(&runtime) {
-            Some(h) if at == Where::Remote => Some(h.link.start(now)),
-            _ => None,
-        };
         self.end_prefetch_load(gi);
+        let mark = (at == Where::Remote).then(|| self.load_started(gi, now));
         let mut g = self.gpus.get_mut(gi);
         g.prefetching = true;
         g.prefetch_work = load;
@@ -2759,14 +2759,43 @@ impl Dispatcher {
     /// GPU `gi`'s prefetch, if it loads from the memory servers, no longer
     /// counts on its GPU server's link.
     fn end_prefetch_load(&mut self, gi: usize) {
-        let mut g = self.gpus.get_mut(gi);
-        let Some(_) = g.prefetch_load.take() else {
-            return;
+        if self.gpus.get_mut(gi).prefetch_load.take().is_some() {
+            self.load_ended(gi);
+        }
+    }
+
+    /// GPU `gi` sends a job that loads from the memory servers at `now`:
+    /// where on its GPU server's link it starts. The GPU counts there from
+    /// its first such job until its last is answered.
+    fn load_started(&mut self, gi: usize, now: Micros) -> LoadMark {
+        let runtime = self.gpus[gi].gpu.runtime;
+        let first = {
+            let mut g = self.gpus.get_mut(gi);
+            g.link_loads += 1;
+            g.link_loads == 1
         };
-        let runtime = g.gpu.runtime;
-        drop(g);
-        if let Some(h) = self.hosts.get_mut(&runtime) {
-            h.link.end(self.clock);
+        let h = self.hosts.entry(runtime).or_default();
+        if first {
+            h.link.start(now);
+        }
+        h.link.mark(now)
+    }
+
+    /// One of GPU `gi`'s jobs that loaded from the memory servers ended.
+    fn load_ended(&mut self, gi: usize) {
+        let runtime = self.gpus[gi].gpu.runtime;
+        let last = {
+            let mut g = self.gpus.get_mut(gi);
+            if g.link_loads == 0 {
+                return;
+            }
+            g.link_loads -= 1;
+            g.link_loads == 0
+        };
+        if last {
+            if let Some(h) = self.hosts.get_mut(&runtime) {
+                h.link.end(self.clock);
+            }
         }
     }
 
@@ -2774,15 +2803,21 @@ impl Dispatcher {
     /// from the memory servers shares the GPU server's link with the loads
     /// already on it.
     fn estimate_on(&self, gi: usize, model: u32, at: Where) -> Micros {
+        let g = &self.gpus[gi];
+        self.estimates_on_host(g.gpu.runtime, model, at)[usize::from(g.link_loads > 0)]
+    }
+
+    /// [`Self::estimate_on`] a GPU of `runtime` that does not load, and one
+    /// that does (its own loads run before this one, not beside it).
+    fn estimates_on_host(&self, runtime: u32, model: u32, at: Where) -> [Micros; 2] {
         let meta = &self.models[model as usize].meta;
         if at != Where::Remote {
-            return self.cost.estimate(model, meta, at);
+            let t = self.cost.estimate(model, meta, at);
+            return [t, t];
         }
-        let others = self
-            .hosts
-            .get(&self.gpus[gi].gpu.runtime)
-            .map_or(0, |h| h.link.loads());
-        self.cost.estimate_load(model, meta, others)
+        let loading = self.hosts.get(&runtime).map_or(0, |h| h.link.loads());
+        [loading, loading.saturating_sub(1)]
+            .map(|others| self.cost.estimate_load(model, meta, others))
     }
 
     /// The runtime refused a `Train` for `gpu` (the job's model may not be

@@ -104,9 +104,13 @@ pub(super) struct GpuState {
     pub(super) training: Option<TrainingJob>,
     /// A prefetch was sent and not yet confirmed by a snapshot.
     pub(super) prefetching: bool,
-    /// That prefetch loads from the memory servers: counted on its GPU
-    /// server's link until it ends.
+    /// That prefetch loads from the memory servers: where on its GPU
+    /// server's link it started.
     pub(super) prefetch_load: Option<LoadMark>,
+    /// Its batches and prefetch that load from the memory servers, sent
+    /// and not yet answered: while any, it counts once on its GPU server's
+    /// link.
+    pub(super) link_loads: u32,
     /// The model the `distmind` policy assigned it.
     pub(super) assigned: Option<u32>,
     /// Its runtime's link is up (a copy of the host's flag, read per decision).

@@ -1,13 +1,15 @@
 //! How many loads from the memory servers share one GPU server's link.
 //!
-//! The dispatcher counts the loads it starts on each GPU server (a batch
-//! sent for a model its GPU finds on no device and in no host cache, from
-//! the send to its first reply; a prefetch of such a model, from the order
-//! to its report) and integrates the count over time. A load's measured
-//! time then tells what it would have taken alone: its part beyond the
-//! host-cached path divided by the mean number of loads that shared the
-//! link while it ran ([`LinkLoad::share_since`]). A new load's estimate is
-//! that part again, times the loads it would share the link with.
+//! The dispatcher counts, per GPU server, its GPUs that are loading a model
+//! from the memory servers (a batch sent for a model its GPU finds on no
+//! device and in no host cache, from the send to its first reply; a
+//! prefetch of such a model, from the order to its report), and integrates
+//! the count over time. A GPU runs its jobs one at a time, so its loads
+//! follow one another and count once. A load's measured time then tells
+//! what it would have taken alone: its part beyond the host-cached path
+//! divided by the mean number of GPUs that loaded while it ran
+//! ([`LinkLoad::share_since`]). A new load's estimate is that part again,
+//! times the loads it would share the link with: the other GPUs loading.
 //!
 //! Without this, a load measured while every GPU of a server cold-started
 //! at once (the start of a run) set the estimate of every later load, which
@@ -19,7 +21,7 @@
 
 use crate::policy::Micros;
 
-/// One GPU server's loads in flight, and their count integrated over time.
+/// One GPU server's GPUs that load, and their count integrated over time.
 #[derive(Debug, Default, Clone)]
 pub(super) struct LinkLoad {
     loads: u32,
@@ -28,8 +30,7 @@ pub(super) struct LinkLoad {
     at: Micros,
 }
 
-/// Where one load started: what [`LinkLoad::share_since`] and
-/// [`LinkLoad::end`] take.
+/// Where one load started: what [`LinkLoad::share_since`] takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct LoadMark {
     since: Micros,
@@ -44,28 +45,33 @@ impl LinkLoad {
         }
     }
 
-    /// Loads in flight now.
+    /// GPUs loading now.
     pub(super) fn loads(&self) -> u32 {
         self.loads
     }
 
-    /// A load starts at `now`.
-    pub(super) fn start(&mut self, now: Micros) -> LoadMark {
+    /// Where a load starting at `now` starts.
+    pub(super) fn mark(&mut self, now: Micros) -> LoadMark {
         self.advance(now);
-        self.loads += 1;
         LoadMark {
             since: now,
             area: self.area,
         }
     }
 
-    /// A load ended at `now`.
+    /// One more GPU loads from `now`.
+    pub(super) fn start(&mut self, now: Micros) {
+        self.advance(now);
+        self.loads += 1;
+    }
+
+    /// One GPU fewer loads from `now`.
     pub(super) fn end(&mut self, now: Micros) {
         self.advance(now);
         self.loads = self.loads.saturating_sub(1);
     }
 
-    /// The mean number of loads in flight from `mark` to `now`, the load of
+    /// The mean number of GPUs loading from `mark` to `now`, the load of
     /// `mark` included (so at least 1); the count then when no time passed.
     pub(super) fn share_since(&mut self, mark: LoadMark, now: Micros) -> f64 {
         self.advance(now);
@@ -76,8 +82,8 @@ impl LinkLoad {
         ((self.area - mark.area) as f64 / span as f64).max(1.0)
     }
 
-    /// Every load is gone (the GPU server was lost; the dispatcher drops
-    /// their marks).
+    /// No GPU loads (the GPU server was lost; the dispatcher drops the
+    /// marks).
     pub(super) fn reset(&mut self, now: Micros) {
         self.advance(now);
         self.loads = 0;
@@ -91,9 +97,11 @@ mod tests {
     #[test]
     fn the_share_is_the_mean_count_over_the_loads_life() {
         let mut l = LinkLoad::default();
-        let a = l.start(0);
+        let a = l.mark(0);
+        l.start(0);
         // Alone for 100 us, then with a second load for 100 us.
-        let b = l.start(100);
+        let b = l.mark(100);
+        l.start(100);
         assert_eq!(l.loads(), 2);
         assert_eq!(l.share_since(a, 200), 1.5);
         l.end(200);
@@ -102,7 +110,8 @@ mod tests {
         l.end(300);
         assert_eq!(l.loads(), 0);
         // No time passed: the count at that instant, at least one.
-        let c = l.start(400);
+        let c = l.mark(400);
+        l.start(400);
         assert_eq!(l.share_since(c, 400), 1.0);
         l.reset(500);
         assert_eq!(l.loads(), 0);

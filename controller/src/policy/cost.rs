@@ -12,8 +12,8 @@
 //!
 //! Loads from the memory servers share their GPU server's link: a load's
 //! time is learnt as what it would have taken alone, from the mean number
-//! of loads that shared the link while it ran (the dispatcher counts them),
-//! and a new load is estimated with the loads on its link now
+//! of GPUs that loaded while it ran (the dispatcher counts them), and a new
+//! load is estimated with the other GPUs loading now
 //! ([`CostModel::estimate_load`], [`CostModel::load_alone_ms`]).
 //!
 //! Batches: a batch of `n` requests costs the single request's time plus
