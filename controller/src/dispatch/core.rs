@@ -2800,8 +2800,8 @@ impl Dispatcher {
     }
 
     /// Device time of model `model` on GPU `gi` where it is `at`: a load
-    /// from the memory servers shares the GPU server's link with the loads
-    /// already on it.
+    /// from the memory servers shares the GPU server's link with the other
+    /// GPUs of that server that load.
     fn estimate_on(&self, gi: usize, model: u32, at: Where) -> Micros {
         let g = &self.gpus[gi];
         self.estimates_on_host(g.gpu.runtime, model, at)[usize::from(g.link_loads > 0)]
@@ -2863,8 +2863,8 @@ impl Dispatcher {
         self.cost.observe(id, &meta, at, service, None, 0.0);
     }
 
-    /// The mean loads on GPU `gi`'s server link since `mark` (a load's
-    /// start), 1 without one.
+    /// The mean number of GPUs loading on GPU `gi`'s server link since
+    /// `mark` (a load's start), 1 without one.
     fn load_share(&mut self, gi: usize, mark: Option<LoadMark>, now: Micros) -> f64 {
         let runtime = self.gpus[gi].gpu.runtime;
         match (mark, self.hosts.get_mut(&runtime)) {
