@@ -43,7 +43,7 @@ use distmind_common::proto::{
 use super::gpus::{GpuState, Gpus, Resident};
 use super::link::{LinkLoad, LoadMark};
 use super::sets::{IdMap, IdSet, ModelSet};
-use crate::policy::cost::{CostModel, ModelMeta, Priors};
+use crate::policy::cost::{CostModel, LoadCost, ModelMeta, Priors};
 use crate::policy::distmind::{DistMindConfig, DistMindPolicy};
 use crate::policy::edf::{EdfQueue, Slot};
 use crate::policy::training::TrainingJob;
@@ -1252,6 +1252,8 @@ impl Dispatcher {
         // GPU that does not load and on one that does: a load shares the
         // link with the other GPUs that load)
         let mut host: Option<(u32, Where, [Micros; 2])> = None;
+        // A load's cost, worked out for the first GPU server that needs it.
+        let mut load: Option<LoadCost> = None;
         let others = (0..self.gpus.len()).filter(|gi| !holders.contains(gi));
         for (gi, held) in holders
             .iter()
@@ -1283,7 +1285,16 @@ impl Dispatcher {
                 }
                 _ => {
                     let at = self.where_on_host(lane.runtime, r.model);
-                    let times = self.estimates_on_host(lane.runtime, r.model, at);
+                    let times = match at {
+                        Where::Remote => {
+                            let load = *load.get_or_insert_with(|| {
+                                let meta = &self.models[r.model as usize].meta;
+                                self.cost.load_cost(r.model, meta)
+                            });
+                            self.load_times(lane.runtime, load)
+                        }
+                        _ => [est[at as usize]; 2],
+                    };
                     host = Some((lane.runtime, at, times));
                     (at, times[usize::from(self.gpus[gi].link_loads > 0)])
                 }
@@ -2812,12 +2823,16 @@ impl Dispatcher {
     fn estimates_on_host(&self, runtime: u32, model: u32, at: Where) -> [Micros; 2] {
         let meta = &self.models[model as usize].meta;
         if at != Where::Remote {
-            let t = self.cost.estimate(model, meta, at);
-            return [t, t];
+            return [self.cost.estimate(model, meta, at); 2];
         }
+        self.load_times(runtime, self.cost.load_cost(model, meta))
+    }
+
+    /// A load of cost `load` on a GPU of `runtime` that does not load, and
+    /// on one that does.
+    fn load_times(&self, runtime: u32, load: LoadCost) -> [Micros; 2] {
         let loading = self.hosts.get(&runtime).map_or(0, |h| h.link.loads());
-        [loading, loading.saturating_sub(1)]
-            .map(|others| self.cost.estimate_load(model, meta, others))
+        [loading, loading.saturating_sub(1)].map(|others| load.sharing(others))
     }
 
     /// The runtime refused a `Train` for `gpu` (the job's model may not be

@@ -80,6 +80,33 @@ impl Default for Priors {
     }
 }
 
+/// A load's estimate for any number of loads sharing its link
+/// ([`CostModel::load_cost`]): routing works it out once per request and
+/// applies it per GPU server.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LoadCost {
+    /// The load alone.
+    alone_ms: f64,
+    /// Its transfer alone.
+    xfer_ms: f64,
+    /// What a transfer hides behind: the longer of the transfer alone and
+    /// the host-cached path (the pipeline uploads and computes while bytes
+    /// arrive).
+    hidden_ms: f64,
+}
+
+impl LoadCost {
+    /// Device time while `others` more loads share the link: the load
+    /// alone, plus what its transfer, `others + 1` times longer than alone,
+    /// takes beyond what it hides behind.
+    pub fn sharing(&self, others: u32) -> Micros {
+        if others == 0 {
+            return us(self.alone_ms);
+        }
+        us(self.alone_ms + (self.xfer_ms * f64::from(others + 1) - self.hidden_ms).max(0.0))
+    }
+}
+
 /// Service-time estimates, learnt from replies.
 #[derive(Debug, Clone, Default)]
 pub struct CostModel {
@@ -147,19 +174,19 @@ impl CostModel {
     }
 
     /// Device time of a load of model `id` (from the memory servers) while
-    /// `others` more loads share its GPU server's link: the estimate of a
-    /// load alone, plus what its transfer, `others + 1` times longer than
-    /// alone, takes beyond the longer of the transfer alone and the
-    /// host-cached path (which a transfer alone hides behind, as the
-    /// pipeline uploads and computes while bytes arrive).
+    /// `others` more loads share its GPU server's link ([`LoadCost`]).
     pub fn estimate_load(&self, id: u32, meta: &ModelMeta, others: u32) -> Micros {
-        let alone = self.service_ms(id, meta, Where::Remote);
-        if others == 0 {
-            return us(alone);
+        self.load_cost(id, meta).sharing(others)
+    }
+
+    /// What a load of model `id` costs, for any number of loads beside it.
+    pub fn load_cost(&self, id: u32, meta: &ModelMeta) -> LoadCost {
+        let xfer_ms = self.transfer_ms(meta);
+        LoadCost {
+            alone_ms: self.service_ms(id, meta, Where::Remote),
+            xfer_ms,
+            hidden_ms: xfer_ms.max(self.service_ms(id, meta, Where::HostCached)),
         }
-        let xfer = self.transfer_ms(meta);
-        let hidden = xfer.max(self.service_ms(id, meta, Where::HostCached));
-        us(alone + (xfer * f64::from(others + 1) - hidden).max(0.0))
     }
 
     /// The transfer of `meta`'s bytes over a GPU server's link alone, ms.
