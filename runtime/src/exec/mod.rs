@@ -12,6 +12,7 @@
 //! layer whose parameters live in group g, so compute of group g starts while
 //! later groups are still on their way.
 
+pub(crate) mod candle_ops;
 pub mod cpu;
 pub mod cuda;
 pub mod plan;

@@ -7,6 +7,7 @@ use distmind_models::Op;
 use super::pool::Pool2d;
 use super::transformer;
 use super::BN_MOMENTUM;
+use crate::exec::candle_ops::conv2d;
 
 /// A layer's output, and for `batch_norm` the new running statistics
 /// (mean, variance), in the params' dtype, detached.
@@ -91,11 +92,12 @@ pub(super) fn apply(op: &Op, args: &[Tensor], params: &[(&str, Tensor)]) -> Resu
             shape(0, &[out_channels, in_channels, kernel[0], kernel[1]])?;
             let b = if bias {
                 shape(1, &[out_channels])?;
-                Some(&params[1].1)
+                Some(params[1].1.reshape((1, out_channels, 1, 1))?)
             } else {
                 None
             };
-            plain(conv2d(one()?, &params[0].1, b, stride, padding)?)
+            let x = one()?;
+            plain(conv2d(x, &params[0].1, b.as_ref(), stride, padding)?)
         }
         Op::BatchNorm { num_features, eps } => {
             want_params(4)?;
@@ -248,55 +250,6 @@ pub(super) fn apply(op: &Op, args: &[Tensor], params: &[(&str, Tensor)]) -> Resu
             plain(transformer::select(one()?, dim, index)?)
         }
     }
-}
-
-/// `torch.nn.functional.conv2d` with dilation 1 and groups 1.
-fn conv2d(
-    x: &Tensor,
-    weight: &Tensor,
-    bias: Option<&Tensor>,
-    stride: [usize; 2],
-    padding: [usize; 2],
-) -> Result<Tensor> {
-    let (_, c, h, w) = x.dims4()?;
-    let (_, in_channels, kh, kw) = weight.dims4()?;
-    if c != in_channels {
-        bail!("input has {c} channels, the op wants {in_channels}");
-    }
-    if h + 2 * padding[0] < kh || w + 2 * padding[1] < kw {
-        bail!("input {h}x{w} with padding {padding:?} is smaller than the kernel");
-    }
-    if stride[0] == 0 || stride[1] == 0 {
-        bail!("stride {stride:?} must be positive");
-    }
-    let out = if padding[0] == padding[1] && stride[0] == stride[1] {
-        x.conv2d(weight, padding[0], stride[0], 1, 1)?
-    } else {
-        let padded = x
-            .pad_with_zeros(2, padding[0], padding[0])?
-            .pad_with_zeros(3, padding[1], padding[1])?;
-        if stride[0] == stride[1] {
-            padded.conv2d(weight, 0, stride[0], 1, 1)?
-        } else {
-            let full = padded.conv2d(weight, 0, 1, 1, 1)?;
-            subsample(&subsample(&full, 2, stride[0])?, 3, stride[1])?
-        }
-    };
-    match bias {
-        Some(b) => out.broadcast_add(&b.reshape((1, b.dims1()?, 1, 1))?),
-        None => Ok(out),
-    }
-}
-
-/// Every `step`-th index of `dim`, from 0 (differentiable: index_select).
-fn subsample(x: &Tensor, dim: usize, step: usize) -> Result<Tensor> {
-    if step == 1 {
-        return Ok(x.clone());
-    }
-    let len = x.dims()[dim];
-    let ids: Vec<u32> = (0..len).step_by(step).map(|i| i as u32).collect();
-    let ids = Tensor::from_vec(ids, len.div_ceil(step), x.device())?;
-    x.index_select(&ids, dim)
 }
 
 /// Training-mode batch norm: batch mean and biased variance over every dim

@@ -172,48 +172,8 @@ pub(super) fn attention(
     heads: usize,
     causal: bool,
 ) -> Result<Tensor> {
-    if heads == 0 || !hidden.is_multiple_of(heads) {
-        bail!("hidden size {hidden} is not a multiple of {heads} heads");
-    }
-    let shapes = || args.iter().map(|a| a.dims().to_vec()).collect::<Vec<_>>();
-    let (q, k, v) = match args {
-        [qkv] => {
-            if !matches!(*qkv.dims(), [_, _, w] if w == 3 * hidden) {
-                bail!(
-                    "fused qkv input has shape {:?}, expected [N, L, {}]",
-                    qkv.dims(),
-                    3 * hidden
-                );
-            }
-            (
-                qkv.narrow(2, 0, hidden)?,
-                qkv.narrow(2, hidden, hidden)?,
-                qkv.narrow(2, 2 * hidden, hidden)?,
-            )
-        }
-        [q, k, v] => {
-            let ok = q.rank() == 3
-                && q.dims()[2] == hidden
-                && k.dims() == q.dims()
-                && v.dims() == q.dims();
-            if !ok {
-                bail!(
-                    "q, k, v have shapes {:?}, expected three equal [N, L, {hidden}]",
-                    shapes()
-                );
-            }
-            (q.clone(), k.clone(), v.clone())
-        }
-        _ => bail!(
-            "has {} inputs, expected q, k, v or one fused qkv",
-            args.len()
-        ),
-    };
-    let (n, len, _) = q.dims3()?;
-    let d = hidden / heads;
-    // [N, L, H] -> [N, h, L, d]
-    let split = |t: &Tensor| t.reshape((n, len, heads, d))?.transpose(1, 2)?.contiguous();
-    let (q, k, v) = (split(&q)?, split(&k)?, split(&v)?);
+    let [q, k, v] = crate::exec::candle_ops::attention_heads(args, hidden, heads)?;
+    let (n, _, len, d) = q.dims4()?;
     let mut scores = (q.matmul(&k.t()?)? / (d as f64).sqrt())?;
     if causal {
         scores = scores.broadcast_add(&causal_mask(len, scores.dtype(), scores.device())?)?;

@@ -11,6 +11,7 @@ use distmind_models::Op;
 
 use super::attention::attention;
 use super::params::Prepared;
+use crate::exec::candle_ops::conv2d;
 use crate::exec::HostTensor;
 
 /// Runs one layer: `op` on `args` (its inputs in order) with its prepared params.
@@ -27,7 +28,7 @@ pub(super) fn apply(op: &Op, args: &[Tensor], params: Option<&Prepared>) -> Resu
                 stride, padding, ..
             },
             Some(Prepared::Conv { weight, bias }),
-        ) => conv2d(arity(1)?, weight, bias.as_ref(), stride, padding),
+        ) => conv2d(float(arity(1)?)?, weight, bias.as_ref(), stride, padding),
         (&Op::BatchNorm { .. }, Some(Prepared::BatchNorm { scale, shift })) => {
             batch_norm(arity(1)?, scale, shift)
         }
@@ -208,57 +209,6 @@ fn dims4(x: &Tensor, what: &str) -> Result<(usize, usize, usize, usize)> {
         [n, c, h, w] => Ok((n, c, h, w)),
         _ => bail!("{what} wants an NCHW input, got shape {:?}", x.dims()),
     }
-}
-
-/// `torch.nn.functional.conv2d` with dilation 1 and groups 1.
-pub(super) fn conv2d(
-    x: &Tensor,
-    weight: &Tensor,
-    bias: Option<&Tensor>,
-    stride: [usize; 2],
-    padding: [usize; 2],
-) -> Result<Tensor> {
-    let (_, c, h, w) = dims4(float(x)?, "conv2d")?;
-    let (_, c_in, kh, kw) = weight.dims4()?;
-    if c != c_in {
-        bail!("input has {c} channels, the weight wants {c_in}");
-    }
-    if h + 2 * padding[0] < kh || w + 2 * padding[1] < kw {
-        bail!("input {h}x{w} with padding {padding:?} is smaller than the kernel {kh}x{kw}");
-    }
-    if stride[0] == 0 || stride[1] == 0 {
-        bail!("stride {stride:?} must be positive");
-    }
-    let out = if padding[0] == padding[1] && stride[0] == stride[1] {
-        x.conv2d(weight, padding[0], stride[0], 1, 1)?
-    } else {
-        // candle takes one padding and one stride for both dims: pad here,
-        // and subsample rows or columns of a stride-1 result if needed.
-        let padded = x
-            .pad_with_zeros(2, padding[0], padding[0])?
-            .pad_with_zeros(3, padding[1], padding[1])?;
-        if stride[0] == stride[1] {
-            padded.conv2d(weight, 0, stride[0], 1, 1)?
-        } else {
-            let full = padded.conv2d(weight, 0, 1, 1, 1)?;
-            subsample(&subsample(&full, 2, stride[0])?, 3, stride[1])?
-        }
-    };
-    match bias {
-        Some(b) => out.broadcast_add(b),
-        None => Ok(out),
-    }
-}
-
-/// Every `step`-th index of `dim`, from 0.
-fn subsample(x: &Tensor, dim: usize, step: usize) -> Result<Tensor> {
-    if step == 1 {
-        return Ok(x.clone());
-    }
-    let len = x.dims()[dim];
-    let ids: Vec<u32> = (0..len).step_by(step).map(|i| i as u32).collect();
-    let ids = Tensor::from_vec(ids, len.div_ceil(step), &Device::Cpu)?;
-    x.index_select(&ids, dim)
 }
 
 fn batch_norm(x: &Tensor, scale: &[f32], shift: &[f32]) -> Result<Tensor> {
