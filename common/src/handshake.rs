@@ -185,6 +185,30 @@ fn check_verdict(b: &[u8; VERDICT_BYTES]) -> Result<(), HandshakeError> {
     }
 }
 
+/// A blocking TCP connection to the first address `addr` resolves to that
+/// accepts within `timeout`, with no delay, and `timeout` on every read and
+/// write (the handshake, [`client_sync`], comes next). The error is the
+/// last address's.
+pub fn dial_sync(addr: &str, timeout: Duration) -> std::io::Result<std::net::TcpStream> {
+    use std::net::ToSocketAddrs;
+    let mut last = std::io::Error::new(
+        std::io::ErrorKind::NotFound,
+        "the address resolved to nothing",
+    );
+    for sa in addr.to_socket_addrs()? {
+        match std::net::TcpStream::connect_timeout(&sa, timeout) {
+            Ok(s) => {
+                s.set_nodelay(true)?;
+                s.set_read_timeout(Some(timeout))?;
+                s.set_write_timeout(Some(timeout))?;
+                return Ok(s);
+            }
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
+
 /// Client side over a blocking stream (set a read timeout on it first).
 pub fn client_sync<S: Read + Write>(
     s: &mut S,
@@ -263,6 +287,20 @@ pub async fn server<S: AsyncRead + AsyncWrite + Unpin>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dial_tries_every_address_a_name_resolves_to() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        // `localhost` may resolve to ::1 first, where nothing listens.
+        let s = dial_sync(&format!("localhost:{port}"), Duration::from_secs(5)).unwrap();
+        assert_eq!(s.peer_addr().unwrap().port(), port);
+        assert!(s.nodelay().unwrap());
+        assert_eq!(s.read_timeout().unwrap(), Some(Duration::from_secs(5)));
+        drop(l);
+        let e = dial_sync(&format!("127.0.0.1:{port}"), Duration::from_secs(5)).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused);
+    }
 
     async fn pair(
         client_key: &[u8],

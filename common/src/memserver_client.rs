@@ -5,7 +5,7 @@
 //! is this module.
 
 use std::io::{BufWriter, Write};
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::TcpStream;
 use std::time::Duration;
 
 use crate::checksum;
@@ -68,15 +68,7 @@ pub fn connect_role(
         addr: addr.to_owned(),
         source,
     };
-    let sock = addr
-        .to_socket_addrs()
-        .map_err(connect_err)?
-        .next()
-        .ok_or_else(|| connect_err(std::io::Error::other("the address resolves to nothing")))?;
-    let mut s = TcpStream::connect_timeout(&sock, timeout).map_err(connect_err)?;
-    s.set_read_timeout(Some(timeout)).map_err(connect_err)?;
-    s.set_write_timeout(Some(timeout)).map_err(connect_err)?;
-    s.set_nodelay(true).map_err(connect_err)?;
+    let mut s = handshake::dial_sync(addr, timeout).map_err(connect_err)?;
     handshake::client_sync(&mut s, key, role).map_err(|source| ClientError::Handshake {
         addr: addr.to_owned(),
         source,

@@ -7,7 +7,7 @@
 //! connect again.
 
 use std::io::Write;
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::TcpStream;
 use std::time::Duration;
 
 use distmind_common::handshake::{self, ClusterKey, HandshakeError};
@@ -84,27 +84,7 @@ impl ControllerClient {
             addr: addr.to_string(),
             source,
         };
-        let mut last = std::io::Error::new(
-            std::io::ErrorKind::NotFound,
-            "the address resolved to nothing",
-        );
-        let mut stream = None;
-        for sa in addr.to_socket_addrs().map_err(connect_err)? {
-            match TcpStream::connect_timeout(&sa, timeout) {
-                Ok(s) => {
-                    stream = Some(s);
-                    break;
-                }
-                Err(e) => last = e,
-            }
-        }
-        let mut stream = stream.ok_or_else(|| connect_err(last))?;
-        (|| {
-            stream.set_nodelay(true)?;
-            stream.set_read_timeout(Some(timeout))?;
-            stream.set_write_timeout(Some(timeout))
-        })()
-        .map_err(connect_err)?;
+        let mut stream = handshake::dial_sync(addr, timeout).map_err(connect_err)?;
         handshake::client_sync(&mut stream, key, Role::Control).map_err(|source| {
             ClientError::Handshake {
                 addr: addr.to_string(),
