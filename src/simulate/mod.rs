@@ -1021,15 +1021,11 @@ mod tests {
         );
     }
 
-    #[test]
-    fn slo_loads_measured_on_a_shared_link_do_not_shut_models_out() {
-        // One GPU server of 4 GPUs on a 50 Gbit/s link, 64 models (more
-        // than the GPUs hold), 100 req/s: the first loads share the link
-        // four ways. Learnt as measured they rejected later loads for the
-        // run: 78.2% within the SLO, against 93.6% for the mps balancer,
-        // which admits everything. Learnt as one load alone, and a new
-        // load estimated with the other GPUs loading beside it: 89.2%
-        // (seeds 0-7: 82.8% before, 89.9% after, mps 93.3%, means).
+    /// One GPU server of 4 GPUs on a `link` shared with one memory server,
+    /// 64 ResNet-152 variants (more than the GPUs hold), 100 req/s Poisson,
+    /// Zipf 0.9, 100 ms SLO, 30 s: the fraction within the SLO under
+    /// `policy`, and the counts.
+    fn on_a_shared_link(link: &str, policy: &str) -> (f64, String) {
         let profile = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join(distmind_runtime::profile::SHIPPED_V100_ESTIMATED_PATH);
         let profile = profile.display().to_string();
@@ -1037,7 +1033,7 @@ mod tests {
             "--profile",
             &profile,
             "--link",
-            "50gbit",
+            link,
             "--gpu-servers",
             "1",
             "--gpus",
@@ -1061,11 +1057,35 @@ mod tests {
             "--duration",
             "30s",
             "--policy",
-            "slo",
+            policy,
         ]))
         .unwrap();
         let slo = o.report.slo.as_ref().expect("an SLO was given");
-        assert!(slo.attainment >= 0.85, "{slo:?} {:?}", o.counts);
+        (slo.attainment, format!("{slo:?} {:?}", o.counts))
+    }
+
+    #[test]
+    fn slo_loads_measured_on_a_shared_link_do_not_shut_models_out() {
+        // At 50 Gbit/s the first loads share the link four ways. Learnt as
+        // measured they rejected later loads for the run: 78.2% within the
+        // SLO, against 93.6% for the mps balancer, which admits everything.
+        // Learnt as one load alone, and a new load estimated with the other
+        // GPUs loading beside it: 89.2% (seeds 0-7: 82.8% before, 89.9%
+        // after, mps 93.3%, means); 96.2% since prefetches wait for a free
+        // link.
+        let (within, why) = on_a_shared_link("50gbit", "slo");
+        assert!(within >= 0.85, "{why}");
+    }
+
+    #[test]
+    fn slo_prefetches_wait_for_a_free_link() {
+        // At 40 Gbit/s, prefetches that started while requests' loads
+        // shared the link slowed them past the deadlines they were admitted
+        // on: slo kept 76.3% within the SLO, below mps's 83.0%. Started
+        // only on a free link: 94.3%.
+        let (slo, why) = on_a_shared_link("40gbit", "slo");
+        let (mps, _) = on_a_shared_link("40gbit", "mps");
+        assert!(slo >= mps + 0.05, "slo {slo:.3}, mps {mps:.3}: {why}");
     }
 
     #[test]

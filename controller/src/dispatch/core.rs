@@ -2665,6 +2665,15 @@ impl Dispatcher {
     /// while others idle. While GPUs are split between inference and
     /// training, those that train neither take a model nor count as
     /// holding one.
+    ///
+    /// A prefetch from the memory servers starts only while no GPU of its
+    /// server loads from them: it is work no request waits for, and on a
+    /// shared link it slowed the loads requests did wait for, after they
+    /// were admitted on estimates that had not counted it. (`simulate`, one
+    /// GPU server of 4 GPUs, 64 ResNet-152, 100 req/s, Zipf 0.9, 100 ms
+    /// SLO, 30 s, seeds 0-9: within the SLO at 25/40/50 Gbit/s 27/78/90%
+    /// with prefetches started regardless, 82/93/97% this way; mps
+    /// 24/85/93%.)
     fn prefetch_hot(&mut self, now: Micros, out: &mut Vec<Action>) {
         let mut hot: Vec<(u64, u32)> = Vec::new();
         // (model, its demand in GPUs busy with it, its holders)
@@ -2694,7 +2703,7 @@ impl Dispatcher {
             }
         }
         hot.sort_unstable_by(|a, b| b.cmp(a));
-        let mut hot = hot.into_iter();
+        let mut hot = hot.into_iter().peekable();
         let largest = self.models.iter().map(|m| m.meta.bytes).max().unwrap_or(0);
         for gi in 0..self.gpus.len() {
             let idle = {
@@ -2704,8 +2713,17 @@ impl Dispatcher {
             if !idle || self.trains_only(gi) || !self.routable(gi) {
                 continue;
             }
-            let m = match hot.next() {
+            // Whether a load from the memory servers may start here now.
+            let link_free = self
+                .hosts
+                .get(&self.gpus[gi].gpu.runtime)
+                .is_none_or(|h| h.link.loads() == 0);
+            let can_load = |m: u32| link_free || self.where_is(gi, m) != Where::Remote;
+            let m = match hot.peek().copied() {
+                // Left for a GPU of another server.
+                Some((_, m)) if !can_load(m) => continue,
                 Some((rate, m)) => {
+                    hot.next();
                     let coldest_held = self.gpus[gi]
                         .resident
                         .iter()
@@ -2728,6 +2746,7 @@ impl Dispatcher {
                         .iter_mut()
                         .filter(|(m, demand, holders)| {
                             !g.resident.contains(m)
+                                && can_load(*m)
                                 && bytes(*m) <= spare
                                 && *demand > REPLICA_LOAD * *holders as f64
                         })

@@ -2474,3 +2474,73 @@ fn a_prefetch_from_the_memory_servers_counts_on_the_link() {
     let alone = d.cost.estimate(b, &meta, Where::Remote);
     assert!((100 * MS..120 * MS).contains(&alone), "{alone} us");
 }
+
+/// A prefetch from the memory servers waits for its GPU server's link to
+/// carry no load: it slowed loads that requests waited for, admitted on
+/// estimates that had not counted it. One from the host cache does not
+/// wait (it does not use the link).
+#[test]
+fn a_prefetch_from_the_memory_servers_waits_for_the_link_to_be_free() {
+    let mut d = Dispatcher::new(cfg(PolicyKind::Slo)).unwrap();
+    let mut out = Vec::new();
+    d.runtime_seen(0, 0, 1, &shape(&[0, 1], 1 << 30, 4), None, &mut out);
+    d.link_up(0);
+    let a = model(&mut d, "a");
+    let b = model(&mut d, "b");
+    // "b" is hot and resident nowhere; GPU 0 loads "a" from the memory
+    // servers.
+    d.models[b as usize].rate.observe(10.0);
+    let r = d.submit(0, a, Some(1000.0), &mut out);
+    assert_eq!(sent(&out), vec![(r, gpu(0))]);
+    assert_eq!(d.hosts[&0].link.loads(), 1);
+    let prefetches = |out: &[Action]| -> Vec<(Gpu, String)> {
+        out.iter()
+            .filter_map(|x| match x {
+                Action::Prefetch { gpu, model } => Some((*gpu, model.clone())),
+                _ => None,
+            })
+            .collect()
+    };
+    out.clear();
+    d.tick(10 * MS, &mut out);
+    assert_eq!(prefetches(&out), vec![], "GPU 1 is idle, the link is not");
+    // The load is answered: the link is free, an idle GPU takes "b".
+    let t = timing(ServePath::Cold, 50.0);
+    d.complete(50 * MS, r, &c_of(&t, &["a".to_string()]), &mut out);
+    out.clear();
+    // (Within the 100 ms before demand is measured again.)
+    d.tick(60 * MS, &mut out);
+    let models: Vec<String> = prefetches(&out).into_iter().map(|p| p.1).collect();
+    assert_eq!(models, vec!["b".to_string()], "{out:?}");
+    assert_eq!(d.hosts[&0].link.loads(), 1, "the prefetch counts there");
+
+    // From the host cache, a prefetch starts beside a load.
+    let mut d = Dispatcher::new(cfg(PolicyKind::Slo)).unwrap();
+    let mut out = Vec::new();
+    let a = model(&mut d, "a");
+    let b = model(&mut d, "b");
+    let snap = RuntimeSnapshot {
+        devices: Vec::new(),
+        host_cached: vec!["b".into()],
+        host_cached_truncated: false,
+    };
+    d.runtime_seen(
+        0,
+        0,
+        1,
+        &shape(&[0, 1], 1 << 30, 4),
+        Some((next_seq(), &snap)),
+        &mut out,
+    );
+    d.link_up(0);
+    d.models[b as usize].rate.observe(10.0);
+    d.submit(0, a, Some(1000.0), &mut out);
+    assert_eq!(d.hosts[&0].link.loads(), 1);
+    out.clear();
+    d.tick(10 * MS, &mut out);
+    let gpu1 = Gpu {
+        runtime: 0,
+        device: 1,
+    };
+    assert_eq!(prefetches(&out), vec![(gpu1, "b".to_string())], "{out:?}");
+}
