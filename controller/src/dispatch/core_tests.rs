@@ -2434,16 +2434,23 @@ fn a_load_measured_on_a_shared_link_does_not_shut_later_loads_out() {
     assert_eq!(d.hosts[&0].link.loads(), 0);
 }
 
+/// An `slo` dispatcher with one GPU server of 2 GPUs, linked, and models
+/// "a" and "b" (their ids).
+fn two_gpus_a_and_b() -> (Dispatcher, u32, u32) {
+    let mut d = Dispatcher::new(cfg(PolicyKind::Slo)).unwrap();
+    d.runtime_seen(0, 0, 1, &shape(&[0, 1], 1 << 30, 4), None, &mut Vec::new());
+    d.link_up(0);
+    let a = model(&mut d, "a");
+    let b = model(&mut d, "b");
+    (d, a, b)
+}
+
 /// A prefetch from the memory servers counts on its GPU server's link
 /// until it is reported, and its time is learnt as one load alone.
 #[test]
 fn a_prefetch_from_the_memory_servers_counts_on_the_link() {
-    let mut d = Dispatcher::new(cfg(PolicyKind::Slo)).unwrap();
+    let (mut d, a, b) = two_gpus_a_and_b();
     let mut out = Vec::new();
-    d.runtime_seen(0, 0, 1, &shape(&[0, 1], 1 << 30, 4), None, &mut out);
-    d.link_up(0);
-    let a = model(&mut d, "a");
-    let b = model(&mut d, "b");
     // A load on GPU 0 and a prefetch on GPU 1 share the link.
     d.submit(0, a, Some(1000.0), &mut out);
     d.occupy_with_prefetch(0, 1, b);
@@ -2481,12 +2488,8 @@ fn a_prefetch_from_the_memory_servers_counts_on_the_link() {
 /// wait (it does not use the link).
 #[test]
 fn a_prefetch_from_the_memory_servers_waits_for_the_link_to_be_free() {
-    let mut d = Dispatcher::new(cfg(PolicyKind::Slo)).unwrap();
+    let (mut d, a, b) = two_gpus_a_and_b();
     let mut out = Vec::new();
-    d.runtime_seen(0, 0, 1, &shape(&[0, 1], 1 << 30, 4), None, &mut out);
-    d.link_up(0);
-    let a = model(&mut d, "a");
-    let b = model(&mut d, "b");
     // "b" is hot and resident nowhere; GPU 0 loads "a" from the memory
     // servers.
     d.models[b as usize].rate.observe(10.0);
