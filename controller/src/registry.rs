@@ -195,6 +195,14 @@ impl Registry {
             .is_some_and(|s| !expired(s.last_heartbeat, now, self.dead_after()))
     }
 
+    /// Servers alive at `now`.
+    pub fn alive(&self, now: Instant) -> usize {
+        let dead_after = self.dead_after();
+        let live = self.servers.values();
+        live.filter(|s| !expired(s.last_heartbeat, now, dead_after))
+            .count()
+    }
+
     /// Marks servers that missed too many heartbeats as dead; returns the ids
     /// (and addresses) that died since the last call.
     pub fn expire(&mut self, now: Instant) -> Vec<(u32, String)> {

@@ -183,6 +183,11 @@ impl ControllerState {
         &self.runtimes
     }
 
+    /// Memory servers alive at `now`.
+    pub fn memservers_alive(&self, now: Instant) -> usize {
+        self.registry.alive(now)
+    }
+
     /// The distributed training jobs.
     pub fn jobs(&self) -> &JobRegistry {
         &self.jobs

@@ -628,6 +628,8 @@ impl Sim {
     }
 
     fn heartbeat(&mut self) {
+        self.d
+            .set_memservers(us(self.now), self.cfg.memservers as u32);
         for r in 0..self.cfg.gpu_servers {
             self.hosts[r].snapshot_seq += 1;
             let snap = self.snapshot(r);

@@ -41,7 +41,7 @@ use distmind_common::proto::{
 };
 
 use super::gpus::{GpuState, Gpus, Resident};
-use super::link::{LinkLoad, LoadMark};
+use super::link::{self, LinkLoad, LoadMark};
 use super::sets::{IdMap, IdSet, ModelSet};
 use crate::policy::cost::{CostModel, LoadCost, ModelMeta, Priors};
 use crate::policy::distmind::{DistMindConfig, DistMindPolicy};
@@ -483,6 +483,12 @@ pub struct Dispatcher {
     by_name: HashMap<String, u32>,
     gpus: Gpus,
     hosts: IdMap<u32, HostState>,
+    /// Memory servers serving loads (0: unknown), the GPU servers loading
+    /// from them and the share of their links a load gets
+    /// ([`link::memservers_share`]).
+    memservers: u32,
+    loading_hosts: u32,
+    mem_share: f64,
     cost: CostModel,
     distmind: DistMindPolicy,
     /// Requests waiting for a GPU under the `distmind` policy, FIFO.
@@ -578,6 +584,9 @@ impl Dispatcher {
             models: Vec::new(),
             by_name: HashMap::new(),
             hosts: IdMap::default(),
+            memservers: 0,
+            loading_hosts: 0,
+            mem_share: 0.0,
             distmind,
             pending: VecDeque::new(),
             reqs: IdMap::default(),
@@ -867,6 +876,7 @@ impl Dispatcher {
             h.cached.clear();
             h.lost = Some(why.to_string());
             h.link.reset(now);
+            self.update_memservers_share(now);
         }
         for b in self.batches.values_mut() {
             if self.gpus[b.gi].gpu.runtime == runtime {
@@ -2714,10 +2724,9 @@ impl Dispatcher {
                 continue;
             }
             // Whether a load from the memory servers may start here now.
-            let link_free = self
-                .hosts
-                .get(&self.gpus[gi].gpu.runtime)
-                .is_none_or(|h| h.link.loads() == 0);
+            let runtime = self.gpus[gi].gpu.runtime;
+            let link_free = self.hosts.get(&runtime).is_none_or(|h| h.link.loads() == 0)
+                && self.memservers_share(runtime, true) <= 1.0;
             let can_load = |m: u32| link_free || self.where_is(gi, m) != Where::Remote;
             let m = match hot.peek().copied() {
                 // Left for a GPU of another server.
@@ -2804,11 +2813,11 @@ impl Dispatcher {
             g.link_loads += 1;
             g.link_loads == 1
         };
-        let h = self.hosts.entry(runtime).or_default();
         if first {
-            h.link.start(now);
+            self.hosts.entry(runtime).or_default().link.start(now);
+            self.update_memservers_share(now);
         }
-        h.link.mark(now)
+        self.hosts.entry(runtime).or_default().link.mark(now)
     }
 
     /// One of GPU `gi`'s jobs that loaded from the memory servers ended.
@@ -2825,6 +2834,7 @@ impl Dispatcher {
         if last {
             if let Some(h) = self.hosts.get_mut(&runtime) {
                 h.link.end(self.clock);
+                self.update_memservers_share(self.clock);
             }
         }
     }
@@ -2851,7 +2861,60 @@ impl Dispatcher {
     /// on one that does.
     fn load_times(&self, runtime: u32, load: LoadCost) -> [Micros; 2] {
         let loading = self.hosts.get(&runtime).map_or(0, |h| h.link.loads());
-        [loading, loading.saturating_sub(1)].map(|others| load.sharing(others))
+        // A GPU that does not load adds a load to both sides; one that
+        // loads is counted on both already.
+        let idle = f64::from(loading + 1).max(self.memservers_share(runtime, true));
+        let busy = f64::from(loading.max(1)).max(self.memservers_share(runtime, false));
+        [idle, busy].map(|share| load.sharing(share - 1.0))
+    }
+
+    /// The memory servers serving the cluster's loads (0: unknown; then
+    /// only the GPU servers' links are counted). See [`super::link`].
+    pub fn set_memservers(&mut self, now: Micros, count: u32) {
+        self.clock = self.clock.max(now);
+        if count != self.memservers {
+            self.memservers = count;
+            self.update_memservers_share(now);
+        }
+    }
+
+    /// The share of the memory servers' links a load on a GPU of `runtime`
+    /// has, with one more load there (`one_more`) or as the loads are
+    /// (0 while the memory servers are unknown).
+    fn memservers_share(&self, runtime: u32, one_more: bool) -> f64 {
+        if self.memservers == 0 {
+            return 0.0;
+        }
+        if !one_more {
+            return self.mem_share;
+        }
+        let here = self.hosts.get(&runtime).map_or(0, |h| h.link.loads());
+        if self.loading_hosts + u32::from(here == 0) <= self.memservers {
+            return 1.0;
+        }
+        let mut loads: Vec<u32> = self
+            .hosts
+            .iter()
+            .map(|(&r, h)| h.link.loads() + u32::from(r == runtime))
+            .collect();
+        if !self.hosts.contains_key(&runtime) {
+            loads.push(1);
+        }
+        link::memservers_share(&mut loads, self.memservers)
+    }
+
+    /// The loads on some GPU server's link changed at `now`: the memory
+    /// servers' share is worked out again and every link learns it.
+    fn update_memservers_share(&mut self, now: Micros) {
+        let mut loads: Vec<u32> = self.hosts.values().map(|h| h.link.loads()).collect();
+        self.loading_hosts = loads.iter().filter(|&&n| n > 0).count() as u32;
+        self.mem_share = match self.memservers {
+            0 => 0.0,
+            m => link::memservers_share(&mut loads, m),
+        };
+        for h in self.hosts.values_mut() {
+            h.link.set_floor(now, self.mem_share);
+        }
     }
 
     /// The runtime refused a `Train` for `gpu` (the job's model may not be

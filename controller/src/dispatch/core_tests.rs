@@ -2547,3 +2547,45 @@ fn a_prefetch_from_the_memory_servers_waits_for_the_link_to_be_free() {
     };
     assert_eq!(prefetches(&out), vec![(gpu1, "b".to_string())], "{out:?}");
 }
+
+/// Loads of every GPU server share the memory servers' links: with one
+/// memory server, a load on one GPU server slows a load on another, and a
+/// prefetch from the memory servers waits for it; with two, each load has
+/// a memory server's link to itself.
+#[test]
+fn loads_of_two_gpu_servers_share_one_memory_servers_link() {
+    let mut d = Dispatcher::new(cfg(PolicyKind::Slo)).unwrap();
+    let mut out = Vec::new();
+    for runtime in [0, 1] {
+        d.runtime_seen(0, runtime, 1, &shape(&[0], 1 << 30, 4), None, &mut out);
+        d.link_up(runtime);
+    }
+    let a = model(&mut d, "a");
+    let b = model(&mut d, "b");
+    d.models[b as usize].rate.observe(10.0);
+    let r = d.submit(0, a, Some(1000.0), &mut out);
+    let loading = sent(&out)[0].1;
+    assert_eq!(sent(&out), vec![(r, loading)]);
+    let other = 1 - d.gpus.iter().position(|g| g.gpu == loading).unwrap();
+    let alone = d.estimate_on(other, b, Where::Remote);
+    d.set_memservers(0, 1);
+    let shared = d.estimate_on(other, b, Where::Remote);
+    assert!(
+        shared > alone,
+        "one memory server: {shared} us, not above {alone} us"
+    );
+    out.clear();
+    d.tick(10 * MS, &mut out);
+    let prefetch = |out: &[Action]| out.iter().any(|x| matches!(x, Action::Prefetch { .. }));
+    assert!(!prefetch(&out), "the memory server's link is busy: {out:?}");
+
+    d.set_memservers(20 * MS, 2);
+    assert_eq!(d.estimate_on(other, b, Where::Remote), alone);
+    out.clear();
+    d.tick(30 * MS, &mut out);
+    let to_other = Action::Prefetch {
+        gpu: d.gpus[other].gpu,
+        model: "b".into(),
+    };
+    assert_eq!(out, vec![to_other], "a link of its own");
+}

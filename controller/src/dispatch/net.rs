@@ -425,14 +425,17 @@ impl CoreTask {
         let now = self.now();
         let wall = Instant::now();
         // Snapshots are cloned out of the registry only when new.
-        let (views, dead_after) = {
+        let (views, dead_after, memservers) = {
             let s = lock(&self.state);
             let r = s.runtimes();
             (
                 r.live_newer(wall, |id| self.d.snapshot_seq(id)),
                 r.dead_after(),
+                s.memservers_alive(wall),
             )
         };
+        let memservers = u32::try_from(memservers).unwrap_or(u32::MAX);
+        self.d.set_memservers(now, memservers);
         let live: HashMap<u32, u64> = views.iter().map(|v| (v.id, v.boot_id)).collect();
         // Runtimes that died or restarted: their links go.
         let gone: Vec<u32> = self

@@ -96,14 +96,15 @@ pub struct LoadCost {
 }
 
 impl LoadCost {
-    /// Device time while `others` more loads share the link: the load
-    /// alone, plus what its transfer, `others + 1` times longer than alone,
-    /// takes beyond what it hides behind.
-    pub fn sharing(&self, others: u32) -> Micros {
-        if others == 0 {
+    /// Device time while `others` more loads share the link (a fraction
+    /// where the memory servers' side counts): the load alone, plus what
+    /// its transfer, `others + 1` times longer than alone, takes beyond
+    /// what it hides behind.
+    pub fn sharing(&self, others: f64) -> Micros {
+        if others <= 0.0 {
             return us(self.alone_ms);
         }
-        us(self.alone_ms + (self.xfer_ms * f64::from(others + 1) - self.hidden_ms).max(0.0))
+        us(self.alone_ms + (self.xfer_ms * (others + 1.0) - self.hidden_ms).max(0.0))
     }
 }
 
@@ -176,7 +177,7 @@ impl CostModel {
     /// Device time of a load of model `id` (from the memory servers) while
     /// `others` more loads share its GPU server's link ([`LoadCost`]).
     pub fn estimate_load(&self, id: u32, meta: &ModelMeta, others: u32) -> Micros {
-        self.load_cost(id, meta).sharing(others)
+        self.load_cost(id, meta).sharing(f64::from(others))
     }
 
     /// What a load of model `id` costs, for any number of loads beside it.
