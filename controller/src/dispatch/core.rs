@@ -850,6 +850,14 @@ impl Dispatcher {
         }
     }
 
+    /// Requests that wait for a GPU are routed again now (a link came up).
+    pub fn route_waiting(&mut self, now: Micros, out: &mut Vec<Action>) {
+        self.clock = self.clock.max(now);
+        if !self.pending.is_empty() {
+            self.drain_pending(now, out);
+        }
+    }
+
     /// The link to `runtime` is up (requests may be sent).
     pub fn link_up(&mut self, runtime: u32) {
         if let Some(h) = self.hosts.get_mut(&runtime) {
@@ -998,9 +1006,20 @@ impl Dispatcher {
         self.route(now, id, r, out);
     }
 
+    /// Runtimes the dispatcher knows (linked, starting or lost).
+    pub fn runtimes_known(&self) -> usize {
+        self.hosts.len()
+    }
+
     /// Runtimes whose link is up: requests can be sent to their GPUs.
     pub fn runtimes_linked(&self) -> usize {
         self.hosts.values().filter(|h| h.link_up).count()
+    }
+
+    /// Whether a known runtime is starting: its link is not up yet and it
+    /// was never lost.
+    fn a_runtime_starts(&self) -> bool {
+        self.hosts.values().any(|h| !h.link_up && h.lost.is_none())
     }
 
     /// When GPUs are known and the runtime of every one of them is lost
@@ -1344,6 +1363,18 @@ impl Dispatcher {
             best = self.make_room(now, &r, out);
         }
         let Some((finish, at, gi, service)) = best else {
+            // No GPU can take requests yet, but a GPU server is starting
+            // (known, its link not up yet): the request waits for it, within
+            // its deadline ([`Self::drain_pending`]).
+            if earliest.is_none()
+                && r.displaced.is_none()
+                && self.pending.len() < PENDING_MAX
+                && self.a_runtime_starts()
+            {
+                self.reqs.insert(id, r);
+                self.pending.push_back(id);
+                return;
+            }
             let meta = &self.models[r.model as usize].meta;
             // A request the loss of a runtime moved, or one that finds no
             // GPU server up, is `unavailable` (the loss is the cause);
@@ -2272,6 +2303,25 @@ impl Dispatcher {
     /// without being tried (a drain costs the waiting requests, not them
     /// times the GPUs).
     fn drain_pending(&mut self, now: Micros, out: &mut Vec<Action>) {
+        if self.cfg.policy == PolicyKind::Slo {
+            // Under `slo` only requests that came while no GPU server was up
+            // yet wait here: each is routed again (it waits on while none is).
+            for id in std::mem::take(&mut self.pending) {
+                let Some(r) = self.take(id) else { continue };
+                if now > r.deadline {
+                    let message = format!(
+                        "request for {} waited {:.0} ms for a GPU server to start, past its {:.0} ms SLO",
+                        self.models[r.model as usize].meta.name,
+                        (now - r.arrival) as f64 / 1e3,
+                        r.slo_ms
+                    );
+                    self.fail(id, ErrorCode::DeadlineExceeded, message, out);
+                } else {
+                    self.route_slo(now, id, r, out);
+                }
+            }
+            return;
+        }
         let mut still = VecDeque::new();
         let mut no_room = false;
         let mut holders_full: IdSet<u32> = IdSet::default();
@@ -2336,6 +2386,7 @@ impl Dispatcher {
                 self.drain_pending(now, out);
             }
             PolicyKind::Slo => {
+                self.drain_pending(now, out);
                 self.share_with_training(now, out);
                 self.prefetch_hot(now, out);
             }

@@ -2589,3 +2589,47 @@ fn loads_of_two_gpu_servers_share_one_memory_servers_link() {
     };
     assert_eq!(out, vec![to_other], "a link of its own");
 }
+
+/// Under `slo`, a request that comes while the only GPU server is starting
+/// (known, its link not up yet) waits for its link within its deadline;
+/// one that would wait past it, or whose GPU server is lost, fails then,
+/// naming why.
+#[test]
+fn a_request_waits_for_a_starting_gpu_server_within_its_deadline() {
+    let starting = || {
+        let mut d = Dispatcher::new(cfg(PolicyKind::Slo)).unwrap();
+        d.runtime_seen(0, 0, 1, &shape(&[0], 1 << 30, 4), None, &mut Vec::new());
+        let a = model(&mut d, "a");
+        (d, a)
+    };
+    let mut out = Vec::new();
+    let (mut d, a) = starting();
+    let r = d.submit(0, a, Some(1000.0), &mut out);
+    assert_eq!(out, vec![], "it waits");
+    d.link_up(0);
+    d.route_waiting(5 * MS, &mut out);
+    assert_eq!(sent(&out), vec![(r, gpu(0))]);
+
+    // Its deadline passes first.
+    let (mut d, a) = starting();
+    out.clear();
+    let r = d.submit(0, a, Some(100.0), &mut out);
+    d.tick(150 * MS, &mut out);
+    assert_eq!(failed(&out), vec![(r, ErrorCode::DeadlineExceeded)]);
+    assert!(format!("{out:?}").contains("waited 150 ms for a GPU server to start"));
+
+    // The GPU server is lost before its link is up.
+    let (mut d, a) = starting();
+    out.clear();
+    let r = d.submit(0, a, Some(1000.0), &mut out);
+    d.runtime_down(10 * MS, 0, "it sent no heartbeat", &mut out);
+    assert_eq!(failed(&out), vec![(r, ErrorCode::Unavailable)]);
+    assert!(format!("{out:?}").contains("runtime 0 was lost (it sent no heartbeat)"));
+
+    // No GPU server known at all: unavailable at once.
+    let mut d = Dispatcher::new(cfg(PolicyKind::Slo)).unwrap();
+    let a = model(&mut d, "a");
+    out.clear();
+    let r = d.submit(0, a, Some(1000.0), &mut out);
+    assert_eq!(failed(&out), vec![(r, ErrorCode::Unavailable)]);
+}

@@ -533,6 +533,13 @@ impl CoreTask {
                     );
                 }
                 self.held_bytes += input.len() as u64;
+                // A GPU server that registered since the last tick is
+                // learnt of now, so that a request right after its
+                // registration (a client that waited for readiness) waits
+                // for its link instead of finding no GPU server.
+                if self.d.runtimes_known() == 0 {
+                    self.on_tick();
+                }
                 let t0 = Instant::now();
                 let req = self.d.submit_with(
                     now,
@@ -573,6 +580,7 @@ impl CoreTask {
                     log::info!("dispatcher: link to runtime {runtime} up");
                     self.relink_at.remove(&runtime);
                     self.d.link_up(runtime);
+                    self.d.route_waiting(now, &mut self.actions);
                 }
             }
             Event::LinkDown {
