@@ -491,7 +491,8 @@ pub struct Dispatcher {
     mem_share: f64,
     cost: CostModel,
     distmind: DistMindPolicy,
-    /// Requests waiting for a GPU under the `distmind` policy, FIFO.
+    /// Requests waiting for a GPU, FIFO: under the balancers while no GPU
+    /// has room; under `slo` while no GPU server is up but one is starting.
     pending: VecDeque<ReqId>,
     reqs: IdMap<ReqId, Req>,
     next_req: ReqId,
