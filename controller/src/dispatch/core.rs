@@ -2921,7 +2921,7 @@ impl Dispatcher {
     }
 
     /// The memory servers serving the cluster's loads (0: unknown; then
-    /// only the GPU servers' links are counted). See [`super::link`].
+    /// only the GPU servers' links are counted); see `dispatch/link.rs`.
     pub fn set_memservers(&mut self, now: Micros, count: u32) {
         self.clock = self.clock.max(now);
         if count != self.memservers {
