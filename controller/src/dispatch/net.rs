@@ -67,6 +67,9 @@ const CLIENT_QUEUE_BYTES_MAX: usize = 256 << 20;
 pub const HELD_INPUT_BYTES_MAX: u64 = 1 << 30;
 /// How often the core re-reads the runtime registry and runs the policy.
 const TICK: Duration = Duration::from_millis(50);
+/// While the dispatcher knows no GPU server, requests read the registry
+/// ahead of the tick at most this often.
+const EARLY_SYNC_MIN: Duration = Duration::from_millis(1);
 /// Connecting (and the handshake) to a runtime.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// After a link to a runtime fails, wait this long before connecting again.
@@ -185,6 +188,7 @@ impl DispatchNet {
             relink_at: HashMap::new(),
             controls: HashMap::new(),
             next_control: 0,
+            early_sync: None,
             held_bytes: 0,
             events: tx.clone(),
             actions: Vec::new(),
@@ -323,6 +327,9 @@ struct CoreTask {
     /// Control requests in flight on links: id -> (gpu, what).
     controls: HashMap<u64, (Gpu, &'static str)>,
     next_control: u64,
+    /// When a request last read the registry ahead of the tick (while the
+    /// dispatcher knew no GPU server): at most once per [`EARLY_SYNC_MIN`].
+    early_sync: Option<Instant>,
     held_bytes: u64,
     events: mpsc::Sender<Event>,
     actions: Vec<Action>,
@@ -537,7 +544,12 @@ impl CoreTask {
                 // learnt of now, so that a request right after its
                 // registration (a client that waited for readiness) waits
                 // for its link instead of finding no GPU server.
-                if self.d.runtimes_known() == 0 {
+                if self.d.runtimes_known() == 0
+                    && self
+                        .early_sync
+                        .is_none_or(|t| t.elapsed() >= EARLY_SYNC_MIN)
+                {
+                    self.early_sync = Some(Instant::now());
                     self.on_tick();
                 }
                 let t0 = Instant::now();
