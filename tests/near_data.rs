@@ -375,9 +375,12 @@ fn ndpipe_ships_features_and_chunks_finish_sooner_at_the_same_accuracy() {
         assert_eq!(r["bytes"].as_u64().unwrap(), sent, "{r}");
         r
     };
-    let r1 = ndpipe("1");
-    let r4 = ndpipe("4");
-    for r in [&r1, &r4] {
+    // The wall times are compared by their minimum over interleaved rounds:
+    // on a shared 2-core machine a busy neighbour only ever slows a run, and
+    // one slowed run must not decide the comparison.
+    let rounds: Vec<(serde_json::Value, serde_json::Value)> =
+        (0..3).map(|_| (ndpipe("1"), ndpipe("4"))).collect();
+    for r in rounds.iter().flat_map(|(a, b)| [a, b]) {
         println!(
             "R={}: extraction {:.3}s ({:.0} samples/s), training {:.3}s, wall {:.3}s",
             r["chunks"].as_array().unwrap().len(),
@@ -389,26 +392,32 @@ fn ndpipe_ships_features_and_chunks_finish_sooner_at_the_same_accuracy() {
     }
     let acc = |r: &serde_json::Value| r["held_out_accuracy"].as_f64().unwrap();
     let wall = |r: &serde_json::Value| r["wall_s"].as_f64().unwrap();
+    let fastest = |pick: fn(&(serde_json::Value, serde_json::Value)) -> &serde_json::Value| {
+        rounds
+            .iter()
+            .map(pick)
+            .map(wall)
+            .fold(f64::INFINITY, f64::min)
+    };
+    let (w1, w4) = (fastest(|p| &p.0), fastest(|p| &p.1));
+    let (r1, r4) = &rounds[0];
     println!(
-        "ndpipe with backbone {}: R=1 {:.3}s accuracy {:.3}, R=4 {:.3}s accuracy {:.3}",
+        "ndpipe with backbone {}: R=1 {w1:.3}s accuracy {:.3}, R=4 {w4:.3}s accuracy {:.3} \
+         (fastest of {} rounds)",
         r1["backbone"]["backbone"],
-        wall(&r1),
-        acc(&r1),
-        wall(&r4),
-        acc(&r4)
+        acc(r1),
+        acc(r4),
+        rounds.len()
     );
-    // Chance is 0.25: the features carry the classes.
-    assert!(acc(&r1) > 0.5, "{r1}");
-    assert!(
-        (acc(&r1) - acc(&r4)).abs() <= 0.02,
-        "R=1 {} against R=4 {}",
-        acc(&r1),
-        acc(&r4)
-    );
-    assert!(
-        wall(&r4) < wall(&r1),
-        "R=4 took {} s, R=1 {} s",
-        wall(&r4),
-        wall(&r1)
-    );
+    for (r1, r4) in &rounds {
+        // Chance is 0.25: the features carry the classes.
+        assert!(acc(r1) > 0.5, "{r1}");
+        assert!(
+            (acc(r1) - acc(r4)).abs() <= 0.02,
+            "R=1 {} against R=4 {}",
+            acc(r1),
+            acc(r4)
+        );
+    }
+    assert!(w4 < w1, "R=4 took {w4} s at best, R=1 {w1} s");
 }
