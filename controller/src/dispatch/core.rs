@@ -2303,6 +2303,18 @@ impl Dispatcher {
     /// has room, or a model's holders are full, the requests after wait too
     /// without being tried (a drain costs the waiting requests, not them
     /// times the GPUs).
+    /// Fails request `id` (`r`, taken from `pending`) that waited in vain
+    /// for `what` past its deadline.
+    fn fail_waited(&mut self, now: Micros, id: ReqId, r: &Req, what: &str, out: &mut Vec<Action>) {
+        let message = format!(
+            "request for {} waited {:.0} ms for {what}, past its {:.0} ms SLO",
+            self.models[r.model as usize].meta.name,
+            (now - r.arrival) as f64 / 1e3,
+            r.slo_ms
+        );
+        self.fail(id, ErrorCode::DeadlineExceeded, message, out);
+    }
+
     fn drain_pending(&mut self, now: Micros, out: &mut Vec<Action>) {
         if self.cfg.policy == PolicyKind::Slo {
             // Under `slo` only requests that came while no GPU server was up
@@ -2310,13 +2322,7 @@ impl Dispatcher {
             for id in std::mem::take(&mut self.pending) {
                 let Some(r) = self.take(id) else { continue };
                 if now > r.deadline {
-                    let message = format!(
-                        "request for {} waited {:.0} ms for a GPU server to start, past its {:.0} ms SLO",
-                        self.models[r.model as usize].meta.name,
-                        (now - r.arrival) as f64 / 1e3,
-                        r.slo_ms
-                    );
-                    self.fail(id, ErrorCode::DeadlineExceeded, message, out);
+                    self.fail_waited(now, id, &r, "a GPU server to start", out);
                 } else {
                     self.route_slo(now, id, r, out);
                 }
@@ -2332,13 +2338,7 @@ impl Dispatcher {
             };
             if now > r.deadline {
                 let r = self.take(id).expect("looked up");
-                let message = format!(
-                    "request for {} waited {:.0} ms for a GPU, past its {:.0} ms SLO",
-                    self.models[r.model as usize].meta.name,
-                    (now - r.arrival) as f64 / 1e3,
-                    r.slo_ms
-                );
-                self.fail(id, ErrorCode::DeadlineExceeded, message, out);
+                self.fail_waited(now, id, &r, "a GPU", out);
                 continue;
             }
             let model = r.model;
