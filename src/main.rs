@@ -363,6 +363,11 @@ struct ControllerCmd {
     /// Serve the catalog and registries only: no dispatcher, no client port.
     #[arg(long)]
     no_dispatcher: bool,
+    /// Where the dispatcher's tasks (routing, its links to the GPU servers, the client
+    /// connections) run: own (a thread of their own), pool (the controller's thread pool), or
+    /// auto (own on hosts of at most 4 cores, pool on larger ones).
+    #[arg(long, default_value = "auto")]
+    dispatcher_thread: distmind_controller::dispatch::DispatchThread,
     /// Prometheus endpoint (GET /metrics, GET /health), e.g. 127.0.0.1:9100; off by default.
     #[arg(long)]
     metrics: Option<SocketAddr>,
@@ -547,6 +552,7 @@ fn run(command: Command) -> anyhow::Result<()> {
                 http_listen: c.http_listen,
                 grpc_listen: c.grpc_listen,
                 no_dispatcher: c.no_dispatcher,
+                dispatch_thread: c.dispatcher_thread,
                 metrics: c.metrics,
                 policy: c.policy,
                 balancer: c.balancer,

@@ -197,6 +197,8 @@ pub struct ControllerArgs<'a> {
     pub grpc_listen: Option<SocketAddr>,
     /// Run the catalog only, no dispatcher.
     pub no_dispatcher: bool,
+    /// Where the dispatcher's tasks run.
+    pub dispatch_thread: distmind_controller::dispatch::DispatchThread,
     pub metrics: Option<SocketAddr>,
     /// Default: controller.json's `policy`.
     pub policy: Option<String>,
@@ -396,6 +398,7 @@ pub fn run_controller(
             ))
         });
         config.dispatch = Some((client, dispatch_config(&settings, &args)?));
+        config.dispatch_thread = args.dispatch_thread;
         let (http, grpc) = inference_listen(&settings, &args)?;
         config.inference_http = Some(http);
         config.inference_grpc = Some(grpc);

@@ -29,7 +29,7 @@ use tokio::sync::{watch, Notify, Semaphore};
 use tokio::task::JoinSet;
 
 use crate::dispatch::metrics::DispatchMetrics;
-use crate::dispatch::net::DispatchNet;
+use crate::dispatch::net::{DispatchNet, DispatchThread};
 use crate::dispatch::{DispatchConfig, Dispatcher};
 use crate::oip::{self, Frontend};
 use crate::registry::HEARTBEAT_INTERVAL_DEFAULT;
@@ -68,6 +68,8 @@ pub struct ControllerConfig {
     /// coordinates the workers sends the stage requests (the runtime's
     /// stage-worker tests do).
     pub drive_training: bool,
+    /// Where the dispatcher's tasks run (default: [`DispatchThread::auto`]).
+    pub dispatch_thread: DispatchThread,
 }
 
 impl ControllerConfig {
@@ -84,6 +86,7 @@ impl ControllerConfig {
             inference_grpc: None,
             api_key: None,
             drive_training: true,
+            dispatch_thread: DispatchThread::auto(),
         }
     }
 }
@@ -144,6 +147,7 @@ pub struct Controller {
     inference_grpc: Option<TcpListener>,
     api_key: Option<String>,
     drive_training: bool,
+    dispatch_thread: DispatchThread,
 }
 
 impl Controller {
@@ -232,6 +236,7 @@ impl Controller {
             inference_grpc,
             api_key: config.api_key,
             drive_training: config.drive_training,
+            dispatch_thread: config.dispatch_thread,
         })
     }
 
@@ -302,20 +307,55 @@ impl Controller {
         ));
         if let Some((listener, d)) = self.dispatch.take() {
             log::info!(
-                "dispatcher ({} policy) listening on {}",
+                "dispatcher ({} policy, {} thread) listening on {}",
                 d.policy(),
+                self.dispatch_thread,
                 listener
                     .local_addr()
                     .map_or_else(|_| "?".into(), |a| a.to_string())
             );
-            let net = DispatchNet::start(
-                d,
-                self.shared.state.clone(),
-                self.shared.key.clone(),
-                self.dispatch_metrics.clone(),
-                &mut tasks,
-                stop_rx.clone(),
-            );
+            let (net, listener) = match self.dispatch_thread {
+                DispatchThread::Pool => {
+                    let net = DispatchNet::start(
+                        d,
+                        self.shared.state.clone(),
+                        self.shared.key.clone(),
+                        self.dispatch_metrics.clone(),
+                        &mut tasks,
+                        stop_rx.clone(),
+                    );
+                    (net, Some(listener))
+                }
+                DispatchThread::Own => {
+                    let addr = listener
+                        .local_addr()
+                        .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
+                    let started = match listener.into_std() {
+                        Ok(l) => {
+                            DispatchNet::start_on_own_thread(
+                                d,
+                                self.shared.state.clone(),
+                                self.shared.key.clone(),
+                                self.dispatch_metrics.clone(),
+                                l,
+                                stop_rx.clone(),
+                            )
+                            .await
+                        }
+                        Err(e) => Err(e),
+                    };
+                    let (net, done) = started.map_err(|source| ControllerError::BindPort {
+                        what: "clients (the dispatcher, on its own thread)",
+                        addr,
+                        source,
+                    })?;
+                    // Shutdown waits for the dispatcher's thread too.
+                    tasks.spawn(async move {
+                        let _ = done.await;
+                    });
+                    (net, None)
+                }
+            };
             // The protocol front ends reach the same dispatcher.
             let frontend =
                 Frontend::new(net.handle(), self.shared.state.clone(), self.api_key.take());
@@ -333,9 +373,11 @@ impl Controller {
                 );
                 tasks.spawn(oip::grpc::serve(l, frontend.clone(), stop_rx.clone()));
             }
-            let key = self.shared.key.clone();
-            let stop = stop_rx.clone();
-            tasks.spawn(async move { net.serve_clients(listener, key, stop).await });
+            if let Some(listener) = listener {
+                let key = self.shared.key.clone();
+                let stop = stop_rx.clone();
+                tasks.spawn(async move { net.serve_clients(listener, key, stop).await });
+            }
         }
         if let Some(listener) = self.metrics.take() {
             let shared = self.shared.clone();

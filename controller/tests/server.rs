@@ -301,3 +301,82 @@ fn shutdown_closes_open_connections_and_returns() {
         ControllerClient::connect(&addr.to_string(), &key(), Duration::from_millis(500)).is_err()
     );
 }
+
+/// The dispatcher answers a client on its own thread and on the
+/// controller's pool alike, and stops with the controller.
+#[test]
+fn the_dispatcher_serves_and_stops_on_its_own_thread_or_the_pool() {
+    use distmind_common::proto::{RuntimeReply, RuntimeRequest};
+    use distmind_controller::dispatch::{DispatchConfig, DispatchThread};
+    use distmind_controller::policy::distmind::DistMindConfig;
+    use distmind_controller::policy::PolicyKind;
+    for thread in [DispatchThread::Own, DispatchThread::Pool] {
+        let server = TestServer::start(move |c| {
+            let cfg = DispatchConfig::new(
+                PolicyKind::Slo,
+                DistMindConfig {
+                    period: 1_000_000,
+                    zipf_s: 0.9,
+                    inference_workload_s: vec![1],
+                    use_train: false,
+                    seed: 1,
+                },
+            );
+            c.dispatch = Some(("127.0.0.1:0".parse().unwrap(), cfg));
+            c.dispatch_thread = thread;
+        });
+        let client = server.client_addr.expect("a client port");
+        let mut s = std::net::TcpStream::connect(client).unwrap();
+        s.set_read_timeout(Some(TIMEOUT)).unwrap();
+        distmind_common::handshake::client_sync(
+            &mut s,
+            &key(),
+            distmind_common::wire::Role::Control,
+        )
+        .unwrap();
+        let req = RuntimeRequest::Infer {
+            id: 9,
+            model: "no-such-model".into(),
+            deadline_ms: None,
+            trace: false,
+            device: None,
+            batch: Vec::new(),
+            catalog_version: None,
+        };
+        let msg = wire::encode_message(&req);
+        wire::write_frame_sync(&mut s, wire::FrameKind::Message, &[&msg]).unwrap();
+        wire::write_frame_sync(&mut s, wire::FrameKind::WriteChunk, &[&[0u8; 4]]).unwrap();
+        let (kind, body) = wire::read_frame_sync(&mut s, CONTROL_FRAME_BYTES_MAX)
+            .unwrap()
+            .expect("a reply");
+        assert_eq!(kind, wire::FrameKind::Message, "{thread}");
+        match wire::decode_message::<RuntimeReply>(&body).unwrap() {
+            RuntimeReply::Error { id, error } => {
+                assert_eq!(id, 9, "{thread}");
+                assert_eq!(
+                    error.code,
+                    ErrorCode::UnknownModel,
+                    "{thread}: {}",
+                    error.message
+                );
+                assert!(
+                    error.message.contains("no-such-model"),
+                    "{thread}: {}",
+                    error.message
+                );
+            }
+            other => panic!("{thread}: expected an error, got {other:?}"),
+        }
+        server.stop().unwrap();
+        // The client port closed with the controller.
+        let mut buf = [0u8; 1];
+        assert!(
+            matches!(s.read(&mut buf), Ok(0) | Err(_)),
+            "{thread}: the open client connection was closed"
+        );
+        assert!(
+            std::net::TcpStream::connect_timeout(&client, Duration::from_millis(500)).is_err(),
+            "{thread}: the client port is closed"
+        );
+    }
+}

@@ -32,7 +32,9 @@ use anyhow::Context;
 use clap::Args;
 use distmind_common::handshake::ClusterKey;
 use distmind_common::proto::{DeviceSnapshot, RuntimeSnapshot, ServePath, TimingMsg};
-use distmind_controller::dispatch::{Action, Completion, DispatchConfig, Dispatcher};
+use distmind_controller::dispatch::{
+    Action, Completion, DispatchConfig, DispatchThread, Dispatcher,
+};
 use distmind_controller::policy::cost::ModelMeta;
 use distmind_controller::policy::distmind::DistMindConfig;
 use distmind_controller::policy::zipf::Zipf;
@@ -79,6 +81,12 @@ pub struct DispatchArgs {
     /// Controller metadata address of a running cluster (default: first line of storage_list.txt).
     #[arg(long)]
     controller: Option<String>,
+    /// Part 2 in this process: where the dispatcher's tasks run, `own` (a
+    /// thread of their own), `pool` (the controller's thread pool) or
+    /// `auto` (own on hosts of at most 4 cores), as `distmind controller
+    /// --dispatcher-thread`.
+    #[arg(long, default_value = "auto")]
+    dispatcher_thread: DispatchThread,
 }
 
 struct Decisions {
@@ -318,8 +326,12 @@ pub fn run(a: &DispatchArgs) -> anyhow::Result<()> {
 fn added_latency(a: &DispatchArgs) -> anyhow::Result<()> {
     println!(
         "part 2: added latency through the dispatcher (real controller, memory server and GPU server on loopback, \
-         cpu executor, tiny resnet152, {} requests per path, closed loop)",
-        a.requests
+         cpu executor, tiny resnet152, {} requests per path, closed loop; dispatcher on {})",
+        a.requests,
+        match a.dispatcher_thread {
+            DispatchThread::Own => "a thread of its own",
+            DispatchThread::Pool => "the controller's thread pool",
+        }
     );
     let dir = std::env::temp_dir().join(format!("distmind-bench-dispatch-{}", std::process::id()));
     let _cleanup = Cleanup(dir.clone());
@@ -345,7 +357,8 @@ fn added_latency(a: &DispatchArgs) -> anyhow::Result<()> {
             seed: 1,
         },
     );
-    let cluster = LocalCluster::start_with(1, 256 << 20, key.clone(), Some(cfg))?;
+    let cluster =
+        LocalCluster::start_with(1, 256 << 20, key.clone(), Some((cfg, a.dispatcher_thread)))?;
     deploy::deploy_package(
         &deploy::Target {
             controller: cluster.controller.clone(),

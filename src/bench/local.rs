@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use distmind_common::handshake::ClusterKey;
+use distmind_controller::dispatch::DispatchThread;
 use distmind_controller::{Controller, ControllerClient, ControllerConfig};
 use distmind_memserver::{Memserver, MemserverConfig, OneSidedConfig};
 use tokio::sync::watch;
@@ -48,12 +49,15 @@ impl LocalCluster {
     }
 
     /// [`start`](Self::start) with the controller's dispatcher on an
-    /// ephemeral client port.
+    /// ephemeral client port, its tasks where `thread` says.
     pub fn start_with(
         n: usize,
         capacity_bytes: u64,
         key: ClusterKey,
-        dispatch: Option<distmind_controller::dispatch::DispatchConfig>,
+        dispatch: Option<(
+            distmind_controller::dispatch::DispatchConfig,
+            DispatchThread,
+        )>,
     ) -> anyhow::Result<LocalCluster> {
         Self::start_full(
             n,
@@ -106,7 +110,10 @@ impl LocalCluster {
         n: usize,
         capacity_bytes: u64,
         key: ClusterKey,
-        dispatch: Option<distmind_controller::dispatch::DispatchConfig>,
+        dispatch: Option<(
+            distmind_controller::dispatch::DispatchConfig,
+            DispatchThread,
+        )>,
         one_sided: &OneSidedConfig,
         nic_bytes_per_s: Option<u64>,
         nice: i32,
@@ -121,7 +128,10 @@ impl LocalCluster {
         };
         let (controller, dispatcher, memservers) = runtime.block_on(async {
             let mut config = ControllerConfig::new("127.0.0.1:0".parse()?, key.clone());
-            config.dispatch = dispatch.map(|d| ("127.0.0.1:0".parse().expect("literal"), d));
+            if let Some((d, thread)) = dispatch {
+                config.dispatch = Some(("127.0.0.1:0".parse().expect("literal"), d));
+                config.dispatch_thread = thread;
+            }
             let c = Controller::bind(config).await?;
             let controller = c.local_addr().to_string();
             let dispatcher = c.client_addr().map(|a| a.to_string());

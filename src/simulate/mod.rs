@@ -428,6 +428,9 @@ pub fn run(a: &SimulateArgs) -> anyhow::Result<Outcome> {
         http_listen: None,
         grpc_listen: None,
         no_dispatcher: false,
+        // The simulator runs the dispatcher's core on a virtual clock; no
+        // tasks, no threads.
+        dispatch_thread: distmind_controller::dispatch::DispatchThread::Pool,
         metrics: None,
         policy,
         balancer: a.balancer.clone(),

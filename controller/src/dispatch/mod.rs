@@ -17,3 +17,4 @@ pub mod outbox;
 mod sets;
 
 pub use self::core::{Action, Completion, DispatchConfig, DispatchCounters, Dispatcher, ReqId};
+pub use self::net::DispatchThread;

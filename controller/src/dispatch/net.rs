@@ -161,6 +161,59 @@ impl Drop for Link {
     }
 }
 
+/// Where the dispatcher's tasks (the core, its links, the client
+/// connections) run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DispatchThread {
+    /// On the controller's thread pool, beside its other connections.
+    Pool,
+    /// On a single-threaded runtime of their own, on one thread.
+    Own,
+}
+
+/// Hosts with at most this many cores give the dispatcher a thread of its
+/// own under [`DispatchThread::auto`].
+pub const OWN_THREAD_CORES_MAX: usize = 4;
+
+impl DispatchThread {
+    /// [`Own`](Self::Own) on hosts of at most [`OWN_THREAD_CORES_MAX`]
+    /// cores, else [`Pool`](Self::Pool). Measured with `bench dispatch`
+    /// (the added time per request): on 2 cores its own thread cut it, on
+    /// 16 the pool kept it lower; between them the cut is not measured.
+    pub fn auto() -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if cores <= OWN_THREAD_CORES_MAX {
+            DispatchThread::Own
+        } else {
+            DispatchThread::Pool
+        }
+    }
+}
+
+impl std::str::FromStr for DispatchThread {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::auto()),
+            "own" => Ok(DispatchThread::Own),
+            "pool" => Ok(DispatchThread::Pool),
+            other => Err(format!(
+                "dispatcher thread {other:?}: expected auto, own or pool"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for DispatchThread {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DispatchThread::Pool => "pool",
+            DispatchThread::Own => "own",
+        })
+    }
+}
+
 /// The dispatcher's tasks; see the module docs.
 pub struct DispatchNet {
     events: mpsc::Sender<Event>,
@@ -176,6 +229,78 @@ impl DispatchNet {
         tasks: &mut JoinSet<()>,
         stop: watch::Receiver<bool>,
     ) -> DispatchNet {
+        let (net, core, rx) = DispatchNet::new(dispatcher, state, key, metrics);
+        tasks.spawn(core.run(rx, stop));
+        net
+    }
+
+    /// [`start`](Self::start) and [`serve_clients`](Self::serve_clients)
+    /// on a thread of their own ([`DispatchThread::Own`]): a single-threaded
+    /// runtime there runs the core task, its links and every client
+    /// connection until `stop`. Returns once that thread took `listener`
+    /// over; the receiver completes when the thread has finished (its tasks
+    /// ended, its runtime dropped).
+    pub async fn start_on_own_thread(
+        dispatcher: Dispatcher,
+        state: Shared,
+        key: ClusterKey,
+        metrics: Arc<DispatchMetrics>,
+        listener: std::net::TcpListener,
+        stop: watch::Receiver<bool>,
+    ) -> std::io::Result<(DispatchNet, tokio::sync::oneshot::Receiver<()>)> {
+        listener.set_nonblocking(true)?;
+        let (net, core, rx) = DispatchNet::new(dispatcher, state, key.clone(), metrics);
+        let ours = DispatchNet {
+            events: net.events.clone(),
+        };
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<std::io::Result<()>>();
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name("dispatcher".into())
+            .spawn(move || {
+                // Built, run and dropped on this thread only (a runtime may
+                // not be dropped inside another's tasks).
+                let rt = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                rt.block_on(async move {
+                    match tokio::net::TcpListener::from_std(listener) {
+                        Ok(listener) => {
+                            let _ = ready_tx.send(Ok(()));
+                            let clients = ours.serve_clients(listener, key, stop.clone());
+                            tokio::join!(core.run(rx, stop), clients);
+                        }
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                        }
+                    }
+                });
+                // Links and connections still open end with the runtime.
+                drop(rt);
+                let _ = done_tx.send(());
+            })?;
+        ready_rx.await.unwrap_or_else(|_| {
+            Err(std::io::Error::other(
+                "the dispatcher's thread ended before it started",
+            ))
+        })?;
+        Ok((net, done_rx))
+    }
+
+    /// The core task, not started, and the handle to it.
+    fn new(
+        dispatcher: Dispatcher,
+        state: Shared,
+        key: ClusterKey,
+        metrics: Arc<DispatchMetrics>,
+    ) -> (DispatchNet, CoreTask, mpsc::Receiver<Event>) {
         let (tx, rx) = mpsc::channel(EVENTS_MAX);
         let core = CoreTask {
             d: dispatcher,
@@ -194,8 +319,7 @@ impl DispatchNet {
             actions: Vec::new(),
             dirty: Vec::new(),
         };
-        tasks.spawn(core.run(rx, stop));
-        DispatchNet { events: tx }
+        (DispatchNet { events: tx }, core, rx)
     }
 
     /// A handle for in-process front ends (the Open Inference Protocol

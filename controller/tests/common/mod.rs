@@ -18,6 +18,8 @@ pub fn key() -> ClusterKey {
 
 pub struct TestServer {
     pub addr: SocketAddr,
+    /// The dispatcher's client port, when the config runs it.
+    pub client_addr: Option<SocketAddr>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<JoinHandle<Result<(), ControllerError>>>,
 }
@@ -36,7 +38,9 @@ impl TestServer {
                 let mut config = ControllerConfig::new("127.0.0.1:0".parse().unwrap(), key());
                 configure(&mut config);
                 let controller = Controller::bind(config).await?;
-                addr_tx.send(controller.local_addr()).unwrap();
+                addr_tx
+                    .send((controller.local_addr(), controller.client_addr()))
+                    .unwrap();
                 controller
                     .serve(async {
                         let _ = stop_rx.await;
@@ -44,11 +48,12 @@ impl TestServer {
                     .await
             })
         });
-        let addr = addr_rx
+        let (addr, client_addr) = addr_rx
             .recv_timeout(TIMEOUT)
             .expect("controller did not start");
         TestServer {
             addr,
+            client_addr,
             stop: Some(stop),
             thread: Some(thread),
         }
