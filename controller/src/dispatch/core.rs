@@ -2303,18 +2303,6 @@ impl Dispatcher {
     /// has room, or a model's holders are full, the requests after wait too
     /// without being tried (a drain costs the waiting requests, not them
     /// times the GPUs).
-    /// Fails request `id` (`r`, taken from `pending`) that waited in vain
-    /// for `what` past its deadline.
-    fn fail_waited(&mut self, now: Micros, id: ReqId, r: &Req, what: &str, out: &mut Vec<Action>) {
-        let message = format!(
-            "request for {} waited {:.0} ms for {what}, past its {:.0} ms SLO",
-            self.models[r.model as usize].meta.name,
-            (now - r.arrival) as f64 / 1e3,
-            r.slo_ms
-        );
-        self.fail(id, ErrorCode::DeadlineExceeded, message, out);
-    }
-
     fn drain_pending(&mut self, now: Micros, out: &mut Vec<Action>) {
         if self.cfg.policy == PolicyKind::Slo {
             // Under `slo` only requests that came while no GPU server was up
@@ -2359,6 +2347,18 @@ impl Dispatcher {
             }
         }
         self.pending = still;
+    }
+
+    /// Fails request `id` (`r`, taken from `pending`) that waited in vain
+    /// for `what` past its deadline.
+    fn fail_waited(&mut self, now: Micros, id: ReqId, r: &Req, what: &str, out: &mut Vec<Action>) {
+        let message = format!(
+            "request for {} waited {:.0} ms for {what}, past its {:.0} ms SLO",
+            self.models[r.model as usize].meta.name,
+            (now - r.arrival) as f64 / 1e3,
+            r.slo_ms
+        );
+        self.fail(id, ErrorCode::DeadlineExceeded, message, out);
     }
 
     /// Periodic work at `now`: the policy's placement, training roles,
