@@ -1,9 +1,14 @@
 //! The TCP transport: one-sided reads emulated over plain sockets.
 //!
 //! Per peer, `streams_per_peer` connections, each after the Data-role
-//! handshake. `post_reads` cuts ops into `chunk_bytes` chunks and pushes them
-//! on the peer's bounded work queue, which all its streams drain (so a slow
-//! stream takes fewer chunks). Per stream:
+//! handshake. `post_reads` cuts ops into `chunk_bytes` chunks and gives each
+//! to the stream with the fewest unfinished bytes (so a slow stream takes
+//! fewer chunks), on that stream's own queue. A stream answers in order, so
+//! an op posted before another, whose chunks spread over the same streams,
+//! lands first, and at the whole link's rate rather than beside the later op
+//! (with one queue that every writer drained, a writer took a run of chunks
+//! at once: a fetch's group 0 shared the link with group 1 and landed with
+//! it). Per stream:
 //!
 //! * a writer thread pops a chunk, hands it to its reader through a bounded
 //!   channel (which caps the requests outstanding on the wire at
@@ -21,12 +26,12 @@
 
 use std::collections::HashMap;
 use std::net::{TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crossbeam::channel::{Sender, TrySendError};
+use crossbeam::channel::Sender;
 use distmind_common::handshake::{self, ClusterKey};
 use distmind_common::limits::READ_CHUNK_BYTES_MAX;
 use distmind_common::wire::Role;
@@ -39,7 +44,7 @@ use crate::completion::{chunk_count, Chunks, CompletionQueue, Regions};
 use crate::token_bucket::TokenBucket;
 use crate::{
     Completion, HostBuffer, PeerId, ReadOp, RegionId, Transport, TransportError, TransportStats,
-    INFLIGHT_CHUNKS_MAX, INFLIGHT_PER_STREAM_MAX, STREAMS_PER_PEER_MAX,
+    INFLIGHT_PER_STREAM_MAX, STREAMS_PER_PEER_MAX,
 };
 
 /// What the names of a transport's stream threads start with
@@ -118,16 +123,41 @@ impl TcpOptions {
     }
 }
 
+/// Where a peer's chunks go: one stream's queue, and its bytes given and
+/// not yet finished.
+struct StreamQueue {
+    tx: Sender<Chunk>,
+    bytes: Arc<AtomicU64>,
+}
+
 struct Peer {
     link: Arc<Link>,
-    tx: Sender<Chunk>,
+    streams: Vec<StreamQueue>,
+    /// Where the search for the least loaded stream starts (turns with every
+    /// chunk, so that ties spread).
+    next: AtomicUsize,
     threads: Vec<JoinHandle<()>>,
 }
 
 impl Peer {
+    /// The stream for the next chunk: the fewest unfinished bytes, ties to
+    /// the first from the turning start.
+    fn pick_stream(&self) -> &StreamQueue {
+        let n = self.streams.len();
+        let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
+        let mut best = (u64::MAX, start);
+        for k in (start..n).chain(0..start) {
+            let bytes = self.streams[k].bytes.load(Ordering::Acquire);
+            if bytes < best.0 {
+                best = (bytes, k);
+            }
+        }
+        &self.streams[best.1]
+    }
+
     fn shut(self) {
         self.link.kill("disconnected by this client");
-        drop(self.tx);
+        drop(self.streams);
         for t in self.threads {
             let _ = t.join();
         }
@@ -237,12 +267,20 @@ impl TcpTransport {
             reason: Mutex::new(String::new()),
             sockets,
         });
-        let (tx, rx) = crossbeam::channel::bounded::<Chunk>(INFLIGHT_CHUNKS_MAX);
         let mut threads = Vec::with_capacity(2 * n);
+        let mut queues = Vec::with_capacity(n);
         for (i, s) in streams.into_iter().enumerate() {
             let w = s.try_clone().map_err(conn_err)?;
             let (itx, irx) = crossbeam::channel::bounded(self.opts.inflight_per_stream - 1);
-            let (l, sh, q) = (link.clone(), self.shared.clone(), rx.clone());
+            // Unbounded here: every chunk posted and not finished counts
+            // against the transport's `INFLIGHT_CHUNKS_MAX` (`validate`), so
+            // a stream's queue never holds more.
+            let (tx, q) = crossbeam::channel::unbounded::<Chunk>();
+            queues.push(StreamQueue {
+                tx,
+                bytes: Arc::new(AtomicU64::new(0)),
+            });
+            let (l, sh) = (link.clone(), self.shared.clone());
             let spawn_err = |source| TransportError::Connect {
                 addr: addr.to_owned(),
                 source,
@@ -268,7 +306,12 @@ impl TcpTransport {
                     .map_err(spawn_err)?,
             );
         }
-        Ok(Peer { link, tx, threads })
+        Ok(Peer {
+            link,
+            streams: queues,
+            next: AtomicUsize::new(0),
+            threads,
+        })
     }
 }
 
@@ -351,19 +394,18 @@ impl Transport for TcpTransport {
                 target,
             });
             for (off, len) in Chunks::new(op.len, self.opts.chunk_bytes) {
+                let stream = p.pick_stream();
+                stream.bytes.fetch_add(len, Ordering::AcqRel);
                 let c = Chunk {
                     op: state.clone(),
                     remote_offset: op.remote_offset + off,
                     local_offset: op.local_offset + off,
                     len,
+                    stream_bytes: stream.bytes.clone(),
                 };
-                match p.tx.try_send(c) {
-                    Ok(()) => {}
-                    Err(TrySendError::Full(_)) => {
-                        unreachable!("chunks in flight are bounded by INFLIGHT_CHUNKS_MAX")
-                    }
-                    // Every writer thread is gone (it panicked): fail here.
-                    Err(TrySendError::Disconnected(c)) => self.shared.finish(c, Err(p.link.lost())),
+                // Its writer thread is gone (it panicked): fail here.
+                if let Err(e) = stream.tx.send(c) {
+                    self.shared.finish(e.into_inner(), Err(p.link.lost()));
                 }
             }
         }

@@ -216,6 +216,34 @@ fn reads_64_mib_from_two_peers_over_four_streams_each() {
     t.deregister(r).unwrap();
 }
 
+/// Ops posted together, each with a chunk for every stream, land in the
+/// order they were posted: every stream carries the first op's chunk before
+/// the second's (a fetch's group 0 does not share the link with group 1).
+#[test]
+fn ops_posted_together_complete_in_posting_order() {
+    const STREAMS: u64 = 4;
+    const CHUNK: u64 = 1 << 20;
+    const OPS: u64 = 6;
+    let len = STREAMS * CHUNK;
+    let a = serve(arena((OPS * len) as usize, 5), key(), Behavior::Good);
+    let t = transport(|o| {
+        o.streams_per_peer = STREAMS as usize;
+        o.chunk_bytes = CHUNK;
+    });
+    let local = Arc::new(HostBuffer::new((OPS * len) as usize, HugePages::No).unwrap());
+    let r = t.register(local.clone()).unwrap();
+    let p = t.connect(&a).unwrap();
+    for round in 0..3 {
+        let ops: Vec<ReadOp> = (0..OPS).map(|i| op(i, i * len, len, r, i * len)).collect();
+        let done = run_all(&t, &[(p, ops)]);
+        let order: Vec<u64> = done.iter().map(|c| c.wr_id).collect();
+        assert!(done.iter().all(|c| c.result.is_ok()), "{done:?}");
+        assert_eq!(order, (0..OPS).collect::<Vec<_>>(), "round {round}");
+    }
+    check(&local, 0, 0, OPS * len, 5);
+    t.deregister(r).unwrap();
+}
+
 #[test]
 fn stream_threads_run_at_the_configured_nice_value_and_still_read() {
     let a = serve(arena(1 << 20, 5), key(), Behavior::Good);

@@ -2,7 +2,7 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crossbeam::channel::{Receiver, Sender};
@@ -35,10 +35,14 @@ pub(super) struct Chunk {
     pub(super) remote_offset: u64,
     pub(super) local_offset: u64,
     pub(super) len: u64,
+    /// The unfinished bytes of the stream it was given to, which count it
+    /// until it finishes.
+    pub(super) stream_bytes: Arc<AtomicU64>,
 }
 
 impl Shared {
     pub(super) fn finish(&self, c: Chunk, result: Result<(), TransportError>) {
+        c.stream_bytes.fetch_sub(c.len, Ordering::AcqRel);
         let op = &c.op;
         match result {
             Ok(()) => self.cq.add_bytes(c.len),
@@ -103,7 +107,7 @@ impl Link {
     }
 }
 
-/// Sends requests for the peer's chunks, in the order its reader expects them.
+/// Sends requests for its stream's chunks, in the order its reader expects them.
 pub(super) fn writer(
     link: &Link,
     sh: &Shared,
