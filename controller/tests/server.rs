@@ -312,16 +312,7 @@ fn the_dispatcher_serves_and_stops_on_its_own_thread_or_the_pool() {
     use distmind_controller::policy::PolicyKind;
     for thread in [DispatchThread::Own, DispatchThread::Pool] {
         let server = TestServer::start(move |c| {
-            let cfg = DispatchConfig::new(
-                PolicyKind::Slo,
-                DistMindConfig {
-                    period: 1_000_000,
-                    zipf_s: 0.9,
-                    inference_workload_s: vec![1],
-                    use_train: false,
-                    seed: 1,
-                },
-            );
+            let cfg = DispatchConfig::new(PolicyKind::Slo, DistMindConfig::inference_only(1));
             c.dispatch = Some(("127.0.0.1:0".parse().unwrap(), cfg));
             c.dispatch_thread = thread;
         });

@@ -101,16 +101,7 @@ struct Decisions {
 }
 
 fn decisions(policy: PolicyKind, a: &DispatchArgs) -> anyhow::Result<Decisions> {
-    let mut cfg = DispatchConfig::new(
-        policy,
-        DistMindConfig {
-            period: 1_000_000,
-            zipf_s: 0.9,
-            inference_workload_s: vec![1],
-            use_train: false,
-            seed: 1,
-        },
-    );
+    let mut cfg = DispatchConfig::new(policy, DistMindConfig::inference_only(1));
     cfg.priors.compute_ms = 5.0;
     let mut d = Dispatcher::new(cfg).map_err(anyhow::Error::msg)?;
     let mut out = Vec::new();
@@ -347,16 +338,7 @@ fn added_latency(a: &DispatchArgs) -> anyhow::Result<()> {
     .remove(0);
     let pkg = Package::open(&pkg)?;
     let key = ClusterKey::from_secret(format!("dispatch-{}", rand::random::<u64>()).as_bytes());
-    let cfg = DispatchConfig::new(
-        PolicyKind::Slo,
-        DistMindConfig {
-            period: 1_000_000,
-            zipf_s: 0.9,
-            inference_workload_s: vec![1],
-            use_train: false,
-            seed: 1,
-        },
-    );
+    let cfg = DispatchConfig::new(PolicyKind::Slo, DistMindConfig::inference_only(1));
     let cluster =
         LocalCluster::start_with(1, 256 << 20, key.clone(), Some((cfg, a.dispatcher_thread)))?;
     deploy::deploy_package(

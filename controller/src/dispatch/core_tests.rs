@@ -19,16 +19,7 @@ fn shape(devices: &[u32], cache_bytes: u64, resident_max: u32) -> RuntimeShape {
 }
 
 fn cfg(policy: PolicyKind) -> DispatchConfig {
-    let mut c = DispatchConfig::new(
-        policy,
-        DistMindConfig {
-            period: 1_000 * MS,
-            zipf_s: 0.9,
-            inference_workload_s: vec![1],
-            use_train: false,
-            seed: 1,
-        },
-    );
+    let mut c = DispatchConfig::new(policy, DistMindConfig::inference_only(1));
     // 10 ms compute, uploads at 1 GB/s, a 100 MB/s link: a 10 MB model is
     // 10 ms resident, 20 ms host-cached, 120 ms remote.
     c.priors = Priors {

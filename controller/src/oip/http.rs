@@ -858,16 +858,7 @@ mod tests {
         let (stop_tx, stop) = watch::channel(false);
         let mut tasks = JoinSet::new();
         let state = Arc::new(Mutex::new(ControllerState::new(Duration::from_secs(1))));
-        let config = DispatchConfig::new(
-            PolicyKind::Slo,
-            DistMindConfig {
-                period: 1_000_000,
-                zipf_s: 0.9,
-                inference_workload_s: vec![1],
-                use_train: false,
-                seed: 1,
-            },
-        );
+        let config = DispatchConfig::new(PolicyKind::Slo, DistMindConfig::inference_only(1));
         let net = DispatchNet::start(
             Dispatcher::new(config).unwrap(),
             state.clone(),

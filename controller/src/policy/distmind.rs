@@ -29,6 +29,21 @@ pub struct DistMindConfig {
     pub seed: u64,
 }
 
+impl DistMindConfig {
+    /// Inference only, every GPU every second: a one-second period, Zipf
+    /// 0.9 (the paper's skew), no training. What a dispatcher needs when the
+    /// placement policy is not what is being looked at (benches, tests).
+    pub fn inference_only(seed: u64) -> Self {
+        DistMindConfig {
+            period: 1_000_000,
+            zipf_s: 0.9,
+            inference_workload_s: vec![1],
+            use_train: false,
+            seed,
+        }
+    }
+}
+
 /// One GPU's assignment: its role and, for inference, its model's rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Assigned {
