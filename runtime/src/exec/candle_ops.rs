@@ -102,3 +102,46 @@ pub(crate) fn attention_heads(args: &[Tensor], hidden: usize, heads: usize) -> R
     let split = |t: &Tensor| t.reshape((n, len, heads, d))?.transpose(1, 2)?.contiguous();
     Ok([split(&q)?, split(&k)?, split(&v)?])
 }
+
+/// Joins `args` along `dim`; every other dim must match.
+pub(crate) fn concat(args: &[Tensor], dim: usize) -> Result<Tensor> {
+    let Some(first) = args.first() else {
+        bail!("concatenates no inputs");
+    };
+    for a in args {
+        let same = a.rank() == first.rank()
+            && dim < a.rank()
+            && a.dims()
+                .iter()
+                .zip(first.dims())
+                .enumerate()
+                .all(|(d, (x, y))| d == dim || x == y);
+        if !same {
+            let shapes: Vec<_> = args.iter().map(|a| a.dims().to_vec()).collect();
+            bail!("cannot concatenate shapes {shapes:?} along dim {dim}");
+        }
+    }
+    Tensor::cat(args, dim)
+}
+
+/// `y = x W^T + b` over the last dim, with `weight_t = W^T` (`[in, out]`).
+pub(crate) fn linear(
+    x: &Tensor,
+    in_features: usize,
+    weight_t: &Tensor,
+    bias: Option<&Tensor>,
+) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    if dims.last() != Some(&in_features) {
+        bail!("input of shape {dims:?} does not end in {in_features} features");
+    }
+    let out_features = weight_t.dims()[1];
+    let rows = x.elem_count() / in_features;
+    let mut y = x.reshape((rows, in_features))?.matmul(weight_t)?;
+    if let Some(b) = bias {
+        y = y.broadcast_add(b)?;
+    }
+    let mut out_dims = dims;
+    *out_dims.last_mut().expect("non-empty") = out_features;
+    y.reshape(out_dims)
+}

@@ -7,7 +7,7 @@ use distmind_models::Op;
 use super::pool::Pool2d;
 use super::transformer;
 use super::BN_MOMENTUM;
-use crate::exec::candle_ops::conv2d;
+use crate::exec::candle_ops::{concat, conv2d, linear};
 
 /// A layer's output, and for `batch_norm` the new running statistics
 /// (mean, variance), in the params' dtype, detached.
@@ -352,46 +352,4 @@ fn adaptive_avg_pool2d(x: &Tensor, output_size: [usize; 2]) -> Result<Tensor> {
         rows.push(Tensor::cat(&cols, 3)?);
     }
     Tensor::cat(&rows, 2)
-}
-
-fn concat(args: &[Tensor], dim: usize) -> Result<Tensor> {
-    let Some(first) = args.first() else {
-        bail!("concatenates no inputs");
-    };
-    for a in args {
-        let same = a.rank() == first.rank()
-            && dim < a.rank()
-            && a.dims()
-                .iter()
-                .zip(first.dims())
-                .enumerate()
-                .all(|(d, (x, y))| d == dim || x == y);
-        if !same {
-            let shapes: Vec<_> = args.iter().map(|a| a.dims().to_vec()).collect();
-            bail!("cannot concatenate shapes {shapes:?} along dim {dim}");
-        }
-    }
-    Tensor::cat(args, dim)
-}
-
-/// `y = x W^T + b` over the last dim, with `weight_t = W^T` (`[in, out]`).
-fn linear(
-    x: &Tensor,
-    in_features: usize,
-    weight_t: &Tensor,
-    bias: Option<&Tensor>,
-) -> Result<Tensor> {
-    let dims = x.dims().to_vec();
-    if dims.last() != Some(&in_features) {
-        bail!("input of shape {dims:?} does not end in {in_features} features");
-    }
-    let out_features = weight_t.dims()[1];
-    let rows = x.elem_count() / in_features;
-    let mut y = x.reshape((rows, in_features))?.matmul(weight_t)?;
-    if let Some(b) = bias {
-        y = y.broadcast_add(b)?;
-    }
-    let mut out_dims = dims;
-    *out_dims.last_mut().expect("non-empty") = out_features;
-    y.reshape(out_dims)
 }

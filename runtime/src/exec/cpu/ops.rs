@@ -11,7 +11,7 @@ use distmind_models::Op;
 
 use super::attention::attention;
 use super::params::Prepared;
-use crate::exec::candle_ops::conv2d;
+use crate::exec::candle_ops::{self, conv2d};
 use crate::exec::HostTensor;
 
 /// Runs one layer: `op` on `args` (its inputs in order) with its prepared params.
@@ -417,24 +417,10 @@ pub(super) fn adaptive_avg_pool2d(x: &Tensor, output_size: [usize; 2]) -> Result
 }
 
 fn concat(args: &[Tensor], dim: usize) -> Result<Tensor> {
-    let Some(first) = args.first() else {
-        bail!("concatenates no inputs");
-    };
     for a in args {
         float(a)?;
-        let same = a.rank() == first.rank()
-            && dim < a.rank()
-            && a.dims()
-                .iter()
-                .zip(first.dims())
-                .enumerate()
-                .all(|(d, (x, y))| d == dim || x == y);
-        if !same {
-            let shapes: Vec<_> = args.iter().map(|a| a.dims().to_vec()).collect();
-            bail!("cannot concatenate shapes {shapes:?} along dim {dim}");
-        }
     }
-    Tensor::cat(args, dim)
+    candle_ops::concat(args, dim)
 }
 
 /// `y = x W^T + b` over the last dim, with `weight_t = W^T` (`[in, out]`).
@@ -444,19 +430,7 @@ fn linear(
     weight_t: &Tensor,
     bias: Option<&Tensor>,
 ) -> Result<Tensor> {
-    let dims = float(x)?.dims().to_vec();
-    if dims.last() != Some(&in_features) {
-        bail!("input of shape {dims:?} does not end in {in_features} features");
-    }
-    let out_features = weight_t.dims()[1];
-    let rows = x.elem_count() / in_features;
-    let mut y = x.reshape((rows, in_features))?.matmul(weight_t)?;
-    if let Some(b) = bias {
-        y = y.broadcast_add(b)?;
-    }
-    let mut out_dims = dims;
-    *out_dims.last_mut().expect("non-empty") = out_features;
-    y.reshape(out_dims)
+    candle_ops::linear(float(x)?, in_features, weight_t, bias)
 }
 
 /// Looks up rows of `weight` (`[num, dim]`); the output is `ids.shape + [dim]`.
