@@ -23,8 +23,7 @@ use distmind_common::proto::{
     BatchMember, ErrorCode, RuntimeReply, RuntimeRequest, BATCH_MEMBERS_MAX,
 };
 use distmind_common::wire::{self, FrameKind, Role};
-use distmind_controller::{Controller, ControllerClient, ControllerConfig};
-use distmind_memserver::{Memserver, MemserverConfig};
+use distmind_controller::ControllerClient;
 use distmind_models::{generate, Family, GenOptions, Package, Scale};
 use distmind_runtime::client::{BatchInput, InferOptions, Response, RuntimeClient};
 use distmind_runtime::exec::cpu::CpuExecutor;
@@ -34,7 +33,6 @@ use distmind_runtime::exec::{HostTensor, TensorData};
 use distmind_runtime::npy::encode_npy;
 use distmind_runtime::profile::{Profile, SHIPPED_ESTIMATED_PATH};
 use distmind_runtime::server::{RuntimeConfig, RuntimeMonitor, RuntimeServer};
-use tokio::sync::watch;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 const GROUP_BYTES: u64 = 16 << 10;
@@ -46,15 +44,12 @@ fn key() -> ClusterKey {
 /// A controller, a memory server holding one tiny ResNet-152 package, and a
 /// runtime with the cpu executor, all in this process.
 struct Cluster {
-    stop: watch::Sender<bool>,
-    controller: String,
     runtime: String,
     monitor: RuntimeMonitor,
-    memserver: String,
     package: Package,
     _dir: tempfile::TempDir,
     /// Last: dropped after `stop` told the servers to finish.
-    _rt: tokio::runtime::Runtime,
+    plane: common::ControlPlane,
 }
 
 impl Cluster {
@@ -76,65 +71,29 @@ impl Cluster {
             ..GenOptions::new(family, dir.path())
         };
         let package = Package::open(&generate(&opts).unwrap()[0]).unwrap();
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let (stop, stop_rx) = watch::channel(false);
-        let shutdown = move || {
-            let mut rx = stop_rx.clone();
-            async move {
-                let _ = rx.wait_for(|s| *s).await;
-            }
-        };
-        let (controller, memserver) = rt.block_on(async {
-            let c = Controller::bind(ControllerConfig::new("127.0.0.1:0".parse().unwrap(), key()))
-                .await
-                .unwrap();
-            let controller = c.local_addr().to_string();
-            tokio::spawn(c.serve(shutdown()));
-            let mut cfg = MemserverConfig::new("127.0.0.1:0".parse().unwrap(), 64 << 20, key());
-            cfg.controller = Some(controller.clone());
-            cfg.huge_pages = false;
-            let m = Memserver::bind(cfg).await.unwrap();
-            let memserver = m.local_addr().to_string();
-            tokio::spawn(m.serve(shutdown()));
-            (controller, memserver)
-        });
-        let mut cc = ControllerClient::connect(&controller, &key(), TIMEOUT).unwrap();
-        let deadline = Instant::now() + TIMEOUT;
-        while !cc.list_memservers().unwrap().iter().any(|m| m.alive) {
-            assert!(
-                Instant::now() < deadline,
-                "the memory server never registered"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        deploy(&mut cc, &memserver, &package);
+        let plane = common::ControlPlane::start(&key(), TIMEOUT);
+        let mut cc = plane.controller_client(&key(), TIMEOUT);
+        deploy(&mut cc, &plane.memserver, &package);
         let mut config = RuntimeConfig::new(
             "127.0.0.1:0".parse().unwrap(),
             key(),
-            controller.clone(),
+            plane.controller.clone(),
             executor,
         );
         config.cache_bytes = 32 << 20;
         config.cache_block_bytes = 64 << 10;
         config.device_bytes = 32 << 20;
         config.huge_pages = false;
-        let server = rt.block_on(RuntimeServer::bind(config)).unwrap();
+        let server = plane.rt.block_on(RuntimeServer::bind(config)).unwrap();
         let runtime = server.local_addr().to_string();
         let monitor = server.monitor();
-        rt.spawn(server.serve(shutdown()));
+        plane.rt.spawn(server.serve(plane.shutdown()));
         Cluster {
-            stop,
-            controller,
             runtime,
             monitor,
-            memserver,
             package,
             _dir: dir,
-            _rt: rt,
+            plane,
         }
     }
 
@@ -203,7 +162,7 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        let _ = self.stop.send(true);
+        let _ = self.plane.stop.send(true);
     }
 }
 
@@ -604,7 +563,7 @@ fn requests_share_one_catalog_refresh_and_a_newer_version_refreshes_once() {
         1,
         "one catalog call for 8 requests"
     );
-    let mut cc = ControllerClient::connect(&c.controller, &key(), TIMEOUT).unwrap();
+    let mut cc = c.plane.controller_client(&key(), TIMEOUT);
     let v0 = cc.get_model(c.model()).unwrap().version;
     run(InferOptions {
         catalog_version: Some(v0),
@@ -616,7 +575,7 @@ fn requests_share_one_catalog_refresh_and_a_newer_version_refreshes_once() {
         "the plan serves its own version"
     );
     // Deployed again: the catalog's version grows.
-    deploy(&mut cc, &c.memserver, &c.package);
+    deploy(&mut cc, &c.plane.memserver, &c.package);
     let v1 = cc.get_model(c.model()).unwrap().version;
     assert!(v1 > v0, "versions {v0} then {v1}");
     run(InferOptions {

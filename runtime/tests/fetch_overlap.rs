@@ -19,14 +19,12 @@ use std::time::{Duration, Instant};
 
 use distmind_common::handshake::ClusterKey;
 use distmind_common::proto::ServePath;
-use distmind_controller::{Controller, ControllerClient, ControllerConfig};
-use distmind_memserver::{Memserver, MemserverConfig};
+use distmind_controller::ControllerClient;
 use distmind_models::{Family, Package};
 use distmind_runtime::client::{InferOptions, Inference, RuntimeClient};
 use distmind_runtime::exec::cpu::CpuExecutor;
 use distmind_runtime::exec::HostTensor;
 use distmind_runtime::server::{RuntimeConfig, RuntimeServer};
-use tokio::sync::watch;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 const GROUP_BYTES: u64 = 16 << 10;
@@ -84,48 +82,15 @@ fn two_devices_fetch_two_cold_models_at_once() {
     let model_bytes = pkgs[0].manifest.stored_bytes;
     let rate = (model_bytes as f64 / ONE_FETCH.as_secs_f64()) as u64;
 
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let (stop, stop_rx) = watch::channel(false);
-    let shutdown = move || {
-        let mut rx = stop_rx.clone();
-        async move {
-            let _ = rx.wait_for(|s| *s).await;
-        }
-    };
-    let (controller, memserver) = rt.block_on(async {
-        let c = Controller::bind(ControllerConfig::new("127.0.0.1:0".parse().unwrap(), key()))
-            .await
-            .unwrap();
-        let controller = c.local_addr().to_string();
-        tokio::spawn(c.serve(shutdown()));
-        let mut cfg = MemserverConfig::new("127.0.0.1:0".parse().unwrap(), 64 << 20, key());
-        cfg.controller = Some(controller.clone());
-        cfg.huge_pages = false;
-        let m = Memserver::bind(cfg).await.unwrap();
-        let memserver = m.local_addr().to_string();
-        tokio::spawn(m.serve(shutdown()));
-        (controller, memserver)
-    });
-    let mut cc = ControllerClient::connect(&controller, &key(), TIMEOUT).unwrap();
-    let deadline = Instant::now() + TIMEOUT;
-    while !cc.list_memservers().unwrap().iter().any(|m| m.alive) {
-        assert!(
-            Instant::now() < deadline,
-            "the memory server never registered"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let plane = common::ControlPlane::start(&key(), TIMEOUT);
+    let mut cc = plane.controller_client(&key(), TIMEOUT);
     for p in &pkgs {
-        deploy(&mut cc, &memserver, p);
+        deploy(&mut cc, &plane.memserver, p);
     }
     let mut config = RuntimeConfig::new(
         "127.0.0.1:0".parse().unwrap(),
         key(),
-        controller.clone(),
+        plane.controller.clone(),
         Arc::new(CpuExecutor::new()),
     );
     config.devices = vec![0, 1];
@@ -139,9 +104,9 @@ fn two_devices_fetch_two_cold_models_at_once() {
     // memory server) is a seventh of a full-scale ResNet-152 but larger
     // than this whole tiny model, so keep the same proportion here.
     config.pipeline.fetch.bytes_in_flight_max = 2 * GROUP_BYTES;
-    let server = rt.block_on(RuntimeServer::bind(config)).unwrap();
+    let server = plane.rt.block_on(RuntimeServer::bind(config)).unwrap();
     let runtime = server.local_addr().to_string();
-    rt.spawn(server.serve(shutdown()));
+    plane.rt.spawn(server.serve(plane.shutdown()));
 
     // Both connections up first, then both requests at one instant.
     let barrier = Barrier::new(2);
@@ -167,7 +132,7 @@ fn two_devices_fetch_two_cold_models_at_once() {
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    let _ = stop.send(true);
+    let _ = plane.stop.send(true);
 
     let windows: Vec<(f64, f64)> = results
         .iter()
@@ -192,5 +157,5 @@ fn two_devices_fetch_two_cold_models_at_once() {
         overlap > 0.5 * shorter,
         "the two fetches did not run at once: windows {windows:?} ms overlap {overlap:.1} ms"
     );
-    drop(rt);
+    drop(plane);
 }

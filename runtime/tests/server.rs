@@ -14,8 +14,7 @@ use std::time::{Duration, Instant};
 
 use distmind_common::handshake::ClusterKey;
 use distmind_common::proto::{ErrorCode, ServePath};
-use distmind_controller::{Controller, ControllerClient, ControllerConfig};
-use distmind_memserver::{Memserver, MemserverConfig};
+use distmind_controller::ControllerClient;
 use distmind_models::{generate, Family, GenOptions, Package, Scale};
 use distmind_runtime::client::{InferOptions, RuntimeClient};
 use distmind_runtime::exec::cpu::CpuExecutor;
@@ -23,7 +22,6 @@ use distmind_runtime::exec::sim::SimExecutor;
 use distmind_runtime::exec::{Executor, HostTensor};
 use distmind_runtime::profile::{Profile, SHIPPED_V100_ESTIMATED_PATH};
 use distmind_runtime::server::{RuntimeConfig, RuntimeMonitor, RuntimeServer};
-use tokio::sync::watch;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 const GROUP_BYTES: u64 = 16 << 10;
@@ -43,15 +41,13 @@ fn tiny_package(dir: &Path, family: Family) -> Package {
 
 /// A controller, one memory server and one runtime, all in this process.
 struct Cluster {
-    stop: watch::Sender<bool>,
-    controller: String,
     runtime: String,
     metrics: Option<std::net::SocketAddr>,
     monitor: RuntimeMonitor,
     packages: Vec<Package>,
     _dir: tempfile::TempDir,
     /// Last: dropped after `stop` told the servers to finish.
-    _rt: tokio::runtime::Runtime,
+    plane: common::ControlPlane,
 }
 
 impl Cluster {
@@ -89,54 +85,15 @@ impl Cluster {
     ) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let packages = make(dir.path());
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let (stop, stop_rx) = watch::channel(false);
-        let shutdown = move || {
-            let mut rx = stop_rx.clone();
-            async move {
-                let _ = rx.wait_for(|s| *s).await;
-            }
-        };
-        let (controller, memserver) = rt.block_on(async {
-            let c = Controller::bind(ControllerConfig::new("127.0.0.1:0".parse().unwrap(), key()))
-                .await
-                .unwrap();
-            let controller = c.local_addr().to_string();
-            tokio::spawn(c.serve(shutdown()));
-            let mut cfg = MemserverConfig::new("127.0.0.1:0".parse().unwrap(), 64 << 20, key());
-            cfg.controller = Some(controller.clone());
-            cfg.huge_pages = false;
-            let m = Memserver::bind(cfg).await.unwrap();
-            let memserver = m.local_addr().to_string();
-            tokio::spawn(m.serve(shutdown()));
-            (controller, memserver)
-        });
-        let mut cluster_controller =
-            ControllerClient::connect(&controller, &key(), TIMEOUT).unwrap();
-        let deadline = Instant::now() + TIMEOUT;
-        while !cluster_controller
-            .list_memservers()
-            .unwrap()
-            .iter()
-            .any(|m| m.alive)
-        {
-            assert!(
-                Instant::now() < deadline,
-                "the memory server never registered"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let plane = common::ControlPlane::start(&key(), TIMEOUT);
+        let mut cluster_controller = plane.controller_client(&key(), TIMEOUT);
         for pkg in &packages {
-            deploy(&mut cluster_controller, &memserver, pkg);
+            deploy(&mut cluster_controller, &plane.memserver, pkg);
         }
         let mut config = RuntimeConfig::new(
             "127.0.0.1:0".parse().unwrap(),
             key(),
-            controller.clone(),
+            plane.controller.clone(),
             executor,
         );
         config.cache_bytes = 32 << 20;
@@ -145,20 +102,18 @@ impl Cluster {
         config.huge_pages = false;
         config.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
         tweak(&mut config, &packages);
-        let server = rt.block_on(RuntimeServer::bind(config)).unwrap();
+        let server = plane.rt.block_on(RuntimeServer::bind(config)).unwrap();
         let runtime = server.local_addr().to_string();
         let metrics = server.metrics_addr();
         let monitor = server.monitor();
-        rt.spawn(server.serve(shutdown()));
+        plane.rt.spawn(server.serve(plane.shutdown()));
         Cluster {
-            stop,
-            controller,
             runtime,
             metrics,
             monitor,
             packages,
             _dir: dir,
-            _rt: rt,
+            plane,
         }
     }
 
@@ -187,7 +142,7 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        let _ = self.stop.send(true);
+        let _ = self.plane.stop.send(true);
     }
 }
 
@@ -297,7 +252,7 @@ fn infer_on_a_named_device_lists_resident_models_and_prefetches() {
     assert_eq!(snap.host_cached[0], a, "most recently used first");
 
     // The runtime registered with its budgets.
-    let mut ctl = ControllerClient::connect(&c.controller, &key(), TIMEOUT).unwrap();
+    let mut ctl = c.plane.controller_client(&key(), TIMEOUT);
     wait_until("the runtime to register", || {
         ctl.list_runtimes()
             .unwrap()

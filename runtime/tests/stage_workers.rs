@@ -30,8 +30,7 @@ use distmind_common::proto::{
     RuntimeRequest, StageAssignment, StagePeer, StagePeers, TrainJobState, TrainJobStatus,
 };
 use distmind_common::train_spec::JobSpec;
-use distmind_controller::{Controller, ControllerClient, ControllerConfig};
-use distmind_memserver::{Memserver, MemserverConfig};
+use distmind_controller::ControllerClient;
 use distmind_models::{generate, Family, GenOptions, Package, Scale};
 use distmind_runtime::client::{InferOptions, Response, RuntimeClient, RuntimeClientError};
 use distmind_runtime::exec::cpu::CpuExecutor;
@@ -76,8 +75,6 @@ struct Runtime {
 
 /// A controller, a memory server with one tiny package, and runtimes.
 struct Cluster {
-    stop: watch::Sender<bool>,
-    controller: String,
     runtimes: Vec<Runtime>,
     model: String,
     layers: usize,
@@ -85,7 +82,7 @@ struct Cluster {
     input: Vec<usize>,
     _dir: tempfile::TempDir,
     /// Last: dropped after every server finished.
-    rt: tokio::runtime::Runtime,
+    plane: common::ControlPlane,
 }
 
 impl Cluster {
@@ -93,46 +90,26 @@ impl Cluster {
     fn start(family: Family, devices: &[Vec<u32>]) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let pkg = tiny_package(dir.path(), family);
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let (stop, stop_rx) = watch::channel(false);
+        // The test plays the coordinator: the controller places the job,
+        // forms its sync groups and takes its reports, and sends no stage
+        // requests itself.
+        let plane = common::ControlPlane::start_with(&key(), TIMEOUT, |cfg| {
+            cfg.drive_training = false;
+        });
         let shutdown = |rx: &watch::Receiver<bool>| {
             let mut rx = rx.clone();
             async move {
                 let _ = rx.wait_for(|s| *s).await;
             }
         };
-        let (controller, memserver) = rt.block_on(async {
-            // The test plays the coordinator: the controller places the
-            // job, forms its sync groups and takes its reports, and sends
-            // no stage requests itself.
-            let mut cfg = ControllerConfig::new("127.0.0.1:0".parse().unwrap(), key());
-            cfg.drive_training = false;
-            let c = Controller::bind(cfg).await.unwrap();
-            let controller = c.local_addr().to_string();
-            tokio::spawn(c.serve(shutdown(&stop_rx)));
-            let mut cfg = MemserverConfig::new("127.0.0.1:0".parse().unwrap(), 64 << 20, key());
-            cfg.controller = Some(controller.clone());
-            cfg.huge_pages = false;
-            let m = Memserver::bind(cfg).await.unwrap();
-            let memserver = m.local_addr().to_string();
-            tokio::spawn(m.serve(shutdown(&stop_rx)));
-            (controller, memserver)
-        });
-        let mut c = ControllerClient::connect(&controller, &key(), TIMEOUT).unwrap();
-        wait_until("the memory server to register", || {
-            c.list_memservers().unwrap().iter().any(|m| m.alive)
-        });
-        common::deploy(&mut c, &memserver, &pkg, &key(), TIMEOUT);
+        let mut c = plane.controller_client(&key(), TIMEOUT);
+        common::deploy(&mut c, &plane.memserver, &pkg, &key(), TIMEOUT);
         let mut runtimes = Vec::new();
         for d in devices {
             let mut config = RuntimeConfig::new(
                 "127.0.0.1:0".parse().unwrap(),
                 key(),
-                controller.clone(),
+                plane.controller.clone(),
                 Arc::new(CpuExecutor::new()),
             );
             config.devices = d.clone();
@@ -140,11 +117,11 @@ impl Cluster {
             config.cache_block_bytes = 64 << 10;
             config.device_bytes = 32 << 20;
             config.huge_pages = false;
-            let server = rt.block_on(RuntimeServer::bind(config)).unwrap();
+            let server = plane.rt.block_on(RuntimeServer::bind(config)).unwrap();
             let (rstop, rrx) = watch::channel(false);
             let addr = server.local_addr().to_string();
             let monitor = server.monitor();
-            let served = rt.spawn(async move {
+            let served = plane.rt.spawn(async move {
                 server.serve(shutdown(&rrx)).await.unwrap();
             });
             runtimes.push(Runtime {
@@ -163,19 +140,17 @@ impl Cluster {
                 == devices.len()
         });
         Cluster {
-            stop,
-            controller,
             runtimes,
             model: pkg.manifest.name.clone(),
             layers: pkg.manifest.layers.len(),
             input: pkg.manifest.inputs[0].shape.clone(),
             _dir: dir,
-            rt,
+            plane,
         }
     }
 
     fn controller(&self) -> ControllerClient {
-        ControllerClient::connect(&self.controller, &key(), TIMEOUT).unwrap()
+        self.plane.controller_client(&key(), TIMEOUT)
     }
 
     fn client(&self, addr: &str) -> RuntimeClient {
@@ -188,7 +163,7 @@ impl Cluster {
         let r = &mut self.runtimes[i];
         let _ = r.stop.send(true);
         if let Some(h) = r.served.take() {
-            self.rt.block_on(h).unwrap();
+            self.plane.rt.block_on(h).unwrap();
         }
     }
 
@@ -220,7 +195,7 @@ impl Drop for Cluster {
         for i in 0..self.runtimes.len() {
             self.kill(i);
         }
-        let _ = self.stop.send(true);
+        let _ = self.plane.stop.send(true);
     }
 }
 
