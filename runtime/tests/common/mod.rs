@@ -69,14 +69,8 @@ impl ControlPlane {
             .build()
             .unwrap();
         let (stop, _) = watch::channel(false);
-        let mut plane = ControlPlane {
-            stop,
-            controller: String::new(),
-            memserver: String::new(),
-            rt,
-        };
-        let (c_stop, m_stop) = (plane.shutdown(), plane.shutdown());
-        let (controller, memserver) = plane.rt.block_on(async {
+        let (c_stop, m_stop) = (stopped(&stop), stopped(&stop));
+        let (controller, memserver) = rt.block_on(async {
             let mut cfg = ControllerConfig::new("127.0.0.1:0".parse().unwrap(), key.clone());
             tweak(&mut cfg);
             let c = Controller::bind(cfg).await.unwrap();
@@ -91,7 +85,12 @@ impl ControlPlane {
             tokio::spawn(m.serve(m_stop));
             (controller, memserver)
         });
-        (plane.controller, plane.memserver) = (controller, memserver);
+        let plane = ControlPlane {
+            stop,
+            controller,
+            memserver,
+            rt,
+        };
         let mut cc = plane.controller_client(key, timeout);
         let deadline = Instant::now() + timeout;
         while !cc.list_memservers().unwrap().iter().any(|m| m.alive) {
@@ -106,14 +105,19 @@ impl ControlPlane {
 
     /// A future that ends once `stop` is sent: a server's shutdown signal.
     pub fn shutdown(&self) -> impl Future<Output = ()> + Send + 'static {
-        let mut rx = self.stop.subscribe();
-        async move {
-            let _ = rx.wait_for(|s| *s).await;
-        }
+        stopped(&self.stop)
     }
 
     pub fn controller_client(&self, key: &ClusterKey, timeout: Duration) -> ControllerClient {
         ControllerClient::connect(&self.controller, key, timeout).unwrap()
+    }
+}
+
+/// Ends once `stop` sends true (or is dropped).
+fn stopped(stop: &watch::Sender<bool>) -> impl Future<Output = ()> + Send + 'static {
+    let mut rx = stop.subscribe();
+    async move {
+        let _ = rx.wait_for(|s| *s).await;
     }
 }
 
